@@ -1,0 +1,43 @@
+"""optax_adama: Adam Accumulation (AdamA) for Optax.
+
+AdamA folds each micro-batch gradient straight into Adam's moments, so
+gradient accumulation needs no parameter-sized gradient buffer.
+"""
+
+from optax_adama._adama import ScaleByAdamAState
+from optax_adama._adama import MiniBatchChainState
+from optax_adama._adama import adama
+from optax_adama._adama import adamaw
+from optax_adama._adama import find_adama_state
+from optax_adama._adama import has_updated
+from optax_adama._adama import mini_batch_chain
+from optax_adama._adama import scale_by_adama
+from optax_adama._memory import MemoryFloor
+from optax_adama._memory import MemoryReport
+from optax_adama._memory import memory_floor
+from optax_adama._memory import memory_report
+from optax_adama._memory import tree_bytes
+from optax_adama._microbatch import microbatch_step
+from optax_adama._microbatch import split_micro_batches
+from optax_adama._microbatch import updates_every_micro_batch
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "MemoryFloor",
+    "MemoryReport",
+    "MiniBatchChainState",
+    "ScaleByAdamAState",
+    "adama",
+    "adamaw",
+    "find_adama_state",
+    "has_updated",
+    "memory_floor",
+    "memory_report",
+    "microbatch_step",
+    "mini_batch_chain",
+    "scale_by_adama",
+    "split_micro_batches",
+    "tree_bytes",
+    "updates_every_micro_batch",
+)

@@ -1,0 +1,292 @@
+"""AdamA as a plain Optax transformation: one ``update`` call per micro-batch."""
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adama
+
+# float32 Adam over ~25 steps: each step's update is m/(sqrt(v)+eps) with O(1)
+# magnitude and ~1e-7 relative rounding per op; a few dozen ops per step and
+# 25 steps stay well inside 1e-5 relative, the contract of the issue.
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def _params():
+  return {
+      "dense": {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)},
+      "scale": jnp.ones(()),
+  }
+
+
+def _grads(params, step, micro=0):
+  """Deterministic, step- and micro-batch-dependent gradients."""
+  return jax.tree.map(
+      lambda p: jnp.sin(3.0 * p + 0.7 * step + 1.3 * micro) + 0.1 * micro, params)
+
+
+def _run_adama(tx, params, num_steps, num_micro_batches, grads_fn=_grads):
+  state = tx.init(params)
+  for step in range(num_steps):
+    for micro in range(num_micro_batches):
+      updates, state = tx.update(grads_fn(params, step, micro), state, params)
+      params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _run_optax(tx, params, num_steps, grads_fn):
+  state = tx.init(params)
+  with jax.numpy_dtype_promotion("standard"):
+    for step in range(num_steps):
+      updates, state = tx.update(grads_fn(params, step), state, params)
+      params = optax.apply_updates(params, updates)
+  return params
+
+
+def _adama_state(state):
+  found = optax_adama.find_adama_state(state)
+  assert found is not None
+  return found
+
+
+@pytest.mark.parametrize("make", ["adam", "adamw"])
+def test_one_micro_batch_matches_optax(make):
+  params = _params()
+  if make == "adam":
+    ours = optax_adama.adama(0.05, num_micro_batches=1)
+    ref = optax.adam(0.05)
+  else:
+    ours = optax_adama.adamaw(0.05, weight_decay=0.1, num_micro_batches=1)
+    ref = optax.adamw(0.05, weight_decay=0.1)
+  got, _ = _run_adama(ours, params, 25, 1)
+  want = _run_optax(ref, params, 25, lambda p, s: _grads(p, s))
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_identical_micro_batches_match_optax_adam():
+  params = _params()
+  ours = optax_adama.adama(0.05, num_micro_batches=4)
+  same = lambda p, s, m: _grads(p, s)  # every micro-batch has the same gradient
+  got, _ = _run_adama(ours, params, 25, 4, same)
+  want = _run_optax(optax.adam(0.05), params, 25, lambda p, s: _grads(p, s))
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_adamaw_mask_and_weight_decay_once_per_mini_batch():
+  params = _params()
+  mask = {"dense": {"w": True, "b": False}, "scale": False}
+  ours = optax_adama.adamaw(0.05, weight_decay=0.3, num_micro_batches=3, mask=mask)
+  same = lambda p, s, m: _grads(p, s)
+  got, _ = _run_adama(ours, params, 10, 3, same)
+  ref = optax.adamw(0.05, weight_decay=0.3, mask=mask)
+  want = _run_optax(ref, params, 10, lambda p, s: _grads(p, s))
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def _reference_float64(params, grads, lrs, b1, b2, eps):
+  """DESIGN.md's math in float64 numpy; grads[t][i] is micro-batch i of step t."""
+  params = [np.asarray(p, np.float64) for p in params]
+  m = [np.zeros_like(p) for p in params]
+  v = [np.zeros_like(p) for p in params]
+  for t, micro_grads in enumerate(grads, start=1):
+    n = len(micro_grads)
+    m = [b1 * mk for mk in m]
+    v = [b2 * vk for vk in v]
+    for g in micro_grads:
+      m = [mk + (1 - b1) / n * gk for mk, gk in zip(m, g)]
+      v = [vk + (1 - b2) / n * gk**2 for vk, gk in zip(v, g)]
+    m_hat = [mk / (1 - b1**t) for mk in m]
+    v_hat = [vk / (1 - b2**t) for vk in v]
+    params = [
+        p - lrs[t - 1] * mh / (np.sqrt(vh) + eps)
+        for p, mh, vh in zip(params, m_hat, v_hat)
+    ]
+  return params, m, v
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(
+    shapes=st.lists(
+        st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
+        min_size=1, max_size=3),
+    num_micro_batches=st.integers(1, 5),
+    b1=st.floats(0.5, 0.95),
+    b2=st.floats(0.9, 0.9999),
+    seed=st.integers(0, 2**16),
+)
+def test_moments_and_params_match_float64_reference(
+    shapes, num_micro_batches, b1, b2, seed):
+  rng = np.random.default_rng(seed)
+  num_steps, eps = 4, 1e-8
+  params = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  grads = [[[rng.normal(size=s).astype(np.float32) for s in shapes]
+            for _ in range(num_micro_batches)] for _ in range(num_steps)]
+  # count = mini-batches done (an int32 array; cast for strict promotion).
+  schedule = lambda count: 0.01 * (1.0 + jnp.asarray(count, jnp.float32))
+  lrs = [0.01 * (1.0 + t) for t in range(num_steps)]
+  tx = optax_adama.adama(
+      schedule, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches)
+  got, state = _run_adama(
+      tx, [jnp.asarray(p) for p in params], num_steps, num_micro_batches,
+      lambda p, s, i: [jnp.asarray(g) for g in grads[s][i]])
+  want, m, v = _reference_float64(params, grads, lrs, b1, b2, eps)
+  adama_state = _adama_state(state)
+  # Moments: a handful of float32 multiply-adds per element (relative 1e-6).
+  chex.assert_trees_all_close(adama_state.mu, m, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(adama_state.nu, v, rtol=1e-5, atol=1e-9)
+  # Params move by lr * O(1) per step; the update divides by sqrt(v) + eps, so
+  # tiny v (a gradient near zero) amplifies rounding: compare absolutely at a
+  # fraction of the smallest step (0.01).
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-4)
+  assert int(adama_state.count) == num_steps
+
+
+def test_first_moment_equals_adam_first_moment_of_mean_gradient():
+  params = _params()
+  num_micro = 4
+  tx = optax_adama.scale_by_adama(num_micro_batches=num_micro)
+  ref = optax.scale_by_adam()
+  state, ref_state = tx.init(params), ref.init(params)
+  for step in range(5):
+    micro = [_grads(params, step, i) for i in range(num_micro)]
+    for g in micro:
+      _, state = tx.update(g, state)
+    mean = jax.tree.map(lambda *g: sum(g) / num_micro, *micro)
+    with jax.numpy_dtype_promotion("standard"):
+      _, ref_state = ref.update(mean, ref_state)
+  chex.assert_trees_all_close(state.mu, ref_state.mu, rtol=1e-6, atol=1e-7)
+  # v holds E[g_i^2] >= (E g_i)^2: never smaller than Adam's, so never larger steps.
+  for ours, adam in zip(jax.tree.leaves(state.nu), jax.tree.leaves(ref_state.nu)):
+    assert np.all(np.asarray(ours) >= np.asarray(adam) * (1 - 1e-6))
+    assert np.any(np.asarray(ours) > np.asarray(adam) * 1.01)
+
+
+def test_schedule_counts_mini_batches():
+  def schedule(count):
+    return 0.1 / (1.0 + jnp.asarray(count, jnp.float32))
+  params = {"w": jnp.zeros(2)}
+  tx = optax_adama.adama(schedule, num_micro_batches=3)
+  ref = optax.adam(schedule)
+  state, ref_state = tx.init(params), ref.init(params)
+  for step in range(3):
+    grads = {"w": jnp.array([1.0, -2.0]) * (step + 1)}
+    for micro in range(3):  # identical micro-batches: AdamA equals Adam
+      updates, state = tx.update(grads, state, params)
+      if micro < 2:
+        assert bool(jnp.all(updates["w"] == 0.0))
+    with jax.numpy_dtype_promotion("standard"):
+      want, ref_state = ref.update(grads, ref_state, params)
+    # lr(0), lr(1), lr(2) differ by up to 3x: counting micro-batches instead
+    # (lr(2), lr(5), lr(8)) would miss by far more than rounding.
+    chex.assert_trees_all_close(updates, want, rtol=1e-6)
+
+
+def test_zero_updates_until_last_micro_batch_and_has_updated():
+  params = _params()
+  tx = optax.chain(optax_adama.adama(0.1, num_micro_batches=3))
+  state = tx.init(params)
+  flags = []
+  for call in range(6):
+    updates, state = tx.update(_grads(params, 0, call), state, params)
+    flags.append(bool(optax_adama.has_updated(state)))
+    nonzero = any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+    assert nonzero == flags[-1]
+    if not flags[-1]:
+      for u in jax.tree.leaves(updates):
+        assert bool(jnp.all(u == 0))
+  assert flags == [False, False, True] * 2
+
+
+def test_has_updated_rejects_foreign_state():
+  with pytest.raises(ValueError, match="AdamA state"):
+    optax_adama.has_updated(optax.adam(0.1).init({"w": jnp.zeros(1)}))
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_num_micro_batches_below_one_raises_at_construction(bad):
+  for make in (optax_adama.scale_by_adama,
+               lambda **kw: optax_adama.adama(0.1, **kw),
+               lambda **kw: optax_adama.adamaw(0.1, **kw)):
+    with pytest.raises(ValueError, match=f"num_micro_batches must be >= 1, got {bad}"):
+      make(num_micro_batches=bad)
+
+
+def test_num_micro_batches_must_be_int():
+  with pytest.raises(TypeError, match="num_micro_batches"):
+    optax_adama.scale_by_adama(num_micro_batches=2.0)
+
+
+def test_nonfinite_entries_never_reach_moments_and_are_counted():
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  tx = optax_adama.adama(0.1, num_micro_batches=2)
+  state = tx.init(params)
+  bad = {"a": jnp.array([1.0, jnp.nan, 1.0]), "b": jnp.array([jnp.inf, 1.0])}
+  good = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  updates, state = tx.update(bad, state, params)
+  updates, state = tx.update(good, state, params)
+  adama_state = _adama_state(state)
+  for leaf in jax.tree.leaves((adama_state.mu, adama_state.nu, updates)):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+  assert int(adama_state.num_dropped) == 1
+  # The NaN entry was folded as zero: its first moment got only the good half.
+  np.testing.assert_allclose(adama_state.mu["a"], [0.1, 0.05, 0.1], rtol=1e-6)
+  assert bool(optax_adama.has_updated(state))
+
+
+def test_all_micro_batches_dropped_leaves_params_unchanged():
+  params = _params()
+  tx = optax_adama.adamaw(0.1, weight_decay=0.5, num_micro_batches=2)
+  state = tx.init(params)
+  # One healthy mini-batch first, so momentum would move params if applied.
+  for micro in range(2):
+    updates, state = tx.update(_grads(params, 0, micro), state, params)
+    params = optax.apply_updates(params, updates)
+  before = params
+  nan = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+  for micro in range(2):
+    updates, state = tx.update(nan, state, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(params, before)
+  assert not bool(optax_adama.has_updated(state))
+  adama_state = _adama_state(state)
+  assert int(adama_state.num_dropped) == 2
+  for leaf in jax.tree.leaves((adama_state.mu, adama_state.nu)):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+
+
+@pytest.mark.parametrize(
+    "param_dtype,mu_dtype,nu_dtype",
+    [(jnp.float32, None, None), (jnp.bfloat16, jnp.float32, jnp.float32),
+     (jnp.float32, jnp.bfloat16, jnp.float32), (jnp.bfloat16, None, None)])
+def test_dtypes_honoured_and_stable(param_dtype, mu_dtype, nu_dtype):
+  params = jax.tree.map(lambda p: p.astype(param_dtype), _params())
+  tx = optax_adama.adama(
+      0.01, num_micro_batches=2, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  first = jax.tree.map(lambda x: (x.dtype, x.weak_type), state)
+  for call in range(4):
+    grads = jax.tree.map(lambda p: p.astype(param_dtype), _grads(params, 0, call))
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    assert jax.tree.map(lambda x: (x.dtype, x.weak_type), state) == first
+    for u in jax.tree.leaves(updates):
+      assert u.dtype == param_dtype
+  adama_state = _adama_state(state)
+  for leaf in jax.tree.leaves(adama_state.mu):
+    assert leaf.dtype == (mu_dtype or param_dtype)
+  for leaf in jax.tree.leaves(adama_state.nu):
+    assert leaf.dtype == (nu_dtype or param_dtype)
+  assert update._cache_size() == 1  # no recompilation across calls
+
+
+def test_mini_batch_chain_requires_adama_head():
+  tx = optax_adama.mini_batch_chain(optax.scale_by_adam(), optax.scale(-1.0))
+  with pytest.raises(TypeError, match="scale_by_adama"):
+    tx.init({"w": jnp.zeros(1)})
