@@ -1,0 +1,232 @@
+"""The fused micro-batch step: equivalences, donation, dtypes and bad input."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adama
+
+NUM_LAYERS, WIDTH, BATCH = 3, 8, 12
+
+
+def _params(dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+  return {
+      f"layer{i}": {
+          "w": (jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5).astype(dtype),
+          "b": jnp.zeros(WIDTH, dtype),
+      }
+      for i, k in enumerate(keys)
+  }
+
+
+def _batch(seed=1, size=BATCH):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(kx, (size, WIDTH)),
+          "y": jax.random.normal(ky, (size, WIDTH))}
+
+
+def loss_fn(params, batch):
+  x = batch["x"].astype(params["layer0"]["w"].dtype)
+  for i in range(NUM_LAYERS):
+    layer = params[f"layer{i}"]
+    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
+  return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.array, tree)
+
+
+def _per_micro_batch_reference(tx, params, state, batch, num_micro_batches):
+  """The plain optax path: one update per micro-batch, micro-batch i = rows i::N."""
+  for i in range(num_micro_batches):
+    micro = jax.tree.map(lambda x: x[i::num_micro_batches], batch)
+    grads = jax.grad(loss_fn)(params, micro)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 3, 4])
+def test_fused_step_equals_per_micro_batch_path(num_micro_batches):
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches)
+  params = _params()
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches)
+  fused_params, fused_state = _copy(params), tx.init(params)
+  ref_params, ref_state = params, tx.init(params)
+  for seed in range(3):
+    batch = _batch(seed)
+    fused_params, fused_state, metrics = step(fused_params, fused_state, batch)
+    ref_params, ref_state = _per_micro_batch_reference(
+        tx, ref_params, ref_state, batch, num_micro_batches)
+  # Same ops in the same order, but XLA fuses them differently inside the scan:
+  # float32 rounding only (1e-6 relative per op, a few steps).
+  chex.assert_trees_all_close(fused_params, ref_params, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(fused_state, ref_state, rtol=1e-5, atol=1e-7)
+  assert int(metrics["num_dropped"]) == 0
+
+
+def test_accumulation_baseline_equals_full_batch_adam():
+  tx = optax.adam(1e-2)
+  params = _params()
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=4)
+  state = tx.init(params)
+  ref_params, ref_state = params, tx.init(params)
+  params = _copy(params)
+  for seed in range(3):
+    batch = _batch(seed)
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam needs it
+      params, state, metrics = step(params, state, batch)
+      loss, grads = jax.value_and_grad(loss_fn)(ref_params, batch)
+      updates, ref_state = tx.update(grads, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    # Equal-sized micro-batches: the mean of micro-batch means is the mean.
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+  assert "num_dropped" not in metrics
+
+
+def test_multisteps_runs_one_update_per_micro_batch():
+  tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+  assert optax_adama.updates_every_micro_batch(tx.init(_params()))
+  params = _params()
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
+  state = tx.init(params)
+  ref_params, ref_state = params, tx.init(params)
+  params = _copy(params)
+  for seed in range(2):
+    batch = _batch(seed)
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam needs it
+      params, state, _ = step(params, state, batch)
+      ref_params, ref_state = _per_micro_batch_reference(
+          tx, ref_params, ref_state, batch, 3)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+
+
+def test_adama_inside_chain_is_detected():
+  tx = optax.chain(optax.identity(), optax_adama.adama(1e-2, num_micro_batches=2))
+  assert optax_adama.updates_every_micro_batch(tx.init(_params()))
+  assert not optax_adama.updates_every_micro_batch(optax.adam(1e-2).init(_params()))
+
+
+def test_micro_batches_are_column_major():
+  batch = {"x": jnp.arange(12).reshape(12, 1)}
+  micro = optax_adama.split_micro_batches(batch, 3)
+  np.testing.assert_array_equal(micro["x"][1, :, 0], [1, 4, 7, 10])
+
+
+def test_batch_that_does_not_split_raises_value_error_naming_both():
+  tx = optax_adama.adama(1e-2, num_micro_batches=5)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=5)
+  params = _params()
+  with pytest.raises(ValueError, match=r"batch size 12 .*num_micro_batches=5"):
+    step(params, tx.init(params), _batch())
+  # Nothing was lost: the failed call did not consume the donated buffers.
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
+def test_batch_leaves_must_share_batch_size():
+  with pytest.raises(ValueError, match="share one leading batch size"):
+    optax_adama.split_micro_batches({"a": jnp.zeros((4, 2)), "b": jnp.zeros(6)}, 2)
+
+
+def test_num_micro_batches_below_one_raises_at_construction():
+  with pytest.raises(ValueError, match="num_micro_batches must be >= 1, got 0"):
+    optax_adama.microbatch_step(loss_fn, optax.adam(1.0), num_micro_batches=0)
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax_adama.adama(1e-2, num_micro_batches=2),
+    lambda: optax.adam(1e-2),
+], ids=["adama", "accumulation"])
+def test_donation_deletes_inputs_without_warning_or_recompilation(make_tx):
+  tx = make_tx()
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  params = _params()
+  state = tx.init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # "donated buffers were not usable" fails
+    with jax.numpy_dtype_promotion("standard"):
+      new_params, new_state, _ = step(params, state, _batch(0))
+      assert all(x.is_deleted() for x in jax.tree.leaves((params, state)))
+      new_params, new_state, _ = step(new_params, new_state, _batch(1))
+  assert step._cache_size() == 1
+
+
+def test_bf16_params_with_float32_moments_in_scan():
+  tx = optax_adama.adama(1e-2, num_micro_batches=4, mu_dtype=jnp.float32,
+                         nu_dtype=jnp.float32)
+  params = _params(jnp.bfloat16)
+  state = tx.init(params)
+  dtypes = jax.tree.map(lambda x: x.dtype, (params, state))
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=4)
+  losses = []
+  for seed in range(5):
+    params, state, metrics = step(params, state, _batch(0))
+    losses.append(float(metrics["loss"]))
+    assert jax.tree.map(lambda x: x.dtype, (params, state)) == dtypes
+  adama_state = optax_adama.find_adama_state(state)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adama_state.mu))
+  assert losses[-1] < losses[0]  # it trains in bf16
+  assert step._cache_size() == 1
+
+
+def test_nonfinite_loss_micro_batch_is_dropped_whole():
+  tx = optax_adama.adama(1e-2, num_micro_batches=3)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
+  batch = _batch(0)
+  # Row 1 goes to micro-batch 1 (rows 1::3): a NaN input poisons its loss.
+  poisoned = {**batch, "y": batch["y"].at[1, 0].set(jnp.nan)}
+  params = _params()
+  params, state, metrics = step(_copy(params), tx.init(params), poisoned)
+  assert int(metrics["num_dropped"]) == 1
+  assert int(metrics["num_nonfinite_losses"]) == 1
+  assert np.isfinite(float(metrics["loss"]))
+  for leaf in jax.tree.leaves((params, state)):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+  # Equals the same step on the two healthy micro-batches plus a zero gradient.
+  ref_params = _params()
+  ref_state = tx.init(ref_params)
+  for i in range(3):
+    micro = jax.tree.map(lambda x: x[i::3], batch)
+    grads = jax.grad(loss_fn)(ref_params, micro)
+    if i == 1:
+      grads = jax.tree.map(jnp.zeros_like, grads)
+    updates, ref_state = tx.update(grads, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
+
+
+def test_all_micro_batches_dropped_leaves_params_unchanged():
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=2)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  params = _params()
+  params, state, _ = step(params, tx.init(params), _batch(0))
+  before = _copy(params)
+  nan_batch = {**_batch(1), "x": jnp.full((BATCH, WIDTH), jnp.nan)}
+  params, state, metrics = step(params, state, nan_batch)
+  chex.assert_trees_all_equal(params, before)
+  assert int(metrics["num_dropped"]) == 2
+  assert np.isnan(float(metrics["loss"]))  # no finite loss to average
+  assert not bool(optax_adama.has_updated(state))
+
+
+def test_has_aux_returns_stacked_aux():
+  def loss_with_aux(params, batch):
+    loss = loss_fn(params, batch)
+    return loss, {"loss_copy": loss, "rows": jnp.asarray(batch["x"].shape[0])}
+
+  tx = optax_adama.adama(1e-2, num_micro_batches=3)
+  step = optax_adama.microbatch_step(
+      loss_with_aux, tx, num_micro_batches=3, has_aux=True)
+  params = _params()
+  _, _, metrics = step(params, tx.init(params), _batch(0))
+  np.testing.assert_array_equal(metrics["aux"]["rows"], [4, 4, 4])
+  np.testing.assert_allclose(
+      jnp.mean(metrics["aux"]["loss_copy"]), metrics["loss"], rtol=1e-6)
