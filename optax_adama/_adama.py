@@ -220,10 +220,11 @@ def scale_by_adama(
 
 def _adama_emitted(state: ScaleByAdamAState) -> jax.Array:
   """Whether the update call that produced ``state`` emitted a nonzero update."""
+  # jnp.asarray also unwraps containers such as flax.nnx.Optimizer's OptArray.
   return (
-      (state.micro_step == 0)
-      & (state.count > 0)
-      & (state.mini_batch_accepted > 0)
+      (jnp.asarray(state.micro_step) == 0)
+      & (jnp.asarray(state.count) > 0)
+      & (jnp.asarray(state.mini_batch_accepted) > 0)
   )
 
 
