@@ -1,0 +1,174 @@
+"""Flax NNX transformers (GPT-2, BERT, ViT) used to validate AdamA against Adam.
+
+`PRESETS` names every configuration; `create` builds a model from a preset name
+or a config; `param_count` counts parameters without allocating them; and
+`make_loss_fn` turns a split model into the pure `loss_fn(params, batch)` that
+`optax_adama.microbatch_step` scans over micro-batches:
+
+    model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss_fn = models.make_loss_fn(graphdef, rest)
+    loss = loss_fn(params, {"tokens": tokens})  # int32[batch, seq_len + 1]
+
+Data loaders live in `models.data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Union
+
+import jax
+from flax import nnx
+
+from models.bert import BERT, BERTConfig
+from models.gpt import GPT, GPTConfig
+from models.layers import REMAT_POLICIES
+from models.vit import ViT, ViTConfig
+
+Config = Union[GPTConfig, BERTConfig, ViTConfig]
+Model = Union[GPT, BERT, ViT]
+Batch = dict[str, jax.Array]
+
+PRESETS: dict[str, Config] = {
+    "gpt2_small": GPTConfig.gpt2_small(),
+    "gpt2_medium": GPTConfig.gpt2_medium(),
+    "gpt2_large": GPTConfig.gpt2_large(),
+    "gpt2_xl": GPTConfig.gpt2_xl(),
+    "gpt_tiny": GPTConfig.tiny(),
+    "gpt_test": GPTConfig.test(),
+    "bert_base": BERTConfig.bert_base(),
+    "bert_large": BERTConfig.bert_large(),
+    "bert_tiny": BERTConfig.tiny(),
+    "bert_test": BERTConfig.test(),
+    "vit_base": ViTConfig.vit_base(),
+    "vit_large": ViTConfig.vit_large(),
+    "vit_tiny": ViTConfig.tiny(),
+    "vit_test": ViTConfig.test(),
+}
+
+_MODEL_CLASSES: dict[type, type[nnx.Module]] = {
+    GPTConfig: GPT,
+    BERTConfig: BERT,
+    ViTConfig: ViT,
+}
+
+
+def get_config(name_or_config: str | Config, **overrides: Any) -> Config:
+    """Looks up a preset by name (or takes a config) and applies field overrides.
+
+    Args:
+      name_or_config: a key of `PRESETS`, or a config instance.
+      **overrides: config fields to replace, e.g. `remat="full"`.
+
+    Returns:
+      The (frozen) config.
+    """
+    if isinstance(name_or_config, str):
+        if name_or_config not in PRESETS:
+            raise KeyError(f"unknown preset {name_or_config!r}; known: {sorted(PRESETS)}")
+        config = PRESETS[name_or_config]
+    else:
+        config = name_or_config
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def create(name_or_config: str | Config, *, rngs: nnx.Rngs, **overrides: Any) -> Model:
+    """Builds the model for a preset name or config.
+
+    Works under `nnx.eval_shape`, so the largest presets can be inspected and
+    compiled without allocating their parameters:
+    `nnx.eval_shape(lambda: models.create("gpt2_xl", rngs=nnx.Rngs(0)))`.
+
+    Args:
+      name_or_config: a key of `PRESETS`, or a config instance.
+      rngs: random streams for initialisation.
+      **overrides: config fields to replace, e.g. `remat="full"`.
+
+    Returns:
+      A `GPT`, `BERT` or `ViT` module.
+    """
+    config = get_config(name_or_config, **overrides)
+    return _MODEL_CLASSES[type(config)](config, rngs=rngs)
+
+
+def create_abstract(name_or_config: str | Config, **overrides: Any) -> Model:
+    """The model with `jax.ShapeDtypeStruct`s in place of arrays (nothing allocated)."""
+    return nnx.eval_shape(lambda: create(name_or_config, rngs=nnx.Rngs(0), **overrides))
+
+
+def param_count(model_or_config: nnx.Module | str | Config) -> int:
+    """Number of scalar parameters (`nnx.Param` entries) of a model.
+
+    Args:
+      model_or_config: a model (concrete or abstract), a preset name or a
+        config; names and configs are counted via `nnx.eval_shape`.
+
+    Returns:
+      The total number of parameters.
+    """
+    if isinstance(model_or_config, nnx.Module):
+        model = model_or_config
+    else:
+        model = create_abstract(model_or_config)
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+def make_loss_fn(
+    graphdef: nnx.GraphDef, *rest: nnx.State, has_aux: bool = False
+) -> Callable[..., Any]:
+    """The pure loss of a split model, for `jax.grad` and `lax.scan`.
+
+    Args:
+      graphdef: from `graphdef, params, *rest = nnx.split(model, nnx.Param, ...)`.
+      *rest: the non-parameter states from the same split (our models have
+        none, but passing them keeps this correct for any NNX model).
+      has_aux: also return the model's metrics dict (e.g. "accuracy").
+
+    Returns:
+      `loss_fn(params, batch) -> loss`, or `-> (loss, metrics)` if `has_aux`,
+      where loss is the float32 mean loss of the batch. The batch formats are
+      documented on `GPT.loss`, `BERT.loss` and `ViT.loss`.
+    """
+
+    def loss_fn(params: nnx.State, batch: Batch) -> Any:
+        model = nnx.merge(graphdef, params, *rest)
+        loss, metrics = model.loss(batch)
+        return (loss, metrics) if has_aux else loss
+
+    return loss_fn
+
+
+def split_loss_fn(
+    model: nnx.Module, *, has_aux: bool = False
+) -> tuple[Callable[..., Any], nnx.State]:
+    """Splits `model` and returns `(loss_fn, params)`; see `make_loss_fn`.
+
+    After training, write the parameters back with `nnx.update(model, params)`.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return make_loss_fn(graphdef, rest, has_aux=has_aux), params
+
+
+__all__ = [
+    "BERT",
+    "BERTConfig",
+    "Batch",
+    "Config",
+    "GPT",
+    "GPTConfig",
+    "Model",
+    "PRESETS",
+    "REMAT_POLICIES",
+    "ViT",
+    "ViTConfig",
+    "create",
+    "create_abstract",
+    "get_config",
+    "make_loss_fn",
+    "param_count",
+    "split_loss_fn",
+]

@@ -1,0 +1,458 @@
+"""Memory, throughput and capacity of AdamA against every way JAX users accumulate.
+
+    python -m models.bench memory --presets gpt2_small bert_base vit_base \
+        --num-micro-batches 1 2 4 8 16 --json benchmarks/memory.json
+    python -m models.bench throughput --presets gpt_tiny bert_tiny vit_tiny
+    python -m models.bench capacity --budgets-gb 16 24 40 80
+
+Methods, all at the same micro-batch size and with params and optimizer state
+donated:
+
+- ``full_batch``: ``optax.adam`` on the whole mini-batch at once (no
+  accumulation; its activations are N micro-batches' worth),
+- ``scan_accumulation``: a hand-written ``lax.scan`` that sums micro-batch
+  gradients, then one ``optax.adam`` update (``microbatch_step`` with a
+  non-AdamA transformation),
+- ``multisteps``: ``optax.MultiSteps(optax.adam)``, one update call per
+  micro-batch inside the scan,
+- ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN accumulator)
+  over ``jax.value_and_grad``, then one ``optax.adam`` update,
+- ``adama``: ``optax_adama.adama`` through ``optax_adama.microbatch_step``.
+
+Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
+laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
+AdamA's analytic floor from ``optax_adama.memory_floor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+import models
+import optax_adama
+from models.train import machine_info
+
+METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
+Step = Callable[..., Any]
+
+
+def abstract_batch(config: models.Config, batch_size: int, seq_len: int | None = None) -> dict:
+  """ShapeDtypeStructs of a batch in the format the model's loss expects."""
+  sds = jax.ShapeDtypeStruct
+  if isinstance(config, models.GPTConfig):
+    seq_len = seq_len or config.max_len
+    return {"tokens": sds((batch_size, seq_len + 1), jnp.int32)}
+  if isinstance(config, models.BERTConfig):
+    seq_len = seq_len or config.max_len
+    return {"tokens": sds((batch_size, seq_len), jnp.int32),
+            "targets": sds((batch_size, seq_len), jnp.int32),
+            "mask_weights": sds((batch_size, seq_len), jnp.float32)}
+  size, channels = config.image_size, config.num_channels
+  return {"images": sds((batch_size, size, size, channels), jnp.float32),
+          "labels": sds((batch_size,), jnp.int32)}
+
+
+def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
+  """A concrete batch for timing (speed does not depend on the values)."""
+  rng = np.random.default_rng(seed)
+  vocab = getattr(config, "vocab_size", None)
+  out = {}
+  for name, leaf in batch.items():
+    if name == "labels":
+      out[name] = rng.integers(0, config.num_classes, leaf.shape).astype(np.int32)
+    elif name == "mask_weights":
+      out[name] = (rng.random(leaf.shape) < 0.15).astype(np.float32)
+    elif leaf.dtype == jnp.int32:
+      out[name] = rng.integers(0, vocab, leaf.shape).astype(np.int32)
+    else:
+      out[name] = rng.random(leaf.shape).astype(np.float32)
+  return jax.tree.map(jnp.asarray, out)
+
+
+def make_step(
+    method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
+) -> tuple[Step, optax.GradientTransformation, int]:
+  """(jitted donating step, its optimizer, the number of micro-batches it scans)."""
+  adam = optax.adam(learning_rate)
+  if method == "full_batch":
+    return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam, 1
+  if method == "scan_accumulation":
+    step = optax_adama.microbatch_step(
+        loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False)
+    return step, adam, num_micro_batches
+  if method == "multisteps":
+    tx = optax.MultiSteps(adam, every_k_schedule=num_micro_batches)
+    return optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=num_micro_batches), tx, num_micro_batches
+  if method == "optax_microbatching":
+    return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam, num_micro_batches
+  if method == "adama":
+    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
+    return optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=num_micro_batches), tx, num_micro_batches
+  raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
+  """The step a user writes with optax.microbatching: mean gradient, one update."""
+
+  def step(params, opt_state, batch):
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    value_and_grad = optax.microbatching.microbatch(
+        jax.value_and_grad(loss_fn), argnums=1,
+        microbatch_size=batch_size // num_micro_batches,
+        accumulator=optax.microbatching.AccumulationType.MEAN)
+    loss, grads = value_and_grad(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def split_model(config: models.Config) -> tuple[Callable, Any]:
+  """(pure loss_fn, abstract params) of a config, nothing allocated."""
+  graphdef, params, rest = nnx.split(models.create_abstract(config), nnx.Param, ...)
+  return models.make_loss_fn(graphdef, rest), params
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+  preset: str
+  method: str
+  num_micro_batches: int
+  micro_batch_size: int
+  param_count: int
+  report: dict[str, float]
+  floor: dict[str, float]
+  compile_s: float
+
+
+def measure_memory(
+    preset: str | models.Config,
+    methods: Sequence[str],
+    num_micro_batches: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    remat: str = "none",
+) -> list[MemoryRow]:
+  """Compile-only memory of each method's step, and AdamA's floor."""
+  config = models.get_config(preset, remat=remat)
+  name = preset if isinstance(preset, str) else "custom"
+  loss_fn, params = split_model(config)
+  rows = []
+  batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
+  adama_state = jax.eval_shape(
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+  floor = optax_adama.memory_floor(
+      loss_fn, params, adama_state, batch, num_micro_batches=num_micro_batches).to_dict()
+  for method in methods:
+    step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    opt_state = jax.eval_shape(tx.init, params)
+    start = time.perf_counter()
+    report = optax_adama.memory_report(step, params, opt_state, batch)
+    rows.append(MemoryRow(
+        name, method, num_micro_batches, micro_batch_size,
+        models.param_count(config), report.to_dict(), floor,
+        time.perf_counter() - start))
+  return rows
+
+
+def measure_throughput(
+    preset: str,
+    methods: Sequence[str],
+    num_micro_batches: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    rounds: int = 7,
+    steps_per_round: int = 5,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+  """Median step time per method, the methods interleaved round by round.
+
+  Interleaving means slow drift of the machine (other load, thermal state)
+  hits every method alike, so their ratio is trustworthy.
+  """
+  config = models.get_config(preset)
+  model = models.create(config, rngs=nnx.Rngs(0))
+  loss_fn, init_params = models.split_loss_fn(model)
+  batch_size = micro_batch_size * num_micro_batches
+  batch = random_batch(config, abstract_batch(config, batch_size, seq_len))
+  tokens_per_step = batch_size * _tokens_per_example(config, batch)
+  runners = {}
+  for method in methods:
+    step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    params = jax.tree.map(jnp.array, init_params)
+    state = tx.init(params)
+    compiled = step.lower(params, state, batch).compile()
+    runners[method] = [compiled, params, state]
+  times: dict[str, list[float]] = {m: [] for m in methods}
+  with tqdm(total=rounds * len(methods), desc=f"throughput {preset}", disable=not progress,
+            file=sys.stderr) as bar:
+    for round_index in range(rounds + 1):  # round 0 warms up, untimed
+      for method in methods:
+        compiled, params, state = runners[method]
+        start = time.perf_counter()
+        for _ in range(steps_per_round):
+          params, state, metrics = compiled(params, state, batch)
+        jax.block_until_ready((params, state, metrics))
+        elapsed = (time.perf_counter() - start) / steps_per_round
+        runners[method][1:] = [params, state]
+        if round_index:
+          times[method].append(elapsed)
+          bar.update()
+  out = {}
+  for method in methods:
+    median = float(np.median(times[method]))
+    out[method] = {"median_step_s": median, "steps_per_s": 1.0 / median,
+                   "tokens_per_s": tokens_per_step / median,
+                   "step_s_all": times[method]}
+  return out
+
+
+def _tokens_per_example(config, batch) -> int:
+  if isinstance(config, models.ViTConfig):
+    return config.num_patches + 1
+  length = batch["tokens"].shape[1]
+  return length - 1 if isinstance(config, models.GPTConfig) else length
+
+
+def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257) -> models.GPTConfig:
+  """A GPT-2-shaped model grown in depth and width together.
+
+  ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
+  128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
+  of width 1536).
+  """
+  hidden = max(128, int(round(64 * scale / 128)) * 128)
+  return models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64, remat=remat,
+                          vocab_size=vocab_size)
+
+
+def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
+                   seq_len: int, remat: str, vocab_size: int = 50257) -> tuple[int, int]:
+  """(compiled total bytes, param count) of a method's step on gpt_family(scale)."""
+  config = gpt_family(scale, remat=remat, vocab_size=vocab_size)
+  loss_fn, params = split_model(config)
+  step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+  batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
+  report = optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params), batch)
+  return report.total_bytes, models.param_count(config)
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
+  """Largest integer s in [low, high] with fits(s), for a monotone predicate.
+
+  Returns low - 1 if even ``low`` does not fit, ``high`` if everything fits.
+  """
+  if not fits(low):
+    return low - 1
+  while low < high:
+    mid = (low + high + 1) // 2
+    if fits(mid):
+      low = mid
+    else:
+      high = mid - 1
+  return low
+
+
+def measure_capacity(
+    budgets_gb: Sequence[float],
+    methods: Sequence[str],
+    *,
+    num_micro_batches: int,
+    micro_batch_size: int,
+    seq_len: int,
+    remat: str,
+    max_scale: int,
+    vocab_size: int = 50257,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+  """For each budget and method, the largest gpt_family model whose step fits."""
+  cache: dict[tuple[str, int], tuple[int, int]] = {}
+
+  def measure(method, scale):
+    if (method, scale) not in cache:
+      cache[method, scale] = total_bytes_at(
+          scale, method, num_micro_batches=num_micro_batches,
+          micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
+          vocab_size=vocab_size)
+    return cache[method, scale]
+
+  results = []
+  bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
+             file=sys.stderr)
+  for budget in budgets_gb:
+    budget_bytes = budget * 1e9
+    for method in methods:
+      scale = largest_fitting(
+          lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale)
+      total, count = measure(method, scale) if scale >= 1 else (0, 0)
+      results.append({"budget_gb": budget, "method": method, "scale": scale,
+                      "param_count": count, "total_bytes": total})
+      bar.update()
+  bar.close()
+  return results
+
+
+def memory_table(rows: Sequence[MemoryRow]) -> str:
+  """Markdown: one row per (preset, N), one column per method, in GiB and P."""
+  methods = [m for m in METHODS if any(r.method == m for r in rows)]
+  head = ("| preset | params | N | floor | " + " | ".join(methods)
+          + " | AdamA vs floor |\n|" + "---|" * (len(methods) + 5))
+  lines = [head]
+  keys = sorted({(r.preset, r.num_micro_batches) for r in rows},
+                key=lambda k: (list(models.PRESETS).index(k[0]) if k[0] in models.PRESETS
+                               else 0, k[1]))
+  for preset, n in keys:
+    group = {r.method: r for r in rows if (r.preset, r.num_micro_batches) == (preset, n)}
+    any_row = next(iter(group.values()))
+    floor = any_row.floor
+    cells = []
+    for method in methods:
+      r = group.get(method)
+      cells.append("" if r is None else
+                   f"{r.report['total_bytes'] / 2**30:.2f} GiB ({r.report['total_p']:.2f} P)")
+    vs_floor = ""
+    if "adama" in group:
+      vs_floor = f"{100 * (group['adama'].report['total_bytes'] / floor['total_bytes'] - 1):+.1f}%"
+    lines.append(
+        f"| {preset} | {any_row.param_count / 1e6:.1f}M | {n} "
+        f"| {floor['total_bytes'] / 2**30:.2f} GiB ({floor['total_p']:.2f} P) | "
+        + " | ".join(cells) + f" | {vs_floor} |")
+  return "\n".join(lines)
+
+
+def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
+  """One panel per preset: compiled memory (P) against N, a line per method."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  presets = list(dict.fromkeys(r.preset for r in rows))
+  fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
+  for ax, preset in zip(axes[0], presets):
+    for method in METHODS:
+      points = sorted((r.num_micro_batches, r.report["total_p"])
+                      for r in rows if r.preset == preset and r.method == method)
+      if points:
+        ax.plot(*zip(*points), marker="o", label=method)
+    floor = sorted({(r.num_micro_batches, r.floor["total_p"]) for r in rows if r.preset == preset})
+    ax.plot(*zip(*floor), "k--", label="AdamA floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches per mini-batch (N)")
+    ax.set_ylabel("compiled step memory (P)")
+    ax.set_title(preset)
+    ax.grid(alpha=0.3)
+  axes[0][-1].legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _parse_args(argv):
+  parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+  common.add_argument("--micro-batch-size", type=int, default=1)
+  common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
+  common.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+  common.add_argument("--markdown", type=Path, default=None, help="write the table here")
+  common.add_argument("--no-progress", action="store_true")
+  mem = sub.add_parser("memory", parents=[common], help="compile-only memory sweep")
+  mem.add_argument("--presets", nargs="+", default=["gpt2_small", "bert_base", "vit_base"])
+  mem.add_argument("--num-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+  mem.add_argument("--remat", default="none", choices=sorted(models.REMAT_POLICIES))
+  mem.add_argument("--plot", type=Path, default=None, help="PNG of memory vs N")
+  thr = sub.add_parser("throughput", parents=[common], help="interleaved step timing")
+  thr.add_argument("--presets", nargs="+", default=["gpt_tiny", "bert_tiny", "vit_tiny"])
+  thr.add_argument("--num-micro-batches", type=int, default=4)
+  thr.add_argument("--rounds", type=int, default=7)
+  thr.add_argument("--steps-per-round", type=int, default=5)
+  cap = sub.add_parser("capacity", parents=[common], help="largest GPT under a budget")
+  cap.add_argument("--budgets-gb", type=float, nargs="+", default=[16, 24, 40, 80])
+  cap.add_argument("--num-micro-batches", type=int, default=4)
+  cap.add_argument("--remat", default="full", choices=sorted(models.REMAT_POLICIES))
+  cap.add_argument("--max-scale", type=int, default=96)
+  return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = _parse_args(argv)
+  progress = not args.no_progress
+  result: dict[str, Any] = {"command": args.command, "machine": machine_info(),
+                            "argv": list(sys.argv[1:] if argv is None else argv)}
+  if args.command == "memory":
+    rows: list[MemoryRow] = []
+    jobs = [(p, n) for p in args.presets for n in args.num_micro_batches]
+    for preset, n in tqdm(jobs, desc="memory", disable=not progress, file=sys.stderr):
+      rows += measure_memory(preset, args.methods, n, micro_batch_size=args.micro_batch_size,
+                             seq_len=args.seq_len, remat=args.remat)
+    result["rows"] = [dataclasses.asdict(r) for r in rows]
+    table = memory_table(rows)
+    if args.plot:
+      plot_memory_vs_n(rows, args.plot)
+  elif args.command == "throughput":
+    result["presets"] = {}
+    lines = ["| preset | N | " + " | ".join(args.methods) + " | AdamA / scan_accumulation |",
+             "|" + "---|" * (len(args.methods) + 3)]
+    for preset in args.presets:
+      timing = measure_throughput(
+          preset, args.methods, args.num_micro_batches, micro_batch_size=args.micro_batch_size,
+          seq_len=args.seq_len, rounds=args.rounds, steps_per_round=args.steps_per_round,
+          progress=progress)
+      result["presets"][preset] = timing
+      ratio = ""
+      if "adama" in timing and "scan_accumulation" in timing:
+        ratio = f"{timing['adama']['median_step_s'] / timing['scan_accumulation']['median_step_s']:.3f}"
+      lines.append(f"| {preset} | {args.num_micro_batches} | " + " | ".join(
+          f"{timing[m]['median_step_s'] * 1e3:.1f} ms ({timing[m]['tokens_per_s']:,.0f} tok/s)"
+          for m in args.methods) + f" | {ratio} |")
+    table = "\n".join(lines)
+  else:
+    results = measure_capacity(
+        args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
+        remat=args.remat, max_scale=args.max_scale, progress=progress)
+    result["capacity"] = results
+    base = "scan_accumulation"
+    lines = ["| budget | " + " | ".join(args.methods) + " | AdamA / scan_accumulation |",
+             "|" + "---|" * (len(args.methods) + 2)]
+    for budget in args.budgets_gb:
+      by_method = {r["method"]: r for r in results if r["budget_gb"] == budget}
+      ratio = ""
+      if "adama" in by_method and base in by_method and by_method[base]["param_count"]:
+        ratio = f"{by_method['adama']['param_count'] / by_method[base]['param_count']:.2f}x"
+      lines.append(f"| {budget:g} GB | " + " | ".join(
+          f"{by_method[m]['param_count'] / 1e6:,.0f}M (scale {by_method[m]['scale']})"
+          for m in args.methods) + f" | {ratio} |")
+    table = "\n".join(lines)
+  print(table)
+  if args.markdown:
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(table + "\n")
+  if args.json:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,107 @@
+"""AdamA in Flax training loops: nnx.Optimizer and a Linen TrainState.
+
+Both call ``update`` once per micro-batch, the MultiSteps contract; both must
+land on the same parameters as the fused ``microbatch_step``.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen
+from flax import nnx
+from flax.training import train_state
+
+import models
+import optax_adama
+from models import data
+
+NUM_MICRO, BATCH, SEQ = 2, 8, 16
+
+
+def _batches(num_steps):
+  text = data.load_stdlib_text(max_bytes=60_000)
+  stream = data.lm_batches(text.train, batch_size=BATCH, seq_len=SEQ, seed=0)
+  return [jax.tree.map(jnp.asarray, next(stream)) for _ in range(num_steps)]
+
+
+def _micro(batch, i):
+  return jax.tree.map(lambda x: x[i::NUM_MICRO], batch)  # microbatch_step's order
+
+
+def _fused(loss_fn, params, tx, batches):
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO)
+  state = tx.init(params)
+  params = jax.tree.map(jnp.array, params)
+  for batch in batches:
+    params, state, _ = step(params, state, batch)
+  return params
+
+
+def test_nnx_optimizer_matches_microbatch_step():
+  tx = optax_adama.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO)
+  batches = _batches(3)
+  model = models.create("gpt_test", rngs=nnx.Rngs(0))
+  loss_fn, params = models.split_loss_fn(model)
+  want = _fused(loss_fn, params, tx, batches)
+
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_micro_batch(model, optimizer, micro_batch):
+    optimizer.update(model, nnx.grad(lambda m: m.loss(micro_batch)[0])(model))
+
+  for batch in batches:
+    for i in range(NUM_MICRO):
+      train_micro_batch(model, optimizer, _micro(batch, i))
+  got = nnx.state(model, nnx.Param)
+  # Same math, different XLA fusion: float32 rounding over 3 steps. Except
+  # for the attention key bias: softmax is shift invariant, so its true
+  # gradient is 0 and Adam normalises rounding noise into lr-sized steps that
+  # differ between any two programs. It cannot change the output, so compare
+  # the params without it, and the logits with it.
+  def without_key_bias(state):
+    state = nnx.to_pure_dict(state)
+    for block in state["blocks"].values():
+      bias = block["attention"]["qkv"]["bias"]
+      hidden = bias.shape[0] // 3
+      block["attention"]["qkv"]["bias"] = bias.at[hidden:2 * hidden].set(0.0)
+    return jax.tree.leaves(state)
+  chex.assert_trees_all_close(
+      without_key_bias(got), without_key_bias(want), rtol=1e-5, atol=1e-6)
+  tokens = batches[0]["tokens"][:, :-1]
+  fused_model = models.create("gpt_test", rngs=nnx.Rngs(0))
+  nnx.update(fused_model, want)
+  chex.assert_trees_all_close(model(tokens), fused_model(tokens), rtol=1e-4, atol=1e-5)
+  assert bool(optax_adama.has_updated(optimizer.opt_state))
+
+
+class _MLP(linen.Module):
+  @linen.compact
+  def __call__(self, x):
+    x = linen.tanh(linen.Dense(16)(x))
+    return linen.Dense(1)(x)
+
+
+def test_linen_train_state_matches_microbatch_step():
+  tx = optax_adama.adama(1e-2, num_micro_batches=NUM_MICRO)
+  module = _MLP()
+  x = np.linspace(-1, 1, 4 * BATCH, dtype=np.float32).reshape(-1, 4)
+  batch = {"x": jnp.asarray(x), "y": jnp.asarray(np.sin(x.sum(1, keepdims=True)))}
+  params = module.init(jax.random.key(0), batch["x"][:1])["params"]
+
+  def loss_fn(params, micro_batch):
+    pred = module.apply({"params": params}, micro_batch["x"])
+    return jnp.mean((pred - micro_batch["y"]) ** 2)
+
+  want = _fused(loss_fn, params, tx, [batch] * 4)
+  state = train_state.TrainState.create(apply_fn=module.apply, params=params, tx=tx)
+  for _ in range(4):
+    for i in range(NUM_MICRO):
+      grads = jax.grad(loss_fn)(state.params, _micro(batch, i))
+      state = state.apply_gradients(grads=grads)
+  chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
+  # TrainState.step counts update calls (micro-batches); AdamA counts mini-batches.
+  assert int(state.step) == 4 * NUM_MICRO
+  assert int(optax_adama.find_adama_state(state.opt_state).count) == 4
