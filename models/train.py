@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -200,6 +201,17 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   }
 
 
+def cpu_name() -> str:
+  """The CPU model, e.g. 'AMD EPYC 7B13', from /proc/cpuinfo where there is one."""
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
   """Where a result was measured: backend, device, CPU, versions."""
   device = jax.devices()[0]
@@ -207,7 +219,8 @@ def machine_info() -> dict[str, Any]:
       "backend": jax.default_backend(),
       "device": getattr(device, "device_kind", str(device)),
       "num_devices": jax.device_count(),
-      "cpu": platform.processor() or platform.machine(),
+      "cpu": cpu_name(),
+      "cpu_count": os.cpu_count(),
       "python": platform.python_version(),
       "jax": jax.__version__,
       "optax": optax.__version__,

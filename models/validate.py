@@ -1,0 +1,203 @@
+"""Does AdamA converge like Adam? Train each tiny model with both and compare.
+
+    python -m models.validate                     # the committed experiment
+    python -m models.validate --models vit --seeds 0 --steps 50   # a quick look
+
+For each model (GPT on the standard-library byte corpus, BERT masked-LM on the
+same corpus, ViT on scikit-learn's digits) and each seed, trains
+
+- Adam on the whole mini-batch (the same math as Adam with gradient
+  accumulation: the mean of micro-batch mean gradients is the mini-batch mean),
+- AdamA with the same mini-batch split into N micro-batches, N in {2, 4, 8},
+
+from the same initial weights on the same data order, and writes
+``convergence.md`` (final held-out loss, mean ± std over seeds, and the relative
+difference to Adam), ``convergence.png`` (training curves) and the raw runs as
+JSON. Target: AdamA within 1% of Adam's held-out loss for every model and N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from models import train
+
+# Per-model settings: enough steps for the curves to flatten on two CPU cores.
+# BERT (post-LN) needs the lower learning rate to leave the unigram plateau.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "gpt": {"steps": 600, "learning_rate": 2e-3, "batch_size": 32, "seq_len": 64},
+    "bert": {"steps": 600, "learning_rate": 1e-3, "batch_size": 32, "seq_len": 64},
+    "vit": {"steps": 600, "learning_rate": 2e-3, "batch_size": 32},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One optimizer setting of the experiment."""
+
+  optimizer: str
+  num_micro_batches: int
+
+  @property
+  def label(self) -> str:
+    return "Adam" if self.optimizer == "adam" else f"AdamA N={self.num_micro_batches}"
+
+
+def arms(num_micro_batches: Sequence[int]) -> list[Arm]:
+  return [Arm("adam", 1)] + [Arm("adama", n) for n in num_micro_batches]
+
+
+def run_experiment(
+    model_kinds: Sequence[str],
+    seeds: Sequence[int],
+    num_micro_batches: Sequence[int],
+    *,
+    steps: int | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+  """Trains every (model, seed, arm) and returns the runs."""
+  jobs = [(m, s, a) for m in model_kinds for s in seeds for a in arms(num_micro_batches)]
+  runs = []
+  for model_kind, seed, arm in tqdm(jobs, desc="validate", disable=not progress,
+                                    file=sys.stderr):
+    settings = dict(SETTINGS[model_kind])
+    if steps is not None:
+      settings["steps"] = steps
+    config = train.TrainConfig(
+        model=model_kind, optimizer=arm.optimizer,
+        num_micro_batches=arm.num_micro_batches, seed=seed, **settings)
+    run = train.train(config, progress=False)
+    run["arm"] = arm.label
+    runs.append(run)
+  return runs
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One row per (model, arm): eval loss mean/std over seeds, relative to Adam."""
+  rows = []
+  for model_kind in dict.fromkeys(r["config"]["model"] for r in runs):
+    by_arm: dict[str, list[dict]] = {}
+    for r in runs:
+      if r["config"]["model"] == model_kind:
+        by_arm.setdefault(r["arm"], []).append(r)
+    adam = by_arm.get("Adam")
+    adam_by_seed = {r["config"]["seed"]: r["eval_loss"] for r in adam} if adam else {}
+    adam_mean = float(np.mean(list(adam_by_seed.values()))) if adam else float("nan")
+    for label, group in by_arm.items():
+      losses = np.array([r["eval_loss"] for r in group])
+      # Paired by seed: same init and data, so the seed-to-seed spread cancels.
+      paired = [r["eval_loss"] / adam_by_seed[r["config"]["seed"]] - 1
+                for r in group if r["config"]["seed"] in adam_by_seed]
+      accuracy = [r["eval_metrics"].get("accuracy") for r in group]
+      rows.append({
+          "model": model_kind,
+          "preset": group[0]["preset"],
+          "arm": label,
+          "num_micro_batches": group[0]["config"]["num_micro_batches"],
+          "seeds": len(group),
+          "steps": group[0]["config"]["steps"],
+          "eval_loss_mean": float(losses.mean()),
+          "eval_loss_std": float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
+          "rel_diff_to_adam": float(losses.mean() / adam_mean - 1),
+          "paired_rel_diff_max": float(np.max(np.abs(paired))) if paired else float("nan"),
+          "eval_accuracy_mean": (float(np.mean(accuracy))
+                                 if all(a is not None for a in accuracy) else None),
+      })
+  return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]], command: str, machine: dict[str, Any]) -> str:
+  lines = [
+      "# AdamA vs Adam: convergence",
+      "",
+      f"Command: `{command}`  ",
+      f"Machine: {machine['cpu']} CPU ({machine['backend']}), jax {machine['jax']}, "
+      f"optax {machine['optax']}, Python {machine['python']}.",
+      "",
+      "Final held-out loss, mean ± std over seeds. *rel. diff* compares the means; "
+      "*max paired* is the largest per-seed difference (same init, same data).",
+      "",
+      "| model | optimizer | steps | seeds | eval loss | eval accuracy | rel. diff to Adam "
+      "| max paired | within 1% |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    acc = "" if r["eval_accuracy_mean"] is None else f"{r['eval_accuracy_mean']:.4f}"
+    within = "" if r["arm"] == "Adam" else ("yes" if abs(r["rel_diff_to_adam"]) <= 0.01 else "**no**")
+    rel = "" if r["arm"] == "Adam" else f"{100 * r['rel_diff_to_adam']:+.2f}%"
+    paired = "" if r["arm"] == "Adam" else f"{100 * r['paired_rel_diff_max']:.2f}%"
+    lines.append(
+        f"| {r['preset']} | {r['arm']} | {r['steps']} | {r['seeds']} "
+        f"| {r['eval_loss_mean']:.4f} ± {r['eval_loss_std']:.4f} | {acc} | {rel} "
+        f"| {paired} | {within} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> None:
+  """Training-loss curves, mean over seeds, one panel per model."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  kinds = list(dict.fromkeys(r["config"]["model"] for r in runs))
+  fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
+  for ax, kind in zip(axes[0], kinds):
+    labels = list(dict.fromkeys(r["arm"] for r in runs if r["config"]["model"] == kind))
+    for label in labels:
+      curves = np.array([r["train_loss"] for r in runs
+                         if r["config"]["model"] == kind and r["arm"] == label])
+      mean = curves.mean(axis=0)
+      kernel = np.ones(min(smooth, len(mean))) / min(smooth, len(mean))
+      smoothed = np.convolve(mean, kernel, mode="valid")
+      style = {"color": "black", "linewidth": 2.0} if label == "Adam" else {"linewidth": 1.2}
+      ax.plot(np.arange(len(smoothed)) + len(kernel), smoothed, label=label, **style)
+    preset = next(r["preset"] for r in runs if r["config"]["model"] == kind)
+    ax.set_title(f"{preset} (mean of seeds, {smooth}-step average)")
+    ax.set_xlabel("mini-batch step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  parser = argparse.ArgumentParser(prog="python -m models.validate",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", choices=train.MODEL_KINDS,
+                      default=list(train.MODEL_KINDS))
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[2, 4, 8])
+  parser.add_argument("--steps", type=int, default=None,
+                      help="override every model's step count (quick looks)")
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--no-progress", action="store_true")
+  args = parser.parse_args(argv)
+  runs = run_experiment(args.models, args.seeds, args.num_micro_batches,
+                        steps=args.steps, progress=not args.no_progress)
+  rows = summarize(runs)
+  command = "python -m models.validate " + " ".join(sys.argv[1:] if argv is None else argv)
+  text = markdown(rows, command.strip(), runs[0]["machine"])
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  (args.out_dir / "convergence.md").write_text(text)
+  plot(runs, args.out_dir / "convergence.png")
+  (args.out_dir / "raw").mkdir(exist_ok=True)
+  (args.out_dir / "raw" / "convergence.json").write_text(
+      json.dumps({"rows": rows, "runs": runs}, indent=1))
+  print(text)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
