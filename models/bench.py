@@ -255,12 +255,41 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   return report.total_bytes, models.param_count(config)
 
 
-def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int,
+                    guess: int | None = None) -> int:
   """Largest integer s in [low, high] with fits(s), for a monotone predicate.
+
+  With a ``guess`` near the answer, gallops out from it to bracket the answer
+  before bisecting: a compile of a multi-billion-parameter step costs minutes
+  on a CPU, and a good guess needs two or three of them instead of log2(range).
 
   Returns low - 1 if even ``low`` does not fit, ``high`` if everything fits.
   """
-  if not fits(low):
+  if guess is not None:
+    guess = min(max(guess, low), high)
+    step = 1
+    if fits(guess):
+      low = guess
+      while low < high:
+        probe = min(low + step, high)
+        if not fits(probe):
+          high = probe - 1
+          break
+        # Steps 1, 1, 2, 4, ...: an answer one above the guess costs 3 calls.
+        low, step = probe, (step if probe == guess + 1 else 2 * step)
+      else:
+        return low
+    else:
+      high = guess - 1
+      while high >= low:
+        probe = max(high - step + 1, low)
+        if fits(probe):
+          low = probe
+          break
+        high, step = probe - 1, 2 * step
+      else:
+        return low - 1
+  elif not fits(low):
     return low - 1
   while low < high:
     mid = (low + high + 1) // 2
@@ -269,6 +298,16 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
     else:
       high = mid - 1
   return low
+
+
+def guess_scale(bytes_per_param: float, budget_bytes: float, max_scale: int,
+                vocab_size: int = 50257) -> int:
+  """Largest scale whose parameters times ``bytes_per_param`` fit the budget."""
+  best = 1
+  for scale in range(1, max_scale + 1):
+    if models.param_count(gpt_family(scale, vocab_size=vocab_size)) * bytes_per_param <= budget_bytes:
+      best = scale
+  return best
 
 
 def measure_capacity(
@@ -297,17 +336,24 @@ def measure_capacity(
   results = []
   bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
              file=sys.stderr)
-  for budget in budgets_gb:
-    budget_bytes = budget * 1e9
-    for method in methods:
+  for method in methods:
+    # Bytes per parameter at a small anchor scale: overestimates big models
+    # (activations shrink relative to params), so the guess errs low.
+    anchor = min(8, max_scale)
+    anchor_bytes, anchor_params = measure(method, anchor)
+    bytes_per_param = anchor_bytes / anchor_params
+    for budget in budgets_gb:
+      budget_bytes = budget * 1e9
+      guess = guess_scale(bytes_per_param, budget_bytes, max_scale, vocab_size)
       scale = largest_fitting(
-          lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale)
+          lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale, guess=guess)
       total, count = measure(method, scale) if scale >= 1 else (0, 0)
       results.append({"budget_gb": budget, "method": method, "scale": scale,
-                      "param_count": count, "total_bytes": total})
+                      "param_count": count, "total_bytes": total,
+                      "compiles": len(cache)})
       bar.update()
   bar.close()
-  return results
+  return sorted(results, key=lambda r: (r["budget_gb"], methods.index(r["method"])))
 
 
 def memory_table(rows: Sequence[MemoryRow]) -> str:

@@ -56,11 +56,14 @@ def test_capacity_smoke_adama_fits_at_least_as_large():
   assert by_method["adama"]["total_bytes"] <= 0.03e9
 
 
+@pytest.mark.parametrize("guess", [None, 1, 4, 5, 6, 13, 20])
 @pytest.mark.parametrize("threshold,want", [(0, 0), (1, 1), (5, 5), (12, 12), (99, 20)])
-def test_largest_fitting_is_a_correct_bisection(threshold, want):
+def test_largest_fitting_finds_the_threshold(threshold, want, guess):
   calls = []
   def fits(s):
     calls.append(s)
     return s <= threshold
-  assert bench.largest_fitting(fits, 1, 20) == want
-  assert len(calls) <= 6  # log2(20) + 1
+  assert bench.largest_fitting(fits, 1, 20, guess=guess) == want
+  assert len(calls) <= 2 * 5 + 1  # gallop + bisect, both logarithmic
+  if guess is not None and abs(guess - want) <= 1 and 1 <= want < 20:
+    assert len(calls) <= 3  # a good guess costs two or three compiles
