@@ -17,6 +17,15 @@ from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_floor
 from optax_adama._memory import memory_report
 from optax_adama._memory import tree_bytes
+from optax_adama._quantize import BlockQuantization
+from optax_adama._quantize import QuantizedArray
+from optax_adama._quantize import dequantize_blocks
+from optax_adama._quantize import quantize_blocks
+from optax_adama._quantize import stochastic_round
+from optax_adama._sharding import StepShardings
+from optax_adama._sharding import batch_sharding
+from optax_adama._sharding import sharded_tree_shardings
+from optax_adama._sharding import step_shardings
 from optax_adama._microbatch import microbatch_step
 from optax_adama._microbatch import split_micro_batches
 from optax_adama._microbatch import updates_every_micro_batch
@@ -24,20 +33,29 @@ from optax_adama._microbatch import updates_every_micro_batch
 __version__ = "0.1.0"
 
 __all__ = (
+    "BlockQuantization",
     "MemoryFloor",
     "MemoryReport",
     "MiniBatchChainState",
+    "QuantizedArray",
     "ScaleByAdamAState",
+    "StepShardings",
     "adama",
     "adamaw",
+    "batch_sharding",
+    "dequantize_blocks",
     "find_adama_state",
     "has_updated",
     "memory_floor",
     "memory_report",
     "microbatch_step",
     "mini_batch_chain",
+    "quantize_blocks",
     "scale_by_adama",
+    "sharded_tree_shardings",
     "split_micro_batches",
+    "step_shardings",
+    "stochastic_round",
     "tree_bytes",
     "updates_every_micro_batch",
 )

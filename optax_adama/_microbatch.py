@@ -14,8 +14,11 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from optax_adama import _sharding
 from optax_adama._adama import ScaleByAdamAState
+from optax_adama._adama import _adama_emitted
 from optax_adama._adama import _check_num_micro_batches
 from optax_adama._adama import find_adama_state
 
@@ -80,6 +83,9 @@ def microbatch_step(
     num_micro_batches: int,
     has_aux: bool = False,
     update_every_micro_batch: Optional[bool] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    shard_states: Optional[str] = None,
+    data_axis: _sharding.AxisName = "data",
 ) -> Callable[[optax.Params, optax.OptState, Batch], tuple[optax.Params, optax.OptState, Metrics]]:
   """Builds a jitted training step that scans over ``N`` micro-batches.
 
@@ -99,6 +105,16 @@ def microbatch_step(
   * gradient accumulation (anything else, e.g. ``optax.adam``): the scan carries
     a gradient sum, and ``tx.update`` is called once with the mean gradient.
 
+  With ``mesh``, the step is data parallel on that mesh through GSPMD (``jit``
+  with ``in_shardings`` / ``out_shardings``, see :func:`step_shardings`): the
+  batch is split over ``data_axis``, each device scans over its own rows of
+  every micro-batch, and ``shard_states`` chooses ZeRO-1 (m, v split over the
+  devices), ZeRO-2 (also each micro-batch gradient reduce-scattered straight
+  into the moment slices, so no device holds a full gradient) or FSDP (params
+  split too). Results equal the single-device step up to float rounding.
+  Place params and state with :func:`step_shardings` first so their buffers
+  can be donated; run ``jax.distributed.initialize()`` first on several hosts.
+
   Args:
     loss_fn: ``loss_fn(params, micro_batch)`` returning the micro-batch *mean*
       loss, or ``(loss, aux)`` when ``has_aux``.
@@ -107,6 +123,12 @@ def microbatch_step(
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     update_every_micro_batch: force the mode; ``None`` picks it from the state
       (see :func:`updates_every_micro_batch`).
+    mesh: a :class:`jax.sharding.Mesh` to run data parallel on; ``None`` runs
+      on the default device, as plain ``jax.jit``.
+    shard_states: with ``mesh``: ``None`` (replicated params and state, the
+      gradient all-reduced), ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+    data_axis: the mesh axis (or axes) the batch is split over; the batch size
+      divided by ``N`` must be a multiple of its size.
 
   Returns:
     The jitted step, with ``.lower(params, opt_state, batch)`` available.
@@ -135,9 +157,25 @@ def microbatch_step(
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.
   """
   num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  _sharding.check_shard_states(shard_states)
+  if mesh is None and shard_states is not None:
+    raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
+  if mesh is not None:
+    mesh = _sharding.auto_mesh(mesh)
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
+  def constrain(tree, shardings):
+    return tree if mesh is None else jax.lax.with_sharding_constraint(tree, shardings)
+
+  def shardings_of(params, opt_state):
+    return _sharding.step_shardings(
+        params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+
   def loss_and_grads(params, micro_batch):
+    if mesh is not None:
+      return _data_parallel_loss_and_grads(
+          value_and_grad, has_aux, mesh, data_axis, shard_states,
+          shardings_of(params, None), params, micro_batch)
     out, grads = value_and_grad(params, micro_batch)
     loss, aux = out if has_aux else (out, None)
     return loss, aux, grads
@@ -154,7 +192,19 @@ def microbatch_step(
         grads = jax.tree.map(
             lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
       updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      if mesh is not None and shard_states in ("zero1", "zero2") and guard_loss:
+        # Params are replicated but the updates come out sharded like m and v:
+        # applying them all-gathers. AdamA's updates are exactly zero until
+        # the N-th micro-batch, so gather only then.
+        params = jax.lax.cond(
+            _adama_emitted(find_adama_state(opt_state)),
+            lambda: optax.apply_updates(params, updates), lambda: params)
+      else:
+        params = optax.apply_updates(params, updates)
+      if mesh is not None:
+        # Keep the carry where it started (replicated for ZeRO-1/2), or GSPMD
+        # may shard it after the sharded update and gather it in every forward.
+        params = constrain(params, shardings_of(params, None).params)
       return (params, opt_state), (loss, aux)
 
     (params, opt_state), (losses, aux) = jax.lax.scan(
@@ -174,6 +224,12 @@ def microbatch_step(
 
   def step(params, opt_state, batch):
     micro_batches = split_micro_batches(batch, num_micro_batches)
+    if mesh is not None:
+      # [N, B / N, ...]: the row axis stays split over the devices (the
+      # column-major split keeps each device's rows on that device).
+      micro_batches = constrain(micro_batches, jax.tree.map(
+          lambda _: NamedSharding(mesh, PartitionSpec(None, data_axis)),
+          micro_batches))
     per_micro = (
         updates_every_micro_batch(opt_state)
         if update_every_micro_batch is None else update_every_micro_batch)
@@ -193,7 +249,128 @@ def microbatch_step(
       metrics["aux"] = aux
     return params, opt_state, metrics
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  if mesh is None:
+    return jax.jit(step, donate_argnums=(0, 1))
+  return _MeshStep(step, mesh, shardings_of, data_axis)
+
+
+def _data_parallel_loss_and_grads(
+    value_and_grad, has_aux, mesh, data_axis, shard_states, shardings,
+    params, micro_batch):
+  """One micro-batch's loss and gradient, data parallel over ``data_axis``.
+
+  Written with ``shard_map`` rather than left to GSPMD so the gradient
+  reduction is the collective ZeRO asks for on every backend: GSPMD on CPU
+  lowers "all-reduce, then keep my slice" as exactly that (a full-leaf
+  all-reduce), while ``psum_scatter`` is a reduce-scatter everywhere.
+  """
+  axis_names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+  num_devices = 1
+  for name in axis_names:
+    num_devices *= mesh.shape[name]
+  param_specs = jax.tree.map(lambda s: s.spec, shardings.params)
+  grad_specs = jax.tree.map(lambda s: s.spec, shardings.grads)
+
+  def split_dim(spec):
+    dims = [i for i, name in enumerate(spec) if name is not None]
+    return dims[0] if dims else None
+
+  def gather(p, spec):
+    dim = split_dim(spec)
+    return p if dim is None else jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
+
+  def reduce_grad(g, spec):
+    dim = split_dim(spec)
+    if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
+      return jax.lax.psum(g, data_axis) / num_devices
+    # ZeRO-2 / FSDP: each device receives the sum of its slice only.
+    return jax.lax.psum_scatter(
+        g, data_axis, scatter_dimension=dim, tiled=True) / num_devices
+
+  def reduce_aux(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return jax.lax.pmean(x, data_axis)
+    return jax.lax.psum(x, data_axis)  # counts add up over devices
+
+  def local(params, micro_batch):
+    # FSDP: gather each leaf for this device's forward and backward pass.
+    params = jax.tree.map(gather, params, param_specs)
+    # The params are the same on every device but their gradient is not:
+    # mark them device-varying so the backward pass leaves the reduction to
+    # reduce_grad instead of inserting an all-reduce of its own.
+    params = jax.tree.map(lambda p: _to_varying(p, axis_names), params)
+    out, grads = value_and_grad(params, micro_batch)
+    loss, aux = out if has_aux else (out, None)
+    grads = jax.tree.map(reduce_grad, grads, grad_specs)
+    loss = jax.lax.pmean(loss, data_axis)
+    if has_aux:
+      return loss, jax.tree.map(reduce_aux, aux), grads
+    return loss, grads
+
+  replicated = PartitionSpec()
+  out_specs = ((replicated, replicated, grad_specs) if has_aux
+               else (replicated, grad_specs))
+  out = jax.shard_map(
+      local, mesh=mesh, in_specs=(param_specs, PartitionSpec(data_axis)),
+      out_specs=out_specs)(params, micro_batch)
+  if has_aux:
+    return out
+  loss, grads = out
+  return loss, None, grads
+
+
+def _to_varying(x, axis_names):
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # where newer JAX keeps the varying axes
+  vma = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+  missing = tuple(name for name in axis_names if name not in vma)
+  if not missing:  # e.g. an FSDP leaf straight from all_gather
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)
+
+
+class _MeshStep:
+  """``jax.jit(step)`` with shardings derived from the arguments' shapes.
+
+  ``jit`` needs one sharding per leaf, which depends on the params tree; this
+  builds (and caches) one jitted step per argument structure, with the same
+  ``__call__`` / ``lower`` interface as a jitted function.
+  """
+
+  def __init__(self, step, mesh, shardings_of, data_axis):
+    self._step = step
+    self._mesh = mesh
+    self._shardings_of = shardings_of
+    self._data_axis = data_axis
+    self._jitted: dict[Any, Any] = {}
+
+  def _jit_for(self, params, opt_state, batch):
+    key = jax.tree.map(
+        lambda x: (tuple(jnp.shape(x)), jnp.dtype(x.dtype)),
+        (params, opt_state, batch))
+    key = (jax.tree.structure(key), tuple(jax.tree.leaves(key)))
+    if key not in self._jitted:
+      shardings = self._shardings_of(params, opt_state)
+      batch_sharding = _sharding.batch_sharding(self._mesh, self._data_axis)
+      replicated = NamedSharding(self._mesh, PartitionSpec())
+      self._jitted[key] = jax.jit(
+          self._step,
+          in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+          out_shardings=(shardings.params, shardings.opt_state, replicated),
+          donate_argnums=(0, 1))
+    return self._jitted[key]
+
+  def __call__(self, params, opt_state, batch):
+    return self._jit_for(params, opt_state, batch)(params, opt_state, batch)
+
+  def lower(self, params, opt_state, batch):
+    return self._jit_for(params, opt_state, batch).lower(params, opt_state, batch)
+
+  def _cache_size(self) -> int:
+    return sum(f._cache_size() for f in self._jitted.values())
 
 
 def _num_dropped(opt_state: optax.OptState) -> Optional[jax.Array]:

@@ -1,0 +1,291 @@
+"""Narrow storage for AdamA's moments: stochastic rounding and 8-bit blocks.
+
+Once gradients are gone, m and v are what is left of the optimizer's memory.
+This module holds the leaf-local pieces :func:`scale_by_adama` uses to store
+them in fewer bits without keeping a second full-precision copy: every
+function here maps one leaf (or one leaf's blocks) to one leaf, elementwise or
+with a per-block reduction, so XLA fuses dequantize -> fold -> requantize into
+the fold of that leaf alone.
+
+Two formats:
+
+* a narrow float dtype (``bfloat16``, ``float16``) given as ``mu_dtype`` /
+  ``nu_dtype``, written back with stochastic rounding. Round-to-nearest is
+  wrong for v: with ``b2 = 0.999`` the per-mini-batch decay (0.1%) and each
+  micro-batch's increment ((1 - b2) / N of g**2) are below half a bfloat16 ulp
+  (0.2%), so v stops decaying and drops small contributions. Stochastic
+  rounding keeps every fold unbiased.
+* :class:`BlockQuantization`: 8-bit block-wise quantization in the style of
+  bitsandbytes' 8-bit Adam. Each leaf is flattened into blocks of about
+  ``block_size`` elements; a block stores one float32 scale (its absmax) and
+  one byte per element, a ``float8_e4m3fn`` code of ``value / scale``. The
+  float8 code is a dynamic-exponent code like bitsandbytes' dynamic map: 3
+  mantissa bits at every magnitude over 5.5 decades below the block's absmax,
+  rather than a linear code that rounds everything below absmax / 255 to zero.
+  v is stored as ``sqrt(v)``, so its codes span 11 decades of v: a small v
+  next to a large one in the same block does not become zero (which would
+  turn ``m / (sqrt(v) + eps)`` into ``m / eps``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "BlockQuantization",
+    "QuantizedArray",
+    "mix_seed",
+    "random_bits",
+    "stochastic_round",
+    "block_absmax",
+    "finite_absmax_blocks",
+    "quantized_absmax",
+    "quantize_blocks",
+    "dequantize_blocks",
+    "to_blocks",
+    "from_blocks",
+    "block_layout",
+]
+
+
+class QuantizedArray(NamedTuple):
+  """One leaf stored as 8-bit codes with a float32 scale per block.
+
+  The leaf's own shape is not stored: :func:`scale_by_adama` reads it from the
+  gradient leaf it folds in.
+  """
+
+  codes: chex.Array  # float8_e4m3fn [num_blocks, block_len]: value / scale, rounded.
+  scale: chex.Array  # float32 [num_blocks]: block absmax / the code's largest value.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuantization:
+  """8-bit block-wise storage for AdamA's moments (see the module docstring).
+
+  Attributes:
+    block_size: the most elements one block (one scale) covers. 2048, as
+      bitsandbytes: the scale costs 4 bytes per 2048, 0.2% of the codes.
+    min_size: leaves with fewer elements are kept in ``mu_dtype`` /
+      ``nu_dtype`` (biases, norm scales), as bitsandbytes' ``min_8bit_size``:
+      they hold a negligible share of the bytes and a large share of the
+      sensitivity.
+    code_dtype: the 8-bit float the codes are stored in.
+  """
+
+  block_size: int = 2048
+  min_size: int = 4096
+  code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn
+
+  def __post_init__(self):
+    if self.block_size < 1:
+      raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+    if jnp.dtype(self.code_dtype).itemsize != 1:
+      raise ValueError(
+          f"code_dtype must be an 8-bit float, got {jnp.dtype(self.code_dtype)}.")
+
+  def quantizes(self, shape: tuple[int, ...]) -> bool:
+    """Whether a leaf of ``shape`` is stored in 8 bits."""
+    return math.prod(shape) >= max(self.min_size, 1)
+
+  def layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(num_blocks, block_len)`` of a leaf of ``shape``."""
+    return block_layout(math.prod(shape), self.block_size)
+
+  def zeros(self, shape: tuple[int, ...]) -> QuantizedArray:
+    """The quantized form of ``jnp.zeros(shape)``."""
+    num_blocks, block_len = self.layout(shape)
+    return QuantizedArray(
+        codes=jnp.zeros((num_blocks, block_len), self.code_dtype),
+        scale=jnp.zeros((num_blocks,), jnp.float32))
+
+
+def block_layout(size: int, block_size: int) -> tuple[int, int]:
+  """``(num_blocks, block_len)`` covering ``size`` elements with least padding.
+
+  ``num_blocks = ceil(size / block_size)`` and the blocks are as even as
+  possible, so fewer than ``num_blocks`` padding elements are added (a leaf of
+  2049 elements becomes 2 blocks of 1025, not 2 of 2048).
+  """
+  num_blocks = max(1, -(-size // block_size))
+  return num_blocks, max(1, -(-size // num_blocks))
+
+
+def to_blocks(x: jax.Array, num_blocks: int, block_len: int) -> jax.Array:
+  """Flattens ``x`` (row-major) into ``[num_blocks, block_len]``, zero-padded."""
+  flat = jnp.ravel(x)
+  pad = num_blocks * block_len - flat.size
+  if pad:
+    flat = jnp.pad(flat, (0, pad))
+  return flat.reshape(num_blocks, block_len)
+
+
+def from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`to_blocks`: drops the padding, restores ``shape``."""
+  size = math.prod(shape)
+  flat = blocks.reshape(-1)
+  if flat.size != size:
+    flat = flat[:size]
+  return flat.reshape(shape)
+
+
+def mix_seed(seed: jax.Array, value: jax.Array) -> jax.Array:
+  """A uint32 hash of two uint32 scalars (or arrays): derives per-call seeds."""
+  golden = jnp.uint32(0x9E3779B9)
+  return _hash32(seed.astype(jnp.uint32) * golden + value.astype(jnp.uint32))
+
+
+def _hash32(x: jax.Array) -> jax.Array:
+  # A 32-bit integer finalizer with low bias ("lowbias32", C. Wellons): each
+  # output bit depends on every input bit, in five elementwise ops.
+  x = x ^ (x >> jnp.uint32(16))
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> jnp.uint32(15))
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> jnp.uint32(16))
+
+
+def random_bits(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+  """Uniform uint32 noise of ``shape``: a hash of each element's index and ``seed``.
+
+  A counter-based generator built from iota and integer ops, so XLA fuses it
+  into the fold that consumes it (a ``jax.random`` draw is a separate,
+  materialized buffer on CPU: leaf-sized, for every leaf at once). The index is
+  global, so the noise does not depend on how the leaf is sharded.
+  """
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
+    stride = (stride * shape[dim]) % (1 << 32)
+  return _hash32(index ^ _hash32(jnp.asarray(seed, jnp.uint32)))
+
+
+def stochastic_round(
+    x: jax.Array, dtype: jax.typing.DTypeLike, seed: jax.Array
+) -> jax.Array:
+  r"""Rounds float32 ``x`` to ``dtype``'s mantissa width, up or down at random.
+
+  .. math::
+
+    \mathrm{SR}(x) = \lfloor x \rfloor_d \text{ with probability }
+      1 - \frac{x - \lfloor x \rfloor_d}{\lceil x \rceil_d - \lfloor x \rfloor_d},
+    \text{ else } \lceil x \rceil_d
+
+  so :math:`\mathbb{E}[\mathrm{SR}(x)] = x`. Implemented on the float32 bit
+  pattern: uniform random bits are added to the mantissa bits ``dtype`` drops,
+  which are then cleared. Sign-magnitude makes this symmetric for negative
+  values. Values below ``dtype``'s smallest normal (float8 subnormals) get a
+  second, round-to-nearest step in the final cast; non-finite values pass
+  through.
+
+  Args:
+    x: a float32 array.
+    dtype: the narrow float dtype the result will be cast to.
+    seed: a uint32 scalar; the noise is a hash of it and each element's index
+      (see :func:`random_bits`), so one seed gives one rounding.
+
+  Returns:
+    A float32 array whose values are exactly representable in ``dtype`` (in
+    its normal range); cast it with ``.astype(dtype)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> x = jnp.full((10000,), 1.0 + 2.0**-10)  # 1/8 of a bfloat16 ulp above 1
+    >>> r = optax_adama.stochastic_round(x, jnp.bfloat16, jnp.uint32(0))
+    >>> print(sorted(set(r.tolist())), round(float(r.mean()), 3))
+    [1.0, 1.0078125] 1.001
+  """
+  if x.dtype != jnp.float32:
+    raise TypeError(f"stochastic_round expects float32, got {x.dtype}.")
+  dropped_bits = jnp.finfo(jnp.float32).nmant - jnp.finfo(dtype).nmant
+  if dropped_bits <= 0:
+    return x
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = random_bits(x.shape, seed) >> jnp.uint32(32 - dropped_bits)
+  keep = jnp.uint32(0xFFFFFFFF ^ ((1 << dropped_bits) - 1))
+  rounded = jax.lax.bitcast_convert_type((bits + noise) & keep, jnp.float32)
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+def block_absmax(blocks: jax.Array) -> jax.Array:
+  """float32 ``[num_blocks]``: the largest magnitude in each block."""
+  return jnp.max(jnp.abs(blocks), axis=1)
+
+
+# The two reductions below work on bit patterns on purpose. A reduction that
+# shares its float32 producer with the fold (say max(|dequantize(m)|) next to
+# b1 * dequantize(m) + ...) makes XLA materialize that producer, a float32
+# copy of the leaf, and on CPU it keeps them alive for all leaves at once (2 P
+# of temp, measured). Integer ops on the stored bytes share nothing with the
+# fold, so each reduction reads its input buffer directly.
+
+
+def finite_absmax_blocks(x: jax.Array, num_blocks: int, block_len: int) -> jax.Array:
+  """float32 ``[num_blocks]``: the largest finite magnitude of ``x`` per block.
+
+  ``x`` is blocked as by :func:`to_blocks`; NaN and Inf entries count as zero
+  (the fold drops them).
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  # Positive float32 bit patterns sort as their values; Inf and NaN sort last.
+  magnitude = bits & jnp.uint32(0x7FFFFFFF)
+  magnitude = jnp.where(magnitude < jnp.uint32(0x7F800000), magnitude,
+                        jnp.zeros_like(magnitude))
+  largest = jnp.max(to_blocks(magnitude, num_blocks, block_len), axis=1)
+  return jax.lax.bitcast_convert_type(largest, jnp.float32)
+
+
+def quantized_absmax(quantized: QuantizedArray) -> jax.Array:
+  """float32 ``[num_blocks]``: the largest stored magnitude in each block."""
+  codes = quantized.codes
+  bits = jax.lax.bitcast_convert_type(codes, jnp.uint8) & jnp.uint8(0x7F)
+  largest = jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), codes.dtype)
+  return largest.astype(jnp.float32) * quantized.scale
+
+
+def quantize_blocks(
+    blocks: jax.Array,
+    code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn,
+    seed: Optional[jax.Array] = None,
+    absmax: Optional[jax.Array] = None,
+) -> QuantizedArray:
+  """Quantizes float32 ``[num_blocks, block_len]`` with one scale per block.
+
+  Args:
+    blocks: float32 values, e.g. from :func:`to_blocks`.
+    code_dtype: an 8-bit float dtype.
+    seed: a uint32 seed for stochastic rounding; ``None`` rounds to nearest.
+    absmax: float32 ``[num_blocks]``, an upper bound of each block's largest
+      magnitude; ``None`` computes it exactly. A bound computed without
+      ``blocks`` lets XLA fuse the producer of ``blocks`` into the
+      quantization instead of materializing it in float32 for the reduction;
+      a loose bound costs range at the bottom of the code, not precision
+      (float8 codes have the same relative precision at every scale).
+
+  Returns:
+    A :class:`QuantizedArray`.
+  """
+  code_max = float(jnp.finfo(code_dtype).max)
+  if absmax is None:
+    absmax = block_absmax(blocks)
+  scale = absmax / code_max
+  # An all-zero block keeps scale 0 (it dequantizes to zeros either way).
+  divisor = jnp.where(absmax > 0, scale, jnp.ones_like(scale))
+  scaled = blocks / divisor[:, None]
+  if seed is not None:
+    scaled = stochastic_round(scaled, code_dtype, seed)
+  # float8_e4m3fn has no infinity: anything past its max would become NaN.
+  codes = jnp.clip(scaled, -code_max, code_max).astype(code_dtype)
+  return QuantizedArray(codes=codes, scale=scale)
+
+
+def dequantize_blocks(quantized: QuantizedArray) -> jax.Array:
+  """float32 ``[num_blocks, block_len]`` values of a :class:`QuantizedArray`."""
+  return quantized.codes.astype(jnp.float32) * quantized.scale[:, None]

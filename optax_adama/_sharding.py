@@ -1,0 +1,204 @@
+"""Shardings for data-parallel AdamA over a `jax.sharding.Mesh` (ZeRO, FSDP).
+
+The multi-device engine is JAX's own: :func:`microbatch_step` with ``mesh=``
+jits the step with these `NamedSharding`s as ``in_shardings`` /
+``out_shardings`` and lets GSPMD insert the collectives. This module only
+decides *where* each array lives:
+
+* the batch is split over the data axis (each device scans over its own rows
+  of every micro-batch);
+* ``shard_states`` picks what else is split over it, ZeRO-style:
+
+  ==========  ======  ===========  ==========================================
+  stage       params  m, v         gradient of a micro-batch
+  ==========  ======  ===========  ==========================================
+  ``None``    full    full         all-reduced (plain data parallel)
+  ``"zero1"`` full    1/D each     all-reduced, then each device folds its
+                                   slice
+  ``"zero2"`` full    1/D each     reduce-scattered: no device ever holds the
+                                   full gradient
+  ``"fsdp"``  1/D     1/D each     reduce-scattered; params gathered by GSPMD
+                                   where the forward pass needs them
+  ==========  ======  ===========  ==========================================
+
+A leaf is split along its first axis whose size the data axis divides, and
+kept whole when none does (scalars, odd sizes): small leaves cost little, and
+one rule for params, moments and gradients keeps them aligned leaf by leaf,
+so folding a reduce-scattered gradient into its moment slice needs no
+communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "SHARD_STATES",
+    "StepShardings",
+    "shard_leaf_spec",
+    "sharded_tree_shardings",
+    "step_shardings",
+    "batch_sharding",
+]
+
+SHARD_STATES = (None, "zero1", "zero2", "fsdp")
+
+AxisName = Union[str, Sequence[str]]
+
+
+class StepShardings(NamedTuple):
+  """Shardings of a training step's arguments (each a tree of `NamedSharding`)."""
+
+  params: Any  # like params.
+  opt_state: Any  # like the optimizer state.
+  grads: Any  # like params: where each micro-batch gradient is reduced to.
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis in GSPMD's ``Auto`` mode.
+
+  ``jax.make_mesh`` makes ``Explicit`` axes by default (sharding in types),
+  where ``with_sharding_constraint`` is refused; this step leaves the
+  propagation to GSPMD instead, so it uses the same devices as Auto axes.
+  """
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  if tuple(mesh.axis_types) == auto:
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def check_shard_states(shard_states: Optional[str]) -> Optional[str]:
+  if shard_states not in SHARD_STATES:
+    raise ValueError(
+        f"shard_states must be one of {SHARD_STATES}, got {shard_states!r}.")
+  return shard_states
+
+
+def _axis_size(mesh: Mesh, data_axis: AxisName) -> int:
+  names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+  missing = [n for n in names if n not in mesh.shape]
+  if missing:
+    raise ValueError(
+        f"data_axis {data_axis!r} is not in the mesh axes {tuple(mesh.shape)}.")
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
+
+
+def shard_leaf_spec(
+    shape: Sequence[int], axis_size: int, data_axis: AxisName = "data"
+) -> PartitionSpec:
+  """The `PartitionSpec` of a leaf of ``shape`` split ``axis_size`` ways.
+
+  Args:
+    shape: the leaf's shape.
+    axis_size: the number of devices along the data axis.
+    data_axis: the mesh axis (or axes) to split over.
+
+  Returns:
+    ``PartitionSpec`` naming ``data_axis`` at the first dimension ``axis_size``
+    divides, or the replicated ``PartitionSpec()`` if none does.
+  """
+  for dim, size in enumerate(shape):
+    if size >= axis_size and size % axis_size == 0:
+      return PartitionSpec(*([None] * dim), data_axis)
+  return PartitionSpec()
+
+
+def sharded_tree_shardings(
+    tree: Any, mesh: Mesh, *, data_axis: AxisName = "data"
+) -> Any:
+  """A `NamedSharding` per leaf of ``tree``, each split over ``data_axis``.
+
+  The mesh's axes are used in GSPMD's ``Auto`` mode. The rule of
+  :func:`shard_leaf_spec`: the first dimension the data axis
+  divides is split, other leaves are replicated. Moments, gradients and
+  params of the same shape get the same sharding.
+
+  Args:
+    tree: a pytree of arrays or `jax.ShapeDtypeStruct` (e.g. params, or an
+      optimizer state).
+    mesh: the device mesh.
+    data_axis: the mesh axis (or axes) to split over.
+
+  Returns:
+    A tree like ``tree`` of `NamedSharding`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = optax_adama.sharded_tree_shardings({"w": jnp.zeros((4, 3))}, mesh)
+    >>> print(s["w"].spec)
+    P('data',)
+  """
+  mesh = auto_mesh(mesh)
+  axis_size = _axis_size(mesh, data_axis)
+  return jax.tree.map(
+      lambda x: NamedSharding(
+          mesh, shard_leaf_spec(jax.numpy.shape(x), axis_size, data_axis)),
+      tree)
+
+
+def replicated_shardings(tree: Any, mesh: Mesh) -> Any:
+  """A replicated `NamedSharding` per leaf of ``tree``."""
+  mesh = auto_mesh(mesh)
+  return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+
+
+def step_shardings(
+    params: Any,
+    opt_state: Any,
+    mesh: Mesh,
+    *,
+    shard_states: Optional[str] = "zero2",
+    data_axis: AxisName = "data",
+) -> StepShardings:
+  """Shardings of params, optimizer state and gradients for a ZeRO stage.
+
+  Use them to place the training state before the first step, e.g.
+  ``params = jax.device_put(params, shardings.params)``, so that
+  :func:`microbatch_step` can reuse (donate) the buffers in place.
+
+  Args:
+    params: a params tree (arrays or `jax.ShapeDtypeStruct`).
+    opt_state: the optimizer state of ``params`` (``tx.init(params)``, or its
+      ``jax.eval_shape``).
+    mesh: the device mesh.
+    shard_states: ``None`` (plain data parallel), ``"zero1"``, ``"zero2"`` or
+      ``"fsdp"``; see the module docstring.
+    data_axis: the mesh axis (or axes) the batch is split over.
+
+  Returns:
+    A :class:`StepShardings`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> params = {"w": jnp.zeros((8, 2))}
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
+    >>> shardings = optax_adama.step_shardings(
+    ...     params, tx.init(params), mesh, shard_states="zero2")
+    >>> print(shardings.params["w"].spec, shardings.grads["w"].spec)
+    P() P('data',)
+  """
+  check_shard_states(shard_states)
+  mesh = auto_mesh(mesh)
+  sharded = lambda tree: sharded_tree_shardings(tree, mesh, data_axis=data_axis)
+  replicated = lambda tree: replicated_shardings(tree, mesh)
+  return StepShardings(
+      params=sharded(params) if shard_states == "fsdp" else replicated(params),
+      opt_state=replicated(opt_state) if shard_states is None else sharded(opt_state),
+      grads=(sharded(params) if shard_states in ("zero2", "fsdp")
+             else replicated(params)),
+  )
+
+
+def batch_sharding(mesh: Mesh, data_axis: AxisName = "data") -> NamedSharding:
+  """The sharding of a batch: its leading (example) axis split over ``data_axis``."""
+  mesh = auto_mesh(mesh)
+  _axis_size(mesh, data_axis)
+  return NamedSharding(mesh, PartitionSpec(data_axis))

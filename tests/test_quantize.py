@@ -1,0 +1,278 @@
+"""Smaller moments: stochastic rounding, 8-bit blocks, their fold and memory."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adama
+from optax_adama import _quantize
+
+CODE_MAX = 448.0  # largest float8_e4m3fn value
+
+
+def test_block_layout_pads_least():
+  assert _quantize.block_layout(4096, 2048) == (2, 2048)
+  assert _quantize.block_layout(2049, 2048) == (2, 1025)  # 1 padding element
+  assert _quantize.block_layout(100, 2048) == (1, 100)
+  x = jnp.arange(2049.0).reshape(683, 3)
+  blocks = _quantize.to_blocks(x, 2, 1025)
+  assert blocks.shape == (2, 1025) and float(blocks[1, -1]) == 0.0
+  np.testing.assert_array_equal(_quantize.from_blocks(blocks, x.shape), x)
+
+
+def test_round_trip_error_is_bounded():
+  # Values over 7 decades below each block's absmax.
+  key = jax.random.key(0)
+  magnitudes = 10.0 ** jax.random.uniform(key, (8, 2048), minval=-7.0, maxval=0.0)
+  signs = jnp.where(jax.random.bernoulli(jax.random.key(1), 0.5, (8, 2048)), 1.0, -1.0)
+  x = magnitudes * signs * (10.0 ** jnp.arange(8.0))[:, None]  # blocks of any scale
+  q = optax_adama.quantize_blocks(x)
+  assert q.codes.dtype == jnp.float8_e4m3fn and q.codes.shape == x.shape
+  assert q.scale.dtype == jnp.float32 and q.scale.shape == (8,)
+  y = optax_adama.dequantize_blocks(q)
+  absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+  # Each block's absmax is stored exactly (up to the float32 scale division).
+  np.testing.assert_allclose(jnp.max(jnp.abs(y), axis=1, keepdims=True), absmax, rtol=1e-6)
+  # Normal float8 range (>= 2**-6 of the code max): 3 mantissa bits, so
+  # round-to-nearest is within 2**-4 relative.
+  normal = jnp.abs(x) >= absmax * 2.0**-6 / CODE_MAX
+  rel = jnp.abs(y - x) / jnp.abs(x)
+  assert float(jnp.max(jnp.where(normal, rel, 0.0))) <= 2.0**-4 + 1e-6
+  # Below it (subnormal codes): absolute error at most half the smallest step.
+  abs_err = jnp.abs(y - x) / absmax
+  assert float(jnp.max(jnp.where(normal, 0.0, abs_err))) <= 2.0**-10 / CODE_MAX + 1e-9
+  # Signs survive wherever a value is not rounded to zero.
+  assert bool(jnp.all((y == 0) | (jnp.sign(y) == jnp.sign(x))))
+  # An all-zero block stays zero (no 0/0).
+  zero = optax_adama.quantize_blocks(jnp.zeros((2, 16)))
+  np.testing.assert_array_equal(optax_adama.dequantize_blocks(zero), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_stochastic_round_is_unbiased_between_neighbours(dtype):
+  x = jnp.full((20000,), 1.0 + 2.0**-10)  # between two codes of either dtype
+  seed = jnp.uint32(7)
+  r = optax_adama.stochastic_round(x, dtype, seed)
+  lower, upper = 1.0, 1.0 + 2.0 ** -jnp.finfo(dtype).nmant
+  assert set(np.unique(np.asarray(r)).tolist()) == {lower, upper}
+  assert np.all(np.asarray(r.astype(dtype).astype(jnp.float32)) == np.asarray(r))
+  # E[SR(x)] = x: the mean of 20000 draws is within 4 standard errors.
+  p = (float(x[0]) - lower) / (upper - lower)
+  stderr = (upper - lower) * np.sqrt(p * (1 - p) / x.size)
+  assert abs(float(jnp.mean(r)) - float(x[0])) < 4 * stderr
+  # Negative values round symmetrically; non-finite values pass through.
+  np.testing.assert_array_equal(optax_adama.stochastic_round(-x, dtype, seed), -r)
+  special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0])
+  np.testing.assert_array_equal(
+      optax_adama.stochastic_round(special, dtype, seed), special)
+
+
+def _params():
+  # One large leaf (quantized: 96 x 100 = 9600 >= min_size) and a small one.
+  return {"w": jax.random.normal(jax.random.key(0), (96, 100)), "b": jnp.zeros(100)}
+
+
+def _grads(step, micro):
+  """A per-element signal over 3 decades of scale, plus micro-batch noise."""
+  scale = 10.0 ** (-3.0 * jnp.arange(100.0) / 100.0)
+  def leaf(p, k):
+    noise = jax.random.normal(jax.random.fold_in(jax.random.key(k), step * 8 + micro), p.shape)
+    signal = jnp.cos(jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape))
+    return jnp.broadcast_to(scale, p.shape) * (signal + 0.5 * noise)
+  return {"w": leaf(_params()["w"], 1), "b": leaf(_params()["b"], 2)}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run(tx, num_steps, num_micro_batches=4):
+  """num_steps mini-batches of scale_by_adama; returns (last update, state)."""
+  def mini_batch(state, step):
+    state, _ = jax.lax.scan(
+        lambda s, i: (tx.update(_grads(step, i), s)[1], None),
+        state, jnp.arange(num_micro_batches - 1))
+    updates, state = tx.update(_grads(step, num_micro_batches - 1), state)
+    return state, updates
+  state, updates = jax.lax.scan(mini_batch, tx.init(_params()), jnp.arange(num_steps))
+  return jax.tree.map(lambda u: u[-1], updates), state
+
+
+def _cosine(a, b):
+  a, b = jnp.ravel(a), jnp.ravel(b)
+  return float(jnp.dot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+
+
+def test_float32_path_is_unchanged_by_the_new_options():
+  base = optax_adama.scale_by_adama(num_micro_batches=4)
+  explicit = optax_adama.scale_by_adama(num_micro_batches=4, stochastic_rounding=True)
+  chex.assert_trees_all_equal(_run(base, 5), _run(explicit, 5))
+
+
+def test_eight_bit_fold_tracks_the_float32_fold():
+  ref_updates, ref_state = _run(optax_adama.scale_by_adama(num_micro_batches=4), 60)
+  tx = optax_adama.scale_by_adama(
+      num_micro_batches=4, quantization=optax_adama.BlockQuantization())
+  updates, state = _run(tx, 60)
+  mu, nu = state.mu, state.nu
+  assert isinstance(mu["w"], optax_adama.QuantizedArray)
+  assert mu["w"].codes.shape == (5, 1920)  # 9600 elements in 5 blocks, no padding
+  assert nu["b"].dtype == jnp.float32  # small leaves stay in float32
+  m = _quantize.from_blocks(optax_adama.dequantize_blocks(mu["w"]), (96, 100))
+  sqrt_v = _quantize.from_blocks(optax_adama.dequantize_blocks(nu["w"]), (96, 100))
+  assert _cosine(m, ref_state.mu["w"]) > 0.98
+  # sqrt(v) is rounded without bias, so v is rounded high by the variance of
+  # the rounding noise (measured +4.9%): slightly smaller steps, never larger.
+  v_ratio = float(jnp.mean(sqrt_v**2) / jnp.mean(ref_state.nu["w"]))
+  assert 1.0 <= v_ratio <= 1.08, v_ratio
+  assert _cosine(updates["w"], ref_updates["w"]) > 0.96  # measured 0.975
+  np.testing.assert_allclose(
+      jnp.linalg.norm(updates["w"]), jnp.linalg.norm(ref_updates["w"]), rtol=0.05)
+  chex.assert_trees_all_close(updates["b"], ref_updates["b"], rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_v_needs_stochastic_rounding():
+  _, ref = _run(optax_adama.scale_by_adama(num_micro_batches=4), 60)
+  def mean_v(stochastic):
+    tx = optax_adama.scale_by_adama(
+        num_micro_batches=4, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16,
+        stochastic_rounding=stochastic)
+    _, state = _run(tx, 60)
+    assert state.nu["w"].dtype == jnp.bfloat16
+    return float(jnp.mean(state.nu["w"].astype(jnp.float32)) / jnp.mean(ref.nu["w"]))
+  # Round-to-nearest drops most (1 - b2) / N * g**2 increments (below half a
+  # bfloat16 ulp of v) and v's decay; stochastic rounding keeps v unbiased.
+  # (Measured: 1.6% low after 60 steps, and the gap grows with the run.)
+  assert abs(mean_v(None) - 1.0) < 0.004
+  assert abs(mean_v(False) - 1.0) > 0.01
+
+
+# The 8-layer MLP of tests/test_memory.py: P = 2.1 MB, the largest leaf P / 8.
+NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 8, 256, 32, 4
+
+
+def _mlp_loss(params, batch):
+  x = batch["x"]
+  for i in range(NUM_LAYERS):
+    layer = params[f"layer{i}"]
+    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
+  return jnp.mean((x - batch["y"]) ** 2)
+
+
+def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  params = {f"layer{i}": {"w": shape(WIDTH, WIDTH), "b": shape(WIDTH)}
+            for i in range(NUM_LAYERS)}
+  batch = {"x": shape(BATCH, WIDTH), "y": shape(BATCH, WIDTH)}
+  tx = optax_adama.adama(
+      1e-3, num_micro_batches=NUM_MICRO, quantization=optax_adama.BlockQuantization())
+  state = jax.eval_shape(tx.init, params)
+  P = optax_adama.tree_bytes(params)
+  adama_state = optax_adama.find_adama_state(state)
+  moment_bytes = optax_adama.tree_bytes((adama_state.mu, adama_state.nu))
+  # 1 byte per element + a float32 scale per 2048, biases in float32: ~0.5 P.
+  assert 0.5 * P <= moment_bytes <= 0.52 * P
+  step = optax_adama.microbatch_step(_mlp_loss, tx, num_micro_batches=NUM_MICRO)
+  report = optax_adama.memory_report(step, params, state, batch)
+  floor = optax_adama.memory_floor(
+      _mlp_loss, params, state, batch, num_micro_batches=NUM_MICRO)
+  float32 = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)
+  report32 = optax_adama.memory_report(
+      optax_adama.microbatch_step(_mlp_loss, float32, num_micro_batches=NUM_MICRO),
+      params, jax.eval_shape(float32.init, params), batch)
+  # Measured on CPU: 2.58 P against 3.25 P for float32 moments. The fold is
+  # leaf-local (no float32 copy of m and v: that would be 2 P of temp), but
+  # the step is not at the floor (1.67 P): the per-leaf directions, computed
+  # behind a branch so they read the stored codes, stay alive together until
+  # the params update (about 0.9 P of temp). A known gap, see _adama.py.
+  assert report32.total_bytes - report.total_bytes >= 0.6 * P, (report, report32)
+  assert report.temp_bytes <= 1.2 * P, report
+  assert report.total_bytes <= 1.6 * floor.total_bytes, (report, floor.to_dict())
+
+
+def test_bfloat16_moments_step_memory():
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  params = {f"layer{i}": {"w": shape(WIDTH, WIDTH), "b": shape(WIDTH)}
+            for i in range(NUM_LAYERS)}
+  batch = {"x": shape(BATCH, WIDTH), "y": shape(BATCH, WIDTH)}
+  tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
+                         mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  state = jax.eval_shape(tx.init, params)
+  P = optax_adama.tree_bytes(params)
+  step = optax_adama.microbatch_step(_mlp_loss, tx, num_micro_batches=NUM_MICRO)
+  report = optax_adama.memory_report(step, params, state, batch)
+  floor = optax_adama.memory_floor(
+      _mlp_loss, params, state, batch, num_micro_batches=NUM_MICRO)
+  # Measured: 2.38 P against a floor of 2.16 P (+10%: the stochastic
+  # rounding's float32 intermediates), 0.88 P below float32 moments.
+  assert report.total_bytes <= 1.15 * floor.total_bytes, (report, floor.to_dict())
+  assert report.total_bytes <= 2.5 * P, report
+
+
+def test_quantized_state_through_adamaw_and_jit_is_stable():
+  tx = optax_adama.adamaw(
+      1e-2, weight_decay=0.1, num_micro_batches=2,
+      quantization=optax_adama.BlockQuantization(block_size=512, min_size=1000))
+  params = _params()
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  first = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+  for call in range(4):
+    updates, state = update(_grads(0, call), state, params)
+    params = optax.apply_updates(params, updates)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == first
+  assert update._cache_size() == 1
+  assert bool(optax_adama.has_updated(state))
+  with pytest.raises(TypeError, match="BlockQuantization"):
+    optax_adama.scale_by_adama(num_micro_batches=2, quantization="8bit")
+
+
+def _train_gpt(quantization, *, preset, steps, batch_size, seq_len, eval_batches,
+               max_bytes=None):
+  """Eval loss of a GPT trained with AdamA as in `models.train` (same data)."""
+  from flax import nnx  # the tests may use the models; the library may not
+
+  import models
+  from models import train
+
+  config = train.TrainConfig(
+      preset=preset, steps=steps, batch_size=batch_size, seq_len=seq_len,
+      eval_batches=eval_batches,
+      **({} if max_bytes is None else {"max_bytes": max_bytes}))
+  model_config = models.get_config(config.preset_name)
+  loss_fn, params = models.split_loss_fn(
+      models.create(model_config, rngs=nnx.Rngs(config.seed)), has_aux=True)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, min(config.warmup_steps, steps // 2), steps,
+      end_value=0.1 * config.learning_rate)
+  tx = optax_adama.adamaw(
+      schedule, weight_decay=0.0, num_micro_batches=config.num_micro_batches,
+      quantization=quantization)
+  state = tx.init(params)
+  step = optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True)
+  batches, held_out = train.make_data(config, model_config)
+  with jax.numpy_dtype_promotion("standard"):  # optax's schedule
+    for _ in range(steps):
+      params, state, _ = step(params, state, next(batches))
+    return train.evaluate(loss_fn, params, held_out)["loss"]
+
+
+def test_tiny_gpt_smoke_eight_bit_trains_like_float32():
+  kwargs = dict(preset="gpt_test", steps=20, batch_size=8, seq_len=16,
+                eval_batches=2, max_bytes=200_000)
+  loss32 = _train_gpt(None, **kwargs)
+  loss8 = _train_gpt(optax_adama.BlockQuantization(), **kwargs)
+  assert np.isfinite(loss8)
+  assert abs(loss8 - loss32) <= 0.03 * loss32, (loss8, loss32)
+
+
+@pytest.mark.slow
+def test_tiny_gpt_eight_bit_final_loss_within_one_percent():
+  # The issue's contract, on `make demo`'s run (gpt_tiny, 300 steps, N = 4).
+  kwargs = dict(preset="gpt_tiny", steps=300, batch_size=32, seq_len=64, eval_batches=16)
+  loss32 = _train_gpt(None, **kwargs)
+  loss8 = _train_gpt(optax_adama.BlockQuantization(), **kwargs)
+  assert abs(loss8 - loss32) <= 0.01 * loss32, (loss8, loss32)

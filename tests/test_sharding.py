@@ -1,0 +1,271 @@
+"""Data-parallel AdamA on a mesh: ZeRO-1/2, FSDP, collectives and memory.
+
+The multi-device checks run in a subprocess with 8 virtual CPU devices
+(``--xla_force_host_platform_device_count=8``): the device count is fixed when
+JAX starts, and other test modules have started it with one device by the
+time this one runs. The subprocess is this file run as a script; it prints
+one JSON object that the tests read.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax.sharding import PartitionSpec
+
+import optax_adama
+
+NUM_DEVICES = 8
+NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 3, 64, 64, 4
+STAGES = (None, "zero1", "zero2", "fsdp")
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
+  return {
+      f"layer{i}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5,
+                    "b": jnp.zeros(WIDTH)}
+      for i, k in enumerate(keys)
+  }
+
+
+def loss_fn(params, batch):
+  x = batch["x"]
+  for i in range(NUM_LAYERS):
+    layer = params[f"layer{i}"]
+    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
+  return jnp.mean((x - batch["y"]) ** 2)
+
+
+def _batch(seed):
+  kx, ky = jax.random.split(jax.random.key(100 + seed))
+  return {"x": jax.random.normal(kx, (BATCH, WIDTH)),
+          "y": jax.random.normal(ky, (BATCH, WIDTH))}
+
+
+def _collectives(hlo_text):
+  """{collective kind: [result shapes]} of a compiled HLO module."""
+  found = {}
+  pattern = (r"= (.+?) (all-reduce|reduce-scatter|all-gather|all-to-all|"
+             r"collective-permute)(?:-start)?\(")
+  for line in hlo_text.splitlines():
+    match = re.search(pattern, line)
+    if match:
+      found.setdefault(match.group(2), []).append(match.group(1))
+  return found
+
+
+def _largest_operand(shapes):
+  """Elements of the largest array in a list of HLO result shapes (tuples too)."""
+  sizes = [0]
+  for shape in shapes:
+    for dims in re.findall(r"\w+\[([\d,]*)\]", shape):
+      sizes.append(int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+  return max(sizes)
+
+
+def _run(tx, params, steps=3, **step_kwargs):
+  step = optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=NUM_MICRO, **step_kwargs)
+  state = tx.init(params)
+  mesh = step_kwargs.get("mesh")
+  if mesh is not None:
+    shardings = optax_adama.step_shardings(
+        params, state, mesh, shard_states=step_kwargs.get("shard_states"))
+    params = jax.device_put(params, shardings.params)
+    state = jax.device_put(state, shardings.opt_state)
+  compiled = step.lower(params, state, _batch(0)).compile()
+  for seed in range(steps):
+    params, state, metrics = step(params, state, _batch(seed))
+  return params, state, metrics, compiled
+
+
+def _max_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _worker():
+  """Runs in the 8-device subprocess; returns what the tests check."""
+  assert jax.device_count() == NUM_DEVICES, jax.devices()
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  out = {"param_bytes": optax_adama.tree_bytes(_params()),
+         "batch_bytes": optax_adama.tree_bytes(_batch(0))}
+
+  # The column-major micro-batch split keeps each device's rows local.
+  batch = jax.device_put(_batch(0), optax_adama.batch_sharding(mesh))
+  split = jax.jit(lambda b: optax_adama.split_micro_batches(b, NUM_MICRO))
+  out["split_spec"] = str(split(batch)["x"].sharding.spec)
+  out["split_collectives"] = _collectives(split.lower(batch).compile().as_text())
+
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
+  ref = _run(tx, _params())
+  for stage in STAGES:
+    params, state, metrics, compiled = _run(
+        tx, _params(), mesh=mesh, shard_states=stage)
+    memory = compiled.memory_analysis()
+    adama_state = optax_adama.find_adama_state(state)
+    moments = (adama_state.mu, adama_state.nu)
+    out[str(stage)] = {
+        "max_diff": _max_diff((params, state), ref[:2]),
+        "loss_diff": abs(float(metrics["loss"]) - float(ref[2]["loss"])),
+        "collectives": _collectives(compiled.as_text()),
+        "moment_bytes_per_device": sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(moments)),
+        "param_bytes_per_device": sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params)),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "moment_spec": str(adama_state.mu["layer0"]["w"].sharding.spec),
+        "param_spec": str(params["layer0"]["w"].sharding.spec),
+    }
+
+  # 8-bit moments under ZeRO-2: quantization blocks are split over devices.
+  quantized = optax_adama.adamaw(
+      1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+      quantization=optax_adama.BlockQuantization(block_size=256, min_size=1024))
+  ref8 = _run(quantized, _params())
+  params, state, _, compiled = _run(
+      quantized, _params(), mesh=mesh, shard_states="zero2")
+  out["zero2_8bit"] = {
+      "max_param_diff": _max_diff(params, ref8[0]),
+      "collectives": _collectives(compiled.as_text()),
+      "codes_spec": str(optax_adama.find_adama_state(state).mu["layer0"]["w"]
+                        .codes.sharding.spec),
+  }
+  return out
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={NUM_DEVICES}")
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  result = subprocess.run(
+      [sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sharded_step_equals_single_device(eight_devices, stage):
+  run = eight_devices[str(stage)]
+  # Same math; only the order of the cross-device sums differs (float32).
+  assert run["max_diff"] < 1e-6, run
+  assert run["loss_diff"] < 1e-6, run
+
+
+def test_batch_split_keeps_rows_on_their_device(eight_devices):
+  assert eight_devices["split_spec"] == str(PartitionSpec(None, "data"))
+  assert eight_devices["split_collectives"] == {}
+
+
+def test_collectives_match_the_zero_stage(eight_devices):
+  full_leaf = WIDTH * WIDTH
+  plain, zero1, zero2, fsdp = (eight_devices[str(s)]["collectives"] for s in STAGES)
+  # Plain data parallel and ZeRO-1: the whole gradient is all-reduced.
+  assert _largest_operand(plain["all-reduce"]) == full_leaf
+  assert "reduce-scatter" not in plain
+  assert _largest_operand(zero1["all-reduce"]) == full_leaf
+  # ZeRO-2 and FSDP: every gradient leaf is reduce-scattered; what is still
+  # all-reduced is scalars (the loss, the per-leaf finite flags).
+  for stage in (zero2, fsdp):
+    assert _largest_operand(stage["reduce-scatter"]) == full_leaf // NUM_DEVICES
+    assert _largest_operand(stage["all-reduce"]) == 1, stage["all-reduce"]
+  # ZeRO-1/2 gather the updated params (once per mini-batch, under a cond);
+  # FSDP gathers params for the forward pass.
+  for stage in (zero1, zero2, fsdp):
+    assert _largest_operand(stage["all-gather"]) == full_leaf
+
+
+def test_moments_are_split_over_the_devices(eight_devices):
+  P = eight_devices["param_bytes"]
+  batch_per_device = eight_devices["batch_bytes"] // NUM_DEVICES
+  plain = eight_devices["None"]
+  assert plain["moment_bytes_per_device"] == 2 * P
+  for stage in ("zero1", "zero2", "fsdp"):
+    run = eight_devices[stage]
+    # m and v: 2P / 8 on each device (every leaf here divides by 8).
+    assert run["moment_bytes_per_device"] == 2 * P // NUM_DEVICES, run
+    assert run["moment_spec"] == str(PartitionSpec("data"))
+  # XLA's per-device accounting of the compiled step: params + m + v + batch
+  # slice (+ 16 bytes of counters).
+  for stage, params_share in (("zero2", P), ("fsdp", P // NUM_DEVICES)):
+    run = eight_devices[stage]
+    expected = params_share + 2 * P // NUM_DEVICES + batch_per_device
+    assert expected <= run["argument_bytes"] <= expected + 64, (stage, run)
+  assert eight_devices["fsdp"]["param_bytes_per_device"] == P // NUM_DEVICES
+  # ZeRO-2's temp is far below ZeRO-1's: no full gradient is all-reduced.
+  assert eight_devices["zero2"]["temp_bytes"] < 0.5 * eight_devices["zero1"]["temp_bytes"]
+
+
+def test_eight_bit_moments_under_zero2(eight_devices):
+  run = eight_devices["zero2_8bit"]
+  assert run["codes_spec"] == str(PartitionSpec("data"))
+  assert _largest_operand(run["collectives"]["all-reduce"]) <= NUM_DEVICES
+  # Same rounding noise on any sharding; cross-device sums may flip a rare
+  # rounding decision of a code, moving that element's update by a fraction
+  # of the learning rate (1e-2) at most.
+  assert run["max_param_diff"] < 1e-2, run
+
+
+# Single-device checks, in this process.
+
+
+def test_step_shardings_per_stage():
+  mesh = jax.make_mesh((1,), ("data",))
+  params = {"w": jnp.zeros((4, 3)), "scalar": jnp.zeros(())}
+  tx = optax_adama.adama(1e-3, num_micro_batches=2)
+  state = tx.init(params)
+  specs = lambda tree: [s.spec for s in jax.tree.leaves(tree)]
+  for stage in (None, "zero1", "zero2", "fsdp"):
+    shardings = optax_adama.step_shardings(params, state, mesh, shard_states=stage)
+    chex.assert_trees_all_equal_structs(shardings.opt_state, state)
+    moment_specs = specs(optax_adama.find_adama_state(shardings.opt_state).mu)
+    # Leaves in tree order: "scalar", then "w".
+    assert moment_specs == ([PartitionSpec()] * 2 if stage is None
+                            else [PartitionSpec(), PartitionSpec("data")])
+    assert specs(shardings.params)[1] == (
+        PartitionSpec("data") if stage == "fsdp" else PartitionSpec())
+  # A dimension the axis size does not divide is not split.
+  shard_leaf_spec = optax_adama._sharding.shard_leaf_spec
+  assert shard_leaf_spec((3, 16), 8) == PartitionSpec(None, "data")
+  assert shard_leaf_spec((3, 5), 8) == PartitionSpec()
+
+
+@pytest.mark.parametrize("stage", ["zero2", "fsdp"])
+def test_one_device_mesh_equals_plain_step(stage):
+  mesh = jax.make_mesh((1,), ("data",))
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
+  ref = _run(tx, _params(), steps=2)
+  got = _run(tx, _params(), steps=2, mesh=mesh, shard_states=stage)
+  chex.assert_trees_all_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(got[1], ref[1], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_sharding_options_are_rejected():
+  tx = optax_adama.adama(1e-3, num_micro_batches=2)
+  with pytest.raises(ValueError, match="needs a mesh"):
+    optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2, shard_states="zero2")
+  mesh = jax.make_mesh((1,), ("data",))
+  with pytest.raises(ValueError, match="shard_states"):
+    optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=2, mesh=mesh, shard_states="zero4")
+  with pytest.raises(ValueError, match="not in the mesh"):
+    optax_adama.step_shardings(_params(), None, mesh, data_axis="batch")
+
+
+if __name__ == "__main__":
+  print(json.dumps(_worker()))
