@@ -400,10 +400,16 @@ def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
         ax.plot(*zip(*points), marker="o", label=method)
     floor = sorted({(r.num_micro_batches, r.floor["total_p"]) for r in rows if r.preset == preset})
     ax.plot(*zip(*floor), "k--", label="AdamA floor")
+    # Full-batch memory grows N-fold and would flatten the lines that matter.
+    accumulating = [r.report["total_p"] for r in rows
+                    if r.preset == preset and r.method != "full_batch"]
+    if accumulating:
+      low = min(min(accumulating), min(p for _, p in floor))
+      ax.set_ylim(low * 0.9, max(accumulating) * 1.15)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per mini-batch (N)")
     ax.set_ylabel("compiled step memory (P)")
-    ax.set_title(preset)
+    ax.set_title(f"{preset} (full_batch leaves the frame as N grows)")
     ax.grid(alpha=0.3)
   axes[0][-1].legend(fontsize=8)
   fig.tight_layout()
@@ -432,6 +438,9 @@ def _parse_args(argv):
   thr.add_argument("--num-micro-batches", type=int, default=4)
   thr.add_argument("--rounds", type=int, default=7)
   thr.add_argument("--steps-per-round", type=int, default=5)
+  replot = sub.add_parser("plot", help="redraw memory vs N from a memory --json file")
+  replot.add_argument("json_in", type=Path)
+  replot.add_argument("--plot", type=Path, required=True)
   cap = sub.add_parser("capacity", parents=[common], help="largest GPT under a budget")
   cap.add_argument("--budgets-gb", type=float, nargs="+", default=[16, 24, 40, 80])
   cap.add_argument("--num-micro-batches", type=int, default=4)
@@ -442,6 +451,10 @@ def _parse_args(argv):
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse_args(argv)
+  if args.command == "plot":
+    saved = json.loads(args.json_in.read_text())
+    plot_memory_vs_n([MemoryRow(**row) for row in saved["rows"]], args.plot)
+    return saved
   progress = not args.no_progress
   result: dict[str, Any] = {"command": args.command, "machine": machine_info(),
                             "argv": list(sys.argv[1:] if argv is None else argv)}
