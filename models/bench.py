@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -300,13 +301,20 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int,
   return low
 
 
+@functools.lru_cache(maxsize=None)
+def family_param_count(scale: int, vocab_size: int = 50257) -> int:
+  """Parameters of gpt_family(scale), counted abstractly once per scale."""
+  return models.param_count(gpt_family(scale, vocab_size=vocab_size))
+
+
 def guess_scale(bytes_per_param: float, budget_bytes: float, max_scale: int,
                 vocab_size: int = 50257) -> int:
   """Largest scale whose parameters times ``bytes_per_param`` fit the budget."""
   best = 1
   for scale in range(1, max_scale + 1):
-    if models.param_count(gpt_family(scale, vocab_size=vocab_size)) * bytes_per_param <= budget_bytes:
-      best = scale
+    if family_param_count(scale, vocab_size) * bytes_per_param > budget_bytes:
+      break  # parameter counts grow with scale
+    best = scale
   return best
 
 
