@@ -48,6 +48,10 @@ import optax_adama
 from models.train import machine_info
 
 METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
+# Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
+# accumulation and AdamA (params, m, v replicated), AdamA with ZeRO-2 (m, v split,
+# gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
+SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_adama", "zero2_adama_8bit")
 Step = Callable[..., Any]
 
 
@@ -86,9 +90,20 @@ def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
 
 def make_step(
     method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Step, optax.GradientTransformation, int]:
   """(jitted donating step, its optimizer, the number of micro-batches it scans)."""
   adam = optax.adam(learning_rate)
+  if method in SHARDED_METHODS:
+    if mesh is None:
+      raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
+    quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
+    tx = (adam if method == "dp_scan_accumulation" else optax_adama.adama(
+        learning_rate, num_micro_batches=num_micro_batches, quantization=quantization))
+    step = optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=num_micro_batches, mesh=mesh,
+        shard_states="zero2" if method.startswith("zero2") else None)
+    return step, tx, num_micro_batches
   if method == "full_batch":
     return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam, 1
   if method == "scan_accumulation":
@@ -246,12 +261,18 @@ def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257) -> m
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
-                   seq_len: int, remat: str, vocab_size: int = 50257) -> tuple[int, int]:
-  """(compiled total bytes, param count) of a method's step on gpt_family(scale)."""
+                   seq_len: int, remat: str, vocab_size: int = 50257,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[int, int]:
+  """(compiled total bytes, param count) of a method's step on gpt_family(scale).
+
+  With a mesh the bytes are one device's, and every device gets
+  ``micro_batch_size`` rows of each micro-batch.
+  """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size)
   loss_fn, params = split_model(config)
-  step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
-  batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
+  step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh)
+  devices = 1 if mesh is None else mesh.size
+  batch = abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
   report = optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params), batch)
   return report.total_bytes, models.param_count(config)
 
@@ -328,9 +349,13 @@ def measure_capacity(
     remat: str,
     max_scale: int,
     vocab_size: int = 50257,
+    mesh: jax.sharding.Mesh | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-  """For each budget and method, the largest gpt_family model whose step fits."""
+  """For each budget and method, the largest gpt_family model whose step fits.
+
+  With a mesh, the budget is per device.
+  """
   cache: dict[tuple[str, int], tuple[int, int]] = {}
 
   def measure(method, scale):
@@ -338,7 +363,7 @@ def measure_capacity(
       cache[method, scale] = total_bytes_at(
           scale, method, num_micro_batches=num_micro_batches,
           micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
-          vocab_size=vocab_size)
+          vocab_size=vocab_size, mesh=mesh)
     return cache[method, scale]
 
   results = []
@@ -430,7 +455,8 @@ def _parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+  common.add_argument("--methods", nargs="+", choices=METHODS + SHARDED_METHODS,
+                      default=list(METHODS))
   common.add_argument("--micro-batch-size", type=int, default=1)
   common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
   common.add_argument("--json", type=Path, default=None, help="write results as JSON here")
@@ -454,6 +480,10 @@ def _parse_args(argv):
   cap.add_argument("--num-micro-batches", type=int, default=4)
   cap.add_argument("--remat", default="full", choices=sorted(models.REMAT_POLICIES))
   cap.add_argument("--max-scale", type=int, default=96)
+  cap.add_argument("--vocab-size", type=int, default=50257)
+  cap.add_argument("--devices", type=int, default=1,
+                   help="data-parallel mesh size (on CPU, fakes this many devices); "
+                        "the budget is then per device")
   return parser.parse_args(argv)
 
 
@@ -464,6 +494,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plot_memory_vs_n([MemoryRow(**row) for row in saved["rows"]], args.plot)
     return saved
   progress = not args.no_progress
+  mesh = None
+  if args.command == "capacity" and args.devices > 1:
+    if jax.default_backend() == "cpu" and jax.device_count() < args.devices:
+      raise SystemExit(
+          f"--devices {args.devices} on CPU: start with "
+          f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
+    mesh = jax.make_mesh((args.devices,), ("data",))
   result: dict[str, Any] = {"command": args.command, "machine": machine_info(),
                             "argv": list(sys.argv[1:] if argv is None else argv)}
   if args.command == "memory":
@@ -497,19 +534,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = measure_capacity(
         args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
-        remat=args.remat, max_scale=args.max_scale, progress=progress)
+        remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
+        progress=progress)
     result["capacity"] = results
-    base = "scan_accumulation"
-    lines = ["| budget | " + " | ".join(args.methods) + " | AdamA / scan_accumulation |",
+    base = "dp_scan_accumulation" if mesh is not None else "scan_accumulation"
+    lines = ["| budget | " + " | ".join(args.methods) + f" | parameters vs {base} |",
              "|" + "---|" * (len(args.methods) + 2)]
     for budget in args.budgets_gb:
       by_method = {r["method"]: r for r in results if r["budget_gb"] == budget}
-      ratio = ""
-      if "adama" in by_method and base in by_method and by_method[base]["param_count"]:
-        ratio = f"{by_method['adama']['param_count'] / by_method[base]['param_count']:.2f}x"
+      ratios = [f"{m}: {by_method[m]['param_count'] / by_method[base]['param_count']:.2f}x"
+                for m in args.methods if m != base and base in by_method
+                and by_method[base]["param_count"]]
       lines.append(f"| {budget:g} GB | " + " | ".join(
           f"{by_method[m]['param_count'] / 1e6:,.0f}M (scale {by_method[m]['scale']})"
-          for m in args.methods) + f" | {ratio} |")
+          for m in args.methods) + f" | {'; '.join(ratios)} |")
     table = "\n".join(lines)
   print(table)
   if args.markdown:

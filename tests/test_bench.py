@@ -67,3 +67,21 @@ def test_largest_fitting_finds_the_threshold(threshold, want, guess):
   assert len(calls) <= 2 * 5 + 1  # gallop + bisect, both logarithmic
   if guess is not None and abs(guess - want) <= 1 and 1 <= want < 20:
     assert len(calls) <= 3  # a good guess costs two or three compiles
+
+
+@pytest.mark.slow
+def test_capacity_on_eight_devices_zero2_fits_more(tmp_path):
+  """The per-device capacity search on 8 fake CPU devices (its own process)."""
+  import os
+  import subprocess
+  import sys
+  out = tmp_path / "capacity.json"
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  subprocess.run(
+      [sys.executable, "-m", "models.bench", "capacity", "--devices", "8",
+       "--budgets-gb", "0.02", "--methods", "dp_scan_accumulation", "zero2_adama_8bit",
+       "--num-micro-batches", "2", "--micro-batch-size", "1", "--seq-len", "32",
+       "--max-scale", "5", "--vocab-size", "256", "--json", str(out), "--no-progress"],
+      check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+  results = {r["method"]: r for r in json.loads(out.read_text())["capacity"]}
+  assert results["zero2_adama_8bit"]["param_count"] > results["dp_scan_accumulation"]["param_count"]
