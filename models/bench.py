@@ -370,9 +370,11 @@ def measure_capacity(
   bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
              file=sys.stderr)
   for method in methods:
-    # Bytes per parameter at a small anchor scale: overestimates big models
-    # (activations shrink relative to params), so the guess errs low.
-    anchor = min(8, max_scale)
+    # Bytes per parameter at an anchor scale: overestimates bigger models
+    # (activations shrink relative to params), so the guess errs low; the
+    # gallop then walks up. Scale 16 (~0.3B parameters) is close enough that
+    # the walk is a few steps, yet cheap to compile.
+    anchor = min(16, max_scale)
     anchor_bytes, anchor_params = measure(method, anchor)
     bytes_per_param = anchor_bytes / anchor_params
     for budget in budgets_gb:
