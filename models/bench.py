@@ -370,16 +370,20 @@ def measure_capacity(
   bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
              file=sys.stderr)
   for method in methods:
-    # Bytes per parameter at an anchor scale: overestimates bigger models
-    # (activations shrink relative to params), so the guess errs low; the
-    # gallop then walks up. Scale 16 (~0.3B parameters) is close enough that
-    # the walk is a few steps, yet cheap to compile.
-    anchor = min(16, max_scale)
-    anchor_bytes, anchor_params = measure(method, anchor)
-    bytes_per_param = anchor_bytes / anchor_params
+    # Fit bytes = a * params + b through two cheap anchor scales: a is the
+    # marginal bytes per parameter (params, moments, buffers), b the part that
+    # hardly grows (logits, one layer's activations). Extrapolated, it lands
+    # within a scale or two, so the gallop costs two or three compiles.
+    anchors = sorted({max(1, min(12, max_scale - 1)), min(16, max_scale)})
+    points = [measure(method, a) for a in anchors]
+    if len(points) == 2 and points[1][1] > points[0][1]:
+      slope = (points[1][0] - points[0][0]) / (points[1][1] - points[0][1])
+      intercept = points[1][0] - slope * points[1][1]
+    else:
+      slope, intercept = points[-1][0] / points[-1][1], 0.0
     for budget in budgets_gb:
       budget_bytes = budget * 1e9
-      guess = guess_scale(bytes_per_param, budget_bytes, max_scale, vocab_size)
+      guess = guess_scale(slope, budget_bytes - max(intercept, 0.0), max_scale, vocab_size)
       scale = largest_fitting(
           lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale, guess=guess)
       total, count = measure(method, scale) if scale >= 1 else (0, 0)
