@@ -515,7 +515,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for preset, n in tqdm(jobs, desc="memory", disable=not progress, file=sys.stderr):
       rows += measure_memory(preset, args.methods, n, micro_batch_size=args.micro_batch_size,
                              seq_len=args.seq_len, remat=args.remat)
-    result["rows"] = [dataclasses.asdict(r) for r in rows]
+      # Written as it goes: a sweep of the big presets takes hours on a CPU.
+      result["rows"] = [dataclasses.asdict(r) for r in rows]
+      _write_outputs(args, result, memory_table(rows))
     table = memory_table(rows)
     if args.plot:
       plot_memory_vs_n(rows, args.plot)
@@ -556,13 +558,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           for m in args.methods) + f" | {'; '.join(ratios)} |")
     table = "\n".join(lines)
   print(table)
+  _write_outputs(args, result, table)
+  return result
+
+
+def _write_outputs(args: argparse.Namespace, result: dict[str, Any], table: str) -> None:
   if args.markdown:
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(table + "\n")
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
-  return result
 
 
 if __name__ == "__main__":
