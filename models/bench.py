@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 import models
 import optax_adama
