@@ -1,0 +1,34 @@
+"""Executes every notebook on its smallest setting, so none of them rots."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
+build = importlib.util.module_from_spec(spec)
+sys.modules["notebook_build"] = build
+spec.loader.exec_module(build)
+
+
+@pytest.mark.parametrize("name", sorted(build.NOTEBOOKS))
+def test_notebook_runs_top_to_bottom(name, monkeypatch):
+  monkeypatch.setenv("NOTEBOOK_SMOKE", "1")  # the kernel inherits it
+  nb = build.execute(build.to_notebook(build.NOTEBOOKS[name]), timeout=600)
+  errors = [o for cell in nb.cells if cell.cell_type == "code"
+            for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+  assert not errors
+  # Plots are stored as images so the notebook reads well on GitHub.
+  assert any("image/png" in o.get("data", {}) for cell in nb.cells
+             if cell.cell_type == "code" for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("name", sorted(build.NOTEBOOKS))
+def test_committed_notebook_matches_its_source(name):
+  import nbformat
+  committed = nbformat.read(NOTEBOOKS / name, as_version=4)
+  sources = [c.source for c in committed.cells]
+  assert sources == [src for _, src in build.NOTEBOOKS[name]], (
+      f"{name} is stale: run `python notebooks/build.py {name}`")
