@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models.train import machine_info
+from models.train import machine_info, tokens_per_example
 
 METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
 # Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
@@ -209,7 +209,7 @@ def measure_throughput(
   loss_fn, init_params = models.split_loss_fn(model)
   batch_size = micro_batch_size * num_micro_batches
   batch = random_batch(config, abstract_batch(config, batch_size, seq_len))
-  tokens_per_step = batch_size * _tokens_per_example(config, batch)
+  tokens_per_step = batch_size * tokens_per_example(config, batch)
   runners = {}
   for method in methods:
     step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
@@ -239,13 +239,6 @@ def measure_throughput(
                    "tokens_per_s": tokens_per_step / median,
                    "step_s_all": times[method]}
   return out
-
-
-def _tokens_per_example(config, batch) -> int:
-  if isinstance(config, models.ViTConfig):
-    return config.num_patches + 1
-  length = batch["tokens"].shape[1]
-  return length - 1 if isinstance(config, models.GPTConfig) else length
 
 
 def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257) -> models.GPTConfig:

@@ -121,14 +121,13 @@ def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], l
   return train, eval_batches
 
 
-def tokens_per_example(config: TrainConfig, batch: dict) -> int:
+def tokens_per_example(model_config: models.Config, batch: dict) -> int:
   """Positions the model processes per example (patches + CLS for the ViT)."""
-  if config.model == "vit":
-    model_config = models.get_config(config.preset_name)
+  if isinstance(model_config, models.ViTConfig):
     return model_config.num_patches + 1
-  if config.model == "gpt":
-    return batch["tokens"].shape[1] - 1
-  return batch["tokens"].shape[1]
+  length = batch["tokens"].shape[1]
+  # GPT batches carry one extra token: the last target.
+  return length - 1 if isinstance(model_config, models.GPTConfig) else length
 
 
 def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
@@ -159,7 +158,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   compiled = step.lower(params, opt_state, first).compile()
   compile_s = time.perf_counter() - compile_start
   memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.tree_bytes(params))
-  tokens_per_step = config.batch_size * tokens_per_example(config, first)
+  tokens_per_step = config.batch_size * tokens_per_example(model_config, first)
 
   train_loss: list[float] = []
   step_times: list[float] = []

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from optax_adama._microbatch import split_micro_batches
+
 __all__ = ["MemoryReport", "MemoryFloor", "tree_bytes", "memory_report", "memory_floor"]
 
 
@@ -163,8 +165,6 @@ def memory_floor(
   Returns:
     A :class:`MemoryFloor`.
   """
-  from optax_adama._microbatch import split_micro_batches  # avoid a cycle
-
   micro_batch = jax.eval_shape(
       lambda b: jax.tree.map(lambda x: x[0], split_micro_batches(b, num_micro_batches)),
       batch)

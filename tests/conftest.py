@@ -7,13 +7,7 @@ correction computes ``float ** int32``).
 """
 
 import jax
-import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-
-@pytest.fixture
-def standard_promotion():
-  """Context for code (optax references) that relies on implicit promotion."""
-  return jax.numpy_dtype_promotion("standard")
