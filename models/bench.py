@@ -51,7 +51,8 @@ METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching
 # Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
 # accumulation and AdamA (params, m, v replicated), AdamA with ZeRO-2 (m, v split,
 # gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
-SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_adama", "zero2_adama_8bit")
+SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
+                   "zero2_adama", "zero2_adama_8bit")
 Step = Callable[..., Any]
 
 
@@ -98,7 +99,7 @@ def make_step(
     if mesh is None:
       raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
     quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
-    tx = (adam if method == "dp_scan_accumulation" else optax_adama.adama(
+    tx = (adam if method.endswith("_scan_accumulation") else optax_adama.adama(
         learning_rate, num_micro_batches=num_micro_batches, quantization=quantization))
     step = optax_adama.microbatch_step(
         loss_fn, tx, num_micro_batches=num_micro_batches, mesh=mesh,
@@ -546,6 +547,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       ratios = [f"{m}: {by_method[m]['param_count'] / by_method[base]['param_count']:.2f}x"
                 for m in args.methods if m != base and base in by_method
                 and by_method[base]["param_count"]]
+      # AdamA against gradient accumulation with the same sharding, too.
+      same = "zero2_scan_accumulation"
+      if same in by_method and by_method[same]["param_count"]:
+        ratios += [
+            f"{m} vs {same}: "
+            f"{by_method[m]['param_count'] / by_method[same]['param_count']:.2f}x"
+            for m in args.methods if m.startswith("zero2_adama")]
       lines.append(f"| {budget:g} GB | " + " | ".join(
           f"{by_method[m]['param_count'] / 1e6:,.0f}M (scale {by_method[m]['scale']})"
           for m in args.methods) + f" | {'; '.join(ratios)} |")

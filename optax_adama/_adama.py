@@ -254,13 +254,15 @@ def scale_by_adama(
         jnp.sqrt(new_v), code_dtype, seeds[1] if random else None, absmax=v_absmax)
     return new_m, new_v, jnp.all(is_finite)
 
-  def direction_leaf(m, v, g, count, emit):
+  def direction_leaf(m, v, like, count, emit):
+    """The gated Adam direction of one leaf, shaped and typed as ``like``."""
     if isinstance(m, QuantizedArray):
       sqrt_v = _quantize.dequantize_blocks(v)
+      blocks_like = jax.ShapeDtypeStruct(m.codes.shape, jnp.float32)
       return _quantize.from_blocks(
           direction_leaf(_quantize.dequantize_blocks(m), sqrt_v * sqrt_v,
-                         jnp.zeros([], jnp.float32), count, emit),
-          jnp.shape(g)).astype(g.dtype)
+                         blocks_like, count, emit),
+          like.shape).astype(like.dtype)
     dtype = _compute_dtype(m.dtype, v.dtype)
     # Explicit casts keep this valid under jax_numpy_dtype_promotion="strict"
     # (optax.tree.bias_correction raises there: float ** int32).
@@ -268,23 +270,24 @@ def scale_by_adama(
     m_hat = m.astype(dtype) / (1.0 - jnp.asarray(b1, dtype) ** t)
     v_hat = v.astype(dtype) / (1.0 - jnp.asarray(b2, dtype) ** t)
     u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-    return jnp.where(emit, u, jnp.zeros_like(u)).astype(g.dtype)
+    return jnp.where(emit, u, jnp.zeros_like(u)).astype(like.dtype)
 
   def gated_direction_leaf(m, v, g, count, emit):
+    # Only g's shape and dtype enter the branch below: g itself would become
+    # an operand of the cond, one more reason for XLA to keep it alive.
+    like = jax.ShapeDtypeStruct(jnp.shape(g), g.dtype)
     if not isinstance(m, QuantizedArray):
-      return direction_leaf(m, v, g, count, emit)
+      return direction_leaf(m, v, like, count, emit)
     # A quantized moment must be read back from its stored bytes. Computed
     # unconditionally, XLA fuses the requantization into the direction and
     # reads the float32 fold result (sqrt(v) is too expensive to duplicate)
     # instead, which then stays alive for every leaf until the all-leaf
-    # `emit` is known: 2.4 P of temp on the 8-layer MLP of test_memory.py.
-    # Behind a branch (run on the emitting call only) the direction reads the
-    # codes: 0.9 P, what is left being the branches' outputs. (bfloat16
-    # moments do better without it: 0.35 P, against 1.2 P with it.)
+    # `emit` is known. Behind a branch (run on the emitting call only) the
+    # direction reads the codes.
     return jax.lax.cond(
         emit,
-        lambda: direction_leaf(m, v, g, count, jnp.array(True)),
-        lambda: jnp.zeros_like(g))
+        lambda: direction_leaf(m, v, like, count, jnp.array(True)),
+        lambda: jnp.zeros(like.shape, like.dtype))
 
   def needs_seeds(mu, nu) -> bool:
     if stochastic_rounding is False:

@@ -217,6 +217,10 @@ def microbatch_step(
       return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
 
     grad_sum = jax.tree.map(jnp.zeros_like, params)
+    if mesh is not None:
+      # Under ZeRO-2 / FSDP each device accumulates its slice only (as
+      # DeepSpeed's ZeRO-2 does): the baseline AdamA is compared against.
+      grad_sum = constrain(grad_sum, shardings_of(params, None).grads)
     grad_sum, (losses, aux) = jax.lax.scan(body, grad_sum, micro_batches)
     grads = jax.tree.map(lambda g: g / num_micro_batches, grad_sum)
     updates, opt_state = tx.update(grads, opt_state, params)
