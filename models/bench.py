@@ -345,10 +345,13 @@ def measure_capacity(
     vocab_size: int = 50257,
     mesh: jax.sharding.Mesh | None = None,
     progress: bool = True,
+    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
   """For each budget and method, the largest gpt_family model whose step fits.
 
-  With a mesh, the budget is per device.
+  With a mesh, the budget is per device. ``on_result`` is called with the
+  results so far after each (method, budget), so a long search can be saved
+  as it goes.
   """
   cache: dict[tuple[str, int], tuple[int, int]] = {}
 
@@ -384,6 +387,8 @@ def measure_capacity(
       results.append({"budget_gb": budget, "method": method, "scale": scale,
                       "param_count": count, "total_bytes": total,
                       "compiles": len(cache)})
+      if on_result is not None:
+        on_result(results)
       bar.update()
   bar.close()
   return sorted(results, key=lambda r: (r["budget_gb"], methods.index(r["method"])))
@@ -537,7 +542,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
-        progress=progress)
+        progress=progress,
+        # Written as it goes: each compile of a big model takes minutes on a CPU.
+        on_result=lambda so_far: _write_outputs(args, {**result, "capacity": so_far}, ""))
     result["capacity"] = results
     base = "dp_scan_accumulation" if mesh is not None else "scan_accumulation"
     lines = ["| budget | " + " | ".join(args.methods) + f" | parameters vs {base} |",

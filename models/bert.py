@@ -29,40 +29,23 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class BERTConfig:
+class BERTConfig(layers.TransformerConfig):
     """Hyper-parameters of a `BERT` model.
+
+    The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
+    `remat`, dtypes) come from `models.layers.TransformerConfig`.
 
     Attributes:
       vocab_size: number of token ids (30522 for BERT's WordPiece; 260 for the
         byte vocabulary of `models.data`: 256 bytes + [PAD], [MASK], [CLS], [SEP]).
       max_len: number of learned positions.
       type_vocab_size: number of token types (segments).
-      num_layers: number of transformer blocks.
-      num_heads: attention heads per block.
-      hidden: model width.
-      mlp_dim: MLP inner width; None means 4 * hidden.
-      layer_norm_eps: LayerNorm epsilon.
-      remat: block remat policy, a key of `models.layers.REMAT_POLICIES`.
-      dtype: compute dtype.
-      param_dtype: parameter dtype.
     """
 
     vocab_size: int = 30522
     max_len: int = 512
     type_vocab_size: int = 2
-    num_layers: int = 12
-    num_heads: int = 12
-    hidden: int = 768
-    mlp_dim: int | None = None
     layer_norm_eps: float = 1e-12
-    remat: str = "none"
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP inner width actually used."""
-        return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
 
     @classmethod
     def bert_base(cls, **overrides: Any) -> BERTConfig:

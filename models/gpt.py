@@ -25,37 +25,19 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(layers.TransformerConfig):
     """Hyper-parameters of a `GPT` model.
+
+    The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
+    `remat`, dtypes) come from `models.layers.TransformerConfig`.
 
     Attributes:
       vocab_size: number of token ids (50257 for GPT-2's BPE, 256 for bytes).
       max_len: context length (number of learned positions).
-      num_layers: number of transformer blocks.
-      num_heads: attention heads per block.
-      hidden: model width.
-      mlp_dim: MLP inner width; None means 4 * hidden.
-      layer_norm_eps: LayerNorm epsilon.
-      remat: block remat policy, a key of `models.layers.REMAT_POLICIES`.
-      dtype: compute dtype.
-      param_dtype: parameter dtype.
     """
 
     vocab_size: int = 50257
     max_len: int = 1024
-    num_layers: int = 12
-    num_heads: int = 12
-    hidden: int = 768
-    mlp_dim: int | None = None
-    layer_norm_eps: float = 1e-5
-    remat: str = "none"
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP inner width actually used."""
-        return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
 
     @classmethod
     def gpt2_small(cls, **overrides: Any) -> GPTConfig:

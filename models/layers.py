@@ -9,6 +9,7 @@ broadcasts are explicit and mixed dtypes are cast by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,39 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters every model here shares: the stack of blocks.
+
+    `GPTConfig`, `BERTConfig` and `ViTConfig` add their inputs and outputs and
+    override defaults (e.g. `layer_norm_eps`) where the published models differ.
+
+    Attributes:
+      num_layers: number of transformer blocks.
+      num_heads: attention heads per block.
+      hidden: model width.
+      mlp_dim: MLP inner width; None means 4 * hidden.
+      layer_norm_eps: LayerNorm epsilon.
+      remat: block remat policy, a key of `REMAT_POLICIES`.
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+    """
+
+    num_layers: int = 12
+    num_heads: int = 12
+    hidden: int = 768
+    mlp_dim: int | None = None
+    layer_norm_eps: float = 1e-5
+    remat: str = "none"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP inner width actually used."""
+        return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
+
 
 # Weight init as in GPT-2 / BERT: N(0, 0.02).
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)

@@ -27,41 +27,24 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class ViTConfig:
+class ViTConfig(layers.TransformerConfig):
     """Hyper-parameters of a `ViT` model.
+
+    The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
+    `remat`, dtypes) come from `models.layers.TransformerConfig`.
 
     Attributes:
       image_size: height = width of the input images.
       patch_size: side of the square patches; must divide image_size.
       num_channels: input channels (3 for RGB, 1 for sklearn digits).
       num_classes: number of output classes.
-      num_layers: number of transformer blocks.
-      num_heads: attention heads per block.
-      hidden: model width.
-      mlp_dim: MLP inner width; None means 4 * hidden.
-      layer_norm_eps: LayerNorm epsilon.
-      remat: block remat policy, a key of `models.layers.REMAT_POLICIES`.
-      dtype: compute dtype.
-      param_dtype: parameter dtype.
     """
 
     image_size: int = 224
     patch_size: int = 16
     num_channels: int = 3
     num_classes: int = 1000
-    num_layers: int = 12
-    num_heads: int = 12
-    hidden: int = 768
-    mlp_dim: int | None = None
     layer_norm_eps: float = 1e-6
-    remat: str = "none"
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP inner width actually used."""
-        return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
 
     @property
     def num_patches(self) -> int:
