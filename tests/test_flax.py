@@ -8,7 +8,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import linen
 from flax import nnx
 from flax.training import train_state
