@@ -10,7 +10,6 @@ the committed .ipynb files carry the outputs of the last full execution.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
