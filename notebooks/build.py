@@ -330,7 +330,7 @@ budget, by compile-only search (`python -m models.bench capacity`; with `--devic
 the budget is per device). The committed results, from a clone of the repository:"""),
     ("code", '''\
 from pathlib import Path
-for name in ("capacity.md", "capacity_8_devices.md"):
+for name in ("capacity.md", "capacity_24gb.md", "capacity_8_devices_4gb.md"):
     table = Path("..") / "benchmarks" / "raw" / name
     print(f"{name}:\\n{table.read_text()}" if table.exists() else f"{name}: not in this checkout")'''),
 ]
