@@ -242,27 +242,32 @@ def measure_throughput(
   return out
 
 
-def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257) -> models.GPTConfig:
+def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
+               hidden: int | None = None) -> models.GPTConfig:
   """A GPT-2-shaped model grown in depth and width together.
 
   ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
   128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
-  of width 1536).
+  of width 1536), or ``hidden`` (a multiple of 64: heads of 64) when given.
   """
-  hidden = max(128, int(round(64 * scale / 128)) * 128)
+  if hidden is None:
+    hidden = max(128, int(round(64 * scale / 128)) * 128)
+  elif hidden % 64:
+    raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
   return models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64, remat=remat,
                           vocab_size=vocab_size)
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
                    seq_len: int, remat: str, vocab_size: int = 50257,
-                   mesh: jax.sharding.Mesh | None = None) -> tuple[int, int]:
+                   mesh: jax.sharding.Mesh | None = None,
+                   hidden: int | None = None) -> tuple[int, int]:
   """(compiled total bytes, param count) of a method's step on gpt_family(scale).
 
   With a mesh the bytes are one device's, and every device gets
   ``micro_batch_size`` rows of each micro-batch.
   """
-  config = gpt_family(scale, remat=remat, vocab_size=vocab_size)
+  config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden)
   loss_fn, params = split_model(config)
   step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh)
   devices = 1 if mesh is None else mesh.size
@@ -346,22 +351,26 @@ def measure_capacity(
     mesh: jax.sharding.Mesh | None = None,
     progress: bool = True,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+    refine_width: bool = False,
 ) -> list[dict[str, Any]]:
   """For each budget and method, the largest gpt_family model whose step fits.
 
   With a mesh, the budget is per device. ``on_result`` is called with the
   results so far after each (method, budget), so a long search can be saved
-  as it goes.
+  as it goes. With ``refine_width``, the answer's width is then grown in steps
+  of 64 at the same depth while the step fits: the family's width moves in
+  steps of 128, too coarse to tell methods apart that differ by less than a
+  step.
   """
-  cache: dict[tuple[str, int], tuple[int, int]] = {}
+  cache: dict[tuple[str, int, int | None], tuple[int, int]] = {}
 
-  def measure(method, scale):
-    if (method, scale) not in cache:
-      cache[method, scale] = total_bytes_at(
+  def measure(method, scale, hidden=None):
+    if (method, scale, hidden) not in cache:
+      cache[method, scale, hidden] = total_bytes_at(
           scale, method, num_micro_batches=num_micro_batches,
           micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
-          vocab_size=vocab_size, mesh=mesh)
-    return cache[method, scale]
+          vocab_size=vocab_size, mesh=mesh, hidden=hidden)
+    return cache[method, scale, hidden]
 
   results = []
   bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
@@ -384,8 +393,15 @@ def measure_capacity(
       scale = largest_fitting(
           lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale, guess=guess)
       total, count = measure(method, scale) if scale >= 1 else (0, 0)
+      hidden = gpt_family(scale).hidden if scale >= 1 else 0
+      while refine_width and scale >= 1:
+        wider = measure(method, scale, hidden + 64)
+        if wider[0] > budget_bytes:
+          break
+        hidden += 64
+        total, count = wider
       results.append({"budget_gb": budget, "method": method, "scale": scale,
-                      "param_count": count, "total_bytes": total,
+                      "hidden": hidden, "param_count": count, "total_bytes": total,
                       "compiles": len(cache)})
       if on_result is not None:
         on_result(results)
@@ -485,6 +501,8 @@ def _parse_args(argv):
   cap.add_argument("--num-micro-batches", type=int, default=4)
   cap.add_argument("--remat", default="full", choices=sorted(models.REMAT_POLICIES))
   cap.add_argument("--max-scale", type=int, default=96)
+  cap.add_argument("--refine-width", action="store_true",
+                   help="then grow the answer's width in steps of 64 at the same depth")
   cap.add_argument("--vocab-size", type=int, default=50257)
   cap.add_argument("--devices", type=int, default=1,
                    help="data-parallel mesh size (on CPU, fakes this many devices); "
@@ -542,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
+        refine_width=args.refine_width,
         progress=progress,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
         on_result=lambda so_far: _write_outputs(args, {**result, "capacity": so_far}, ""))
@@ -562,7 +581,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{by_method[m]['param_count'] / by_method[same]['param_count']:.2f}x"
             for m in args.methods if m.startswith("zero2_adama")]
       lines.append(f"| {budget:g} GB | " + " | ".join(
-          f"{by_method[m]['param_count'] / 1e6:,.0f}M (scale {by_method[m]['scale']})"
+          f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} x "
+          f"{by_method[m].get('hidden', gpt_family(by_method[m]['scale']).hidden)})"
           for m in args.methods) + f" | {'; '.join(ratios)} |")
     table = "\n".join(lines)
   print(table)

@@ -92,3 +92,22 @@ def test_capacity_on_eight_devices_zero2_fits_more(tmp_path):
           >= results["dp_scan_accumulation"]["param_count"])
   assert (results["zero2_adama_8bit"]["param_count"]
           >= results["zero2_scan_accumulation"]["param_count"])
+
+
+def test_refine_width_grows_the_answer_while_it_fits(monkeypatch):
+  """The width refinement, on a fake byte count (no compiles): bytes = layers x width."""
+  def fake_total_bytes_at(scale, method, *, hidden=None, **_):
+    width = bench.gpt_family(scale).hidden if hidden is None else hidden
+    return scale * width, scale * width // 2  # (bytes, params)
+
+  monkeypatch.setattr(bench, "total_bytes_at", fake_total_bytes_at)
+  budget_gb = 21 * 1408 / 1e9  # 29,568 "bytes"
+  common = dict(num_micro_batches=2, micro_batch_size=1, seq_len=16, remat="full",
+                max_scale=40, progress=False)
+  (coarse,) = bench.measure_capacity([budget_gb], ["adama"], **common)
+  (fine,) = bench.measure_capacity([budget_gb], ["adama"], refine_width=True, **common)
+  # 21 x 1280 = 26,880 fits, 22 x 1408 = 30,976 does not: the family's answer.
+  assert (coarse["scale"], coarse["hidden"], coarse["total_bytes"]) == (21, 1280, 26880)
+  # At 21 layers, 1344 (28,224) and 1408 (29,568) fit, 1472 (30,912) does not.
+  assert (fine["scale"], fine["hidden"], fine["total_bytes"]) == (21, 1408, 29568)
+  assert fine["param_count"] == 29568 // 2
