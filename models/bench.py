@@ -581,8 +581,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{by_method[m]['param_count'] / by_method[same]['param_count']:.2f}x"
             for m in args.methods if m.startswith("zero2_adama")]
       lines.append(f"| {budget:g} GB | " + " | ".join(
-          f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} x "
-          f"{by_method[m].get('hidden', gpt_family(by_method[m]['scale']).hidden)})"
+          f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} layers x "
+          f"{by_method[m]['hidden']})"
           for m in args.methods) + f" | {'; '.join(ratios)} |")
     table = "\n".join(lines)
   print(table)
