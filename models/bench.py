@@ -410,6 +410,34 @@ def measure_capacity(
   return sorted(results, key=lambda r: (r["budget_gb"], methods.index(r["method"])))
 
 
+def capacity_table(results: Sequence[dict[str, Any]]) -> str:
+  """Markdown: one row per budget, one column per method, and the ratios.
+
+  Ratios are of parameter counts against data-parallel (or single-device)
+  scan accumulation, and for ZeRO-2 AdamA against ZeRO-2 accumulation too.
+  """
+  methods = list(dict.fromkeys(r["method"] for r in results))
+  budgets = list(dict.fromkeys(r["budget_gb"] for r in results))
+  base = "dp_scan_accumulation" if "dp_scan_accumulation" in methods else "scan_accumulation"
+  same = "zero2_scan_accumulation"  # AdamA against accumulation with the same sharding
+  lines = ["| budget | " + " | ".join(methods) + f" | parameters vs {base} |",
+           "|" + "---|" * (len(methods) + 2)]
+  for budget in budgets:
+    by_method = {r["method"]: r for r in results if r["budget_gb"] == budget}
+    ratio = lambda m, b: by_method[m]["param_count"] / by_method[b]["param_count"]
+    ratios = []
+    if by_method.get(base, {}).get("param_count"):
+      ratios += [f"{m}: {ratio(m, base):.2f}x" for m in methods if m != base and m in by_method]
+    if by_method.get(same, {}).get("param_count"):
+      ratios += [f"{m} vs {same}: {ratio(m, same):.2f}x"
+                 for m in methods if m.startswith("zero2_adama") and m in by_method]
+    cells = [f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} layers x "
+             f"{by_method[m].get('hidden') or gpt_family(max(by_method[m]['scale'], 1)).hidden})"
+             if m in by_method else "" for m in methods]
+    lines.append(f"| {budget:g} GB | " + " | ".join(cells) + f" | {'; '.join(ratios)} |")
+  return "\n".join(lines)
+
+
 def memory_table(rows: Sequence[MemoryRow]) -> str:
   """Markdown: one row per (preset, N), one column per method, in GiB and P."""
   methods = [m for m in METHODS if any(r.method == m for r in rows)]
@@ -496,6 +524,12 @@ def _parse_args(argv):
   replot = sub.add_parser("plot", help="redraw memory vs N from a memory --json file")
   replot.add_argument("json_in", type=Path)
   replot.add_argument("--plot", type=Path, required=True)
+  tab = sub.add_parser(
+      "table", help="the markdown table of saved memory or capacity --json files, merged "
+      "(e.g. one run per method)")
+  tab.add_argument("json_in", type=Path, nargs="+")
+  tab.add_argument("--json", type=Path, default=None, help="write the merged JSON here")
+  tab.add_argument("--markdown", type=Path, default=None, help="write the table here")
   cap = sub.add_parser("capacity", parents=[common], help="largest GPT under a budget")
   cap.add_argument("--budgets-gb", type=float, nargs="+", default=[16, 24, 40, 80])
   cap.add_argument("--num-micro-batches", type=int, default=4)
@@ -516,6 +550,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     saved = json.loads(args.json_in.read_text())
     plot_memory_vs_n([MemoryRow(**row) for row in saved["rows"]], args.plot)
     return saved
+  if args.command == "table":
+    return merge_tables(args)
   progress = not args.no_progress
   mesh = None
   if args.command == "capacity" and args.devices > 1:
@@ -563,31 +599,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         refine_width=args.refine_width,
         progress=progress,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
-        on_result=lambda so_far: _write_outputs(args, {**result, "capacity": so_far}, ""))
+        on_result=lambda so_far: _write_outputs(
+            args, {**result, "capacity": so_far}, capacity_table(so_far)))
     result["capacity"] = results
-    base = "dp_scan_accumulation" if mesh is not None else "scan_accumulation"
-    lines = ["| budget | " + " | ".join(args.methods) + f" | parameters vs {base} |",
-             "|" + "---|" * (len(args.methods) + 2)]
-    for budget in args.budgets_gb:
-      by_method = {r["method"]: r for r in results if r["budget_gb"] == budget}
-      ratios = [f"{m}: {by_method[m]['param_count'] / by_method[base]['param_count']:.2f}x"
-                for m in args.methods if m != base and base in by_method
-                and by_method[base]["param_count"]]
-      # AdamA against gradient accumulation with the same sharding, too.
-      same = "zero2_scan_accumulation"
-      if same in by_method and by_method[same]["param_count"]:
-        ratios += [
-            f"{m} vs {same}: "
-            f"{by_method[m]['param_count'] / by_method[same]['param_count']:.2f}x"
-            for m in args.methods if m.startswith("zero2_adama")]
-      lines.append(f"| {budget:g} GB | " + " | ".join(
-          f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} layers x "
-          f"{by_method[m]['hidden']})"
-          for m in args.methods) + f" | {'; '.join(ratios)} |")
-    table = "\n".join(lines)
+    table = capacity_table(results)
   print(table)
   _write_outputs(args, result, table)
   return result
+
+
+def merge_tables(args: argparse.Namespace) -> dict[str, Any]:
+  """``table``: merges saved memory or capacity runs and prints their table."""
+  runs = [json.loads(path.read_text()) for path in args.json_in]
+  commands = {run["command"] for run in runs}
+  if len(commands) != 1 or commands & {"memory", "capacity"} != commands:
+    raise SystemExit(f"table merges memory runs or capacity runs, got {sorted(commands)}")
+  (command,) = commands
+  merged: dict[str, Any] = {"command": command, "machine": runs[0]["machine"],
+                            "argv": [run["argv"] for run in runs]}
+  if command == "memory":
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows = sorted((MemoryRow(**row) for run in runs for row in run["rows"]),
+                  key=lambda r: (r.preset, r.num_micro_batches, order[r.method]))
+    merged["rows"] = [dataclasses.asdict(r) for r in rows]
+    table = memory_table(rows)
+  else:
+    merged["capacity"] = sorted((r for run in runs for r in run["capacity"]),
+                                key=lambda r: r["budget_gb"])
+    table = capacity_table(merged["capacity"])
+  print(table)
+  _write_outputs(args, merged, table)
+  return merged
 
 
 def _write_outputs(args: argparse.Namespace, result: dict[str, Any], table: str) -> None:

@@ -110,11 +110,11 @@ def microbatch_step(
   batch is split over ``data_axis``, each device scans over its own rows of
   every micro-batch, and ``shard_states`` chooses ZeRO-1 (m, v split over the
   devices), ZeRO-2 (also each micro-batch gradient reduce-scattered straight
-  into the moment slices, so no device holds a full gradient) or FSDP (params
-  split too). With a transformation that is not AdamA (e.g. ``optax.adam``)
-  under ZeRO-2 or FSDP, each device accumulates its slice of the gradient sum:
-  the sharded accumulation baseline. Results equal the single-device step up
-  to float rounding.
+  into the moment slices, so no device holds the whole reduced gradient) or
+  FSDP (params split too). With a transformation that is not AdamA (e.g.
+  ``optax.adam``) under ZeRO-2 or FSDP, each device accumulates its slice of
+  the gradient sum: the sharded accumulation baseline. Results equal the
+  single-device step up to float rounding.
   Place params and state with :func:`step_shardings` first so their buffers
   can be donated; run ``jax.distributed.initialize()`` first on several hosts.
 

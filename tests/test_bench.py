@@ -111,3 +111,21 @@ def test_refine_width_grows_the_answer_while_it_fits(monkeypatch):
   # At 21 layers, 1344 (28,224) and 1408 (29,568) fit, 1472 (30,912) does not.
   assert (fine["scale"], fine["hidden"], fine["total_bytes"]) == (21, 1408, 29568)
   assert fine["param_count"] == 29568 // 2
+
+
+def test_table_merges_capacity_runs_of_one_method_each(tmp_path):
+  """`models.bench table`: per-method capacity runs merged into one table with ratios."""
+  def run(method, params):
+    return {"command": "capacity", "machine": {}, "argv": ["capacity", "--methods", method],
+            "capacity": [{"budget_gb": 16.0, "method": method, "scale": 20, "hidden": 1280,
+                          "param_count": params, "total_bytes": 1, "compiles": 1}]}
+  paths = []
+  for method, params in [("scan_accumulation", 400e6), ("adama", 500e6)]:
+    paths.append(tmp_path / f"{method}.json")
+    paths[-1].write_text(json.dumps(run(method, params)))
+  merged = bench.main(["table", *map(str, paths), "--markdown", str(tmp_path / "t.md"),
+                       "--json", str(tmp_path / "merged.json")])
+  assert [r["method"] for r in merged["capacity"]] == ["scan_accumulation", "adama"]
+  table = (tmp_path / "t.md").read_text()
+  assert "| 16 GB | 400M (20 layers x 1280) | 500M (20 layers x 1280) | adama: 1.25x |" in table
+  assert json.loads((tmp_path / "merged.json").read_text()) == merged
