@@ -57,100 +57,100 @@ _MODEL_CLASSES: dict[type, type[nnx.Module]] = {
 
 
 def get_config(name_or_config: str | Config, **overrides: Any) -> Config:
-    """Looks up a preset by name (or takes a config) and applies field overrides.
+  """Looks up a preset by name (or takes a config) and applies field overrides.
 
-    Args:
-      name_or_config: a key of `PRESETS`, or a config instance.
-      **overrides: config fields to replace, e.g. `remat="full"`.
+  Args:
+    name_or_config: a key of `PRESETS`, or a config instance.
+    **overrides: config fields to replace, e.g. `remat="full"`.
 
-    Returns:
-      The (frozen) config.
-    """
-    if isinstance(name_or_config, str):
-        if name_or_config not in PRESETS:
-            raise KeyError(f"unknown preset {name_or_config!r}; known: {sorted(PRESETS)}")
-        config = PRESETS[name_or_config]
-    else:
-        config = name_or_config
-    return dataclasses.replace(config, **overrides) if overrides else config
+  Returns:
+    The (frozen) config.
+  """
+  if isinstance(name_or_config, str):
+    if name_or_config not in PRESETS:
+      raise KeyError(f"unknown preset {name_or_config!r}; known: {sorted(PRESETS)}")
+    config = PRESETS[name_or_config]
+  else:
+    config = name_or_config
+  return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def create(name_or_config: str | Config, *, rngs: nnx.Rngs, **overrides: Any) -> Model:
-    """Builds the model for a preset name or config.
+  """Builds the model for a preset name or config.
 
-    Works under `nnx.eval_shape`, so the largest presets can be inspected and
-    compiled without allocating their parameters:
-    `nnx.eval_shape(lambda: models.create("gpt2_xl", rngs=nnx.Rngs(0)))`.
+  Works under `nnx.eval_shape`, so the largest presets can be inspected and
+  compiled without allocating their parameters:
+  `nnx.eval_shape(lambda: models.create("gpt2_xl", rngs=nnx.Rngs(0)))`.
 
-    Args:
-      name_or_config: a key of `PRESETS`, or a config instance.
-      rngs: random streams for initialisation.
-      **overrides: config fields to replace, e.g. `remat="full"`.
+  Args:
+    name_or_config: a key of `PRESETS`, or a config instance.
+    rngs: random streams for initialisation.
+    **overrides: config fields to replace, e.g. `remat="full"`.
 
-    Returns:
-      A `GPT`, `BERT` or `ViT` module.
-    """
-    config = get_config(name_or_config, **overrides)
-    return _MODEL_CLASSES[type(config)](config, rngs=rngs)
+  Returns:
+    A `GPT`, `BERT` or `ViT` module.
+  """
+  config = get_config(name_or_config, **overrides)
+  return _MODEL_CLASSES[type(config)](config, rngs=rngs)
 
 
 def create_abstract(name_or_config: str | Config, **overrides: Any) -> Model:
-    """The model with `jax.ShapeDtypeStruct`s in place of arrays (nothing allocated)."""
-    return nnx.eval_shape(lambda: create(name_or_config, rngs=nnx.Rngs(0), **overrides))
+  """The model with `jax.ShapeDtypeStruct`s in place of arrays (nothing allocated)."""
+  return nnx.eval_shape(lambda: create(name_or_config, rngs=nnx.Rngs(0), **overrides))
 
 
 def param_count(model_or_config: nnx.Module | str | Config) -> int:
-    """Number of scalar parameters (`nnx.Param` entries) of a model.
+  """Number of scalar parameters (`nnx.Param` entries) of a model.
 
-    Args:
-      model_or_config: a model (concrete or abstract), a preset name or a
-        config; names and configs are counted via `nnx.eval_shape`.
+  Args:
+    model_or_config: a model (concrete or abstract), a preset name or a
+      config; names and configs are counted via `nnx.eval_shape`.
 
-    Returns:
-      The total number of parameters.
-    """
-    if isinstance(model_or_config, nnx.Module):
-        model = model_or_config
-    else:
-        model = create_abstract(model_or_config)
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    return sum(math.prod(leaf.shape) for leaf in leaves)
+  Returns:
+    The total number of parameters.
+  """
+  if isinstance(model_or_config, nnx.Module):
+    model = model_or_config
+  else:
+    model = create_abstract(model_or_config)
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return sum(math.prod(leaf.shape) for leaf in leaves)
 
 
 def make_loss_fn(
     graphdef: nnx.GraphDef, *rest: nnx.State, has_aux: bool = False
 ) -> Callable[..., Any]:
-    """The pure loss of a split model, for `jax.grad` and `lax.scan`.
+  """The pure loss of a split model, for `jax.grad` and `lax.scan`.
 
-    Args:
-      graphdef: from `graphdef, params, *rest = nnx.split(model, nnx.Param, ...)`.
-      *rest: the non-parameter states from the same split (our models have
-        none, but passing them keeps this correct for any NNX model).
-      has_aux: also return the model's metrics dict (e.g. "accuracy").
+  Args:
+    graphdef: from `graphdef, params, *rest = nnx.split(model, nnx.Param, ...)`.
+    *rest: the non-parameter states from the same split (our models have
+      none, but passing them keeps this correct for any NNX model).
+    has_aux: also return the model's metrics dict (e.g. "accuracy").
 
-    Returns:
-      `loss_fn(params, batch) -> loss`, or `-> (loss, metrics)` if `has_aux`,
-      where loss is the float32 mean loss of the batch. The batch formats are
-      documented on `GPT.loss`, `BERT.loss` and `ViT.loss`.
-    """
+  Returns:
+    `loss_fn(params, batch) -> loss`, or `-> (loss, metrics)` if `has_aux`,
+    where loss is the float32 mean loss of the batch. The batch formats are
+    documented on `GPT.loss`, `BERT.loss` and `ViT.loss`.
+  """
 
-    def loss_fn(params: nnx.State, batch: Batch) -> Any:
-        model = nnx.merge(graphdef, params, *rest)
-        loss, metrics = model.loss(batch)
-        return (loss, metrics) if has_aux else loss
+  def loss_fn(params: nnx.State, batch: Batch) -> Any:
+    model = nnx.merge(graphdef, params, *rest)
+    loss, metrics = model.loss(batch)
+    return (loss, metrics) if has_aux else loss
 
-    return loss_fn
+  return loss_fn
 
 
 def split_loss_fn(
     model: nnx.Module, *, has_aux: bool = False
 ) -> tuple[Callable[..., Any], nnx.State]:
-    """Splits `model` and returns `(loss_fn, params)`; see `make_loss_fn`.
+  """Splits `model` and returns `(loss_fn, params)`; see `make_loss_fn`.
 
-    After training, write the parameters back with `nnx.update(model, params)`.
-    """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return make_loss_fn(graphdef, rest, has_aux=has_aux), params
+  After training, write the parameters back with `nnx.update(model, params)`.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return make_loss_fn(graphdef, rest, has_aux=has_aux), params
 
 
 __all__ = [

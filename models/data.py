@@ -41,100 +41,100 @@ Batch = dict[str, np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class TextSplits:
-    """A byte corpus split into training and held-out parts.
+  """A byte corpus split into training and held-out parts.
 
-    Attributes:
-      train: uint8[num_train_bytes], the training files concatenated.
-      valid: uint8[num_valid_bytes], the held-out files concatenated.
-      train_files: paths of the training files, in corpus order.
-      valid_files: paths of the held-out files, in corpus order. For a single
-        input file the split is by bytes and both name that file.
-    """
+  Attributes:
+    train: uint8[num_train_bytes], the training files concatenated.
+    valid: uint8[num_valid_bytes], the held-out files concatenated.
+    train_files: paths of the training files, in corpus order.
+    valid_files: paths of the held-out files, in corpus order. For a single
+      input file the split is by bytes and both name that file.
+  """
 
-    train: np.ndarray
-    valid: np.ndarray
-    train_files: tuple[str, ...]
-    valid_files: tuple[str, ...]
+  train: np.ndarray
+  valid: np.ndarray
+  train_files: tuple[str, ...]
+  valid_files: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class ImageSplits:
-    """An image classification data set split into training and held-out parts.
+  """An image classification data set split into training and held-out parts.
 
-    Attributes:
-      train_images: float32[num_train, height, width, channels].
-      train_labels: int32[num_train].
-      valid_images: float32[num_valid, height, width, channels].
-      valid_labels: int32[num_valid].
-    """
+  Attributes:
+    train_images: float32[num_train, height, width, channels].
+    train_labels: int32[num_train].
+    valid_images: float32[num_valid, height, width, channels].
+    valid_labels: int32[num_valid].
+  """
 
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    valid_images: np.ndarray
-    valid_labels: np.ndarray
+  train_images: np.ndarray
+  train_labels: np.ndarray
+  valid_images: np.ndarray
+  valid_labels: np.ndarray
 
 
 def held_out_indices(num_items: int, valid_fraction: float) -> np.ndarray:
-    """Indices of the held-out items, spread evenly over `range(num_items)`.
+  """Indices of the held-out items, spread evenly over `range(num_items)`.
 
-    Spreading (rather than taking the last items) keeps the held-out files
-    representative of the corpus, since sorted file order groups by package. At
-    least one item is held out whenever there are two or more and
-    `valid_fraction > 0`, and at least one item is always left for training.
+  Spreading (rather than taking the last items) keeps the held-out files
+  representative of the corpus, since sorted file order groups by package. At
+  least one item is held out whenever there are two or more and
+  `valid_fraction > 0`, and at least one item is always left for training.
 
-    Args:
-      num_items: number of items (files).
-      valid_fraction: fraction of items to hold out, in [0, 1).
+  Args:
+    num_items: number of items (files).
+    valid_fraction: fraction of items to hold out, in [0, 1).
 
-    Returns:
-      Sorted int array of held-out indices; the last item is always among them.
-    """
-    if not 0.0 <= valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
-    if num_items < 2 or valid_fraction == 0.0:
-        return np.zeros((0,), np.int64)
-    num_valid = min(max(1, round(num_items * valid_fraction)), num_items - 1)
-    return np.array([(j + 1) * num_items // num_valid - 1 for j in range(num_valid)])
+  Returns:
+    Sorted int array of held-out indices; the last item is always among them.
+  """
+  if not 0.0 <= valid_fraction < 1.0:
+    raise ValueError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+  if num_items < 2 or valid_fraction == 0.0:
+    return np.zeros((0,), np.int64)
+  num_valid = min(max(1, round(num_items * valid_fraction)), num_items - 1)
+  return np.array([(j + 1) * num_items // num_valid - 1 for j in range(num_valid)])
 
 
 def _read_files(
     files: Sequence[Path], *, valid_fraction: float, max_bytes: int | None
 ) -> TextSplits:
-    """Reads `files` in order (stopping at `max_bytes`) and splits them by file."""
-    contents: list[bytes] = []
-    names: list[str] = []
-    total = 0
-    for path in files:
-        if max_bytes is not None and total >= max_bytes:
-            break
-        data = path.read_bytes()
-        if max_bytes is not None:
-            data = data[: max_bytes - total]
-        if not data:
-            continue
-        contents.append(data)
-        names.append(str(path))
-        total += len(data)
-    if not contents:
-        raise ValueError("no text found")
-    if len(contents) == 1:
-        # One file: hold out its tail, so a single-file corpus still has a split.
-        data = np.frombuffer(contents[0], np.uint8)
-        cut = len(data) - int(len(data) * valid_fraction)
-        return TextSplits(data[:cut].copy(), data[cut:].copy(), (names[0],), (names[0],))
-    valid = set(held_out_indices(len(contents), valid_fraction).tolist())
+  """Reads `files` in order (stopping at `max_bytes`) and splits them by file."""
+  contents: list[bytes] = []
+  names: list[str] = []
+  total = 0
+  for path in files:
+    if max_bytes is not None and total >= max_bytes:
+      break
+    data = path.read_bytes()
+    if max_bytes is not None:
+      data = data[: max_bytes - total]
+    if not data:
+      continue
+    contents.append(data)
+    names.append(str(path))
+    total += len(data)
+  if not contents:
+    raise ValueError("no text found")
+  if len(contents) == 1:
+    # One file: hold out its tail, so a single-file corpus still has a split.
+    data = np.frombuffer(contents[0], np.uint8)
+    cut = len(data) - int(len(data) * valid_fraction)
+    return TextSplits(data[:cut].copy(), data[cut:].copy(), (names[0],), (names[0],))
+  valid = set(held_out_indices(len(contents), valid_fraction).tolist())
 
-    def join(indices: list[int]) -> np.ndarray:
-        return np.frombuffer(b"".join(contents[i] for i in indices), np.uint8).copy()
+  def join(indices: list[int]) -> np.ndarray:
+    return np.frombuffer(b"".join(contents[i] for i in indices), np.uint8).copy()
 
-    train_idx = [i for i in range(len(contents)) if i not in valid]
-    valid_idx = sorted(valid)
-    return TextSplits(
-        train=join(train_idx),
-        valid=join(valid_idx),
-        train_files=tuple(names[i] for i in train_idx),
-        valid_files=tuple(names[i] for i in valid_idx),
-    )
+  train_idx = [i for i in range(len(contents)) if i not in valid]
+  valid_idx = sorted(valid)
+  return TextSplits(
+      train=join(train_idx),
+      valid=join(valid_idx),
+      train_files=tuple(names[i] for i in train_idx),
+      valid_files=tuple(names[i] for i in valid_idx),
+  )
 
 
 def list_files(
@@ -143,31 +143,31 @@ def list_files(
     suffixes: Sequence[str] | None = None,
     exclude_dirs: frozenset[str] = frozenset(),
 ) -> list[Path]:
-    """Regular files under `root` (recursively) in a deterministic order.
+  """Regular files under `root` (recursively) in a deterministic order.
 
-    Args:
-      root: a directory.
-      suffixes: keep only files whose name ends with one of these (e.g.
-        (".py",)); None keeps every file.
-      exclude_dirs: directory names not to descend into.
+  Args:
+    root: a directory.
+    suffixes: keep only files whose name ends with one of these (e.g.
+      (".py",)); None keeps every file.
+    exclude_dirs: directory names not to descend into.
 
-    Returns:
-      Paths sorted by their path relative to `root`; hidden files and
-      directories (names starting with ".") are skipped.
-    """
-    root = Path(root)
-    found: list[Path] = []
-    for directory, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in exclude_dirs and not d.startswith(".")]
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            if suffixes is not None and not name.endswith(tuple(suffixes)):
-                continue
-            path = Path(directory) / name
-            if path.is_file():
-                found.append(path)
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+  Returns:
+    Paths sorted by their path relative to `root`; hidden files and
+    directories (names starting with ".") are skipped.
+  """
+  root = Path(root)
+  found: list[Path] = []
+  for directory, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in exclude_dirs and not d.startswith(".")]
+    for name in filenames:
+      if name.startswith("."):
+        continue
+      if suffixes is not None and not name.endswith(tuple(suffixes)):
+        continue
+      path = Path(directory) / name
+      if path.is_file():
+        found.append(path)
+  return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
 def load_text(
@@ -177,48 +177,48 @@ def load_text(
     max_bytes: int | None = None,
     suffixes: Sequence[str] | None = None,
 ) -> TextSplits:
-    """Loads a user's text file or directory of text files as a byte corpus.
+  """Loads a user's text file or directory of text files as a byte corpus.
 
-    Args:
-      path: a file, or a directory searched recursively (see `list_files`).
-      valid_fraction: fraction of files held out (of bytes, for one file).
-      max_bytes: stop reading after this many bytes (None: read everything).
-      suffixes: for a directory, keep only files with these name endings.
+  Args:
+    path: a file, or a directory searched recursively (see `list_files`).
+    valid_fraction: fraction of files held out (of bytes, for one file).
+    max_bytes: stop reading after this many bytes (None: read everything).
+    suffixes: for a directory, keep only files with these name endings.
 
-    Returns:
-      The `TextSplits`; held-out and training files are disjoint.
-    """
-    path = Path(path)
-    files = [path] if path.is_file() else list_files(path, suffixes=suffixes)
-    if not files:
-        raise ValueError(f"no files found under {path}")
-    return _read_files(files, valid_fraction=valid_fraction, max_bytes=max_bytes)
+  Returns:
+    The `TextSplits`; held-out and training files are disjoint.
+  """
+  path = Path(path)
+  files = [path] if path.is_file() else list_files(path, suffixes=suffixes)
+  if not files:
+    raise ValueError(f"no files found under {path}")
+  return _read_files(files, valid_fraction=valid_fraction, max_bytes=max_bytes)
 
 
 def stdlib_root() -> Path:
-    """The directory of this interpreter's standard library sources."""
-    return Path(sysconfig.get_paths()["stdlib"])
+  """The directory of this interpreter's standard library sources."""
+  return Path(sysconfig.get_paths()["stdlib"])
 
 
 def load_stdlib_text(
     *, max_bytes: int | None = 4_000_000, valid_fraction: float = 0.1
 ) -> TextSplits:
-    """The Python standard library's `.py` sources as a byte corpus.
+  """The Python standard library's `.py` sources as a byte corpus.
 
-    Files are read in sorted path order, skipping `STDLIB_EXCLUDED_DIRS`, until
-    `max_bytes`; every 1/valid_fraction-th file is held out. The corpus depends
-    only on the Python version, so it is identical across runs and machines
-    with the same interpreter.
+  Files are read in sorted path order, skipping `STDLIB_EXCLUDED_DIRS`, until
+  `max_bytes`; every 1/valid_fraction-th file is held out. The corpus depends
+  only on the Python version, so it is identical across runs and machines
+  with the same interpreter.
 
-    Args:
-      max_bytes: cap on the corpus size (None: the whole library, ~11 MB on 3.11).
-      valid_fraction: fraction of files held out.
+  Args:
+    max_bytes: cap on the corpus size (None: the whole library, ~11 MB on 3.11).
+    valid_fraction: fraction of files held out.
 
-    Returns:
-      The `TextSplits`.
-    """
-    files = list_files(stdlib_root(), suffixes=(".py",), exclude_dirs=STDLIB_EXCLUDED_DIRS)
-    return _read_files(files, valid_fraction=valid_fraction, max_bytes=max_bytes)
+  Returns:
+    The `TextSplits`.
+  """
+  files = list_files(stdlib_root(), suffixes=(".py",), exclude_dirs=STDLIB_EXCLUDED_DIRS)
+  return _read_files(files, valid_fraction=valid_fraction, max_bytes=max_bytes)
 
 
 def _epoch_orders(
@@ -230,23 +230,23 @@ def _epoch_orders(
     epochs: int | None,
     drop_remainder: bool,
 ) -> Iterator[tuple[np.random.Generator, np.ndarray]]:
-    """Yields (per-epoch generator, example indices of one batch), epoch by epoch.
+  """Yields (per-epoch generator, example indices of one batch), epoch by epoch.
 
-    The generator of epoch e is seeded by (seed, e) alone, so any epoch can be
-    reproduced without replaying the ones before it.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if drop_remainder and num_examples < batch_size:
-        raise ValueError(f"{num_examples} examples cannot fill a batch of {batch_size}")
-    epoch = 0
-    while epochs is None or epoch < epochs:
-        rng = np.random.default_rng([seed, epoch])
-        order = rng.permutation(num_examples) if shuffle else np.arange(num_examples)
-        stop = num_examples - num_examples % batch_size if drop_remainder else num_examples
-        for start in range(0, stop, batch_size):
-            yield rng, order[start : start + batch_size]
-        epoch += 1
+  The generator of epoch e is seeded by (seed, e) alone, so any epoch can be
+  reproduced without replaying the ones before it.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  if drop_remainder and num_examples < batch_size:
+    raise ValueError(f"{num_examples} examples cannot fill a batch of {batch_size}")
+  epoch = 0
+  while epochs is None or epoch < epochs:
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(num_examples) if shuffle else np.arange(num_examples)
+    stop = num_examples - num_examples % batch_size if drop_remainder else num_examples
+    for start in range(0, stop, batch_size):
+      yield rng, order[start : start + batch_size]
+    epoch += 1
 
 
 def lm_batches(
@@ -259,34 +259,34 @@ def lm_batches(
     epochs: int | None = None,
     drop_remainder: bool = True,
 ) -> Iterator[Batch]:
-    """Next-token LM batches for `models.GPT`: {"tokens": int32[batch, seq_len + 1]}.
+  """Next-token LM batches for `models.GPT`: {"tokens": int32[batch, seq_len + 1]}.
 
-    The corpus is cut into windows of seq_len + 1 bytes at stride seq_len (the
-    extra byte is the last target; consecutive windows share it, so every byte
-    is a target once per epoch), in an order shuffled per epoch from `seed`.
+  The corpus is cut into windows of seq_len + 1 bytes at stride seq_len (the
+  extra byte is the last target; consecutive windows share it, so every byte
+  is a target once per epoch), in an order shuffled per epoch from `seed`.
 
-    Args:
-      data: uint8[num_bytes] (e.g. `TextSplits.train`) or any int token array.
-      batch_size: sequences per batch.
-      seq_len: model input length.
-      seed: the data-order seed; equal seeds give identical batch streams.
-      shuffle: shuffle windows each epoch (False: corpus order, for evaluation).
-      epochs: number of passes; None iterates forever.
-      drop_remainder: drop a final partial batch, so every batch has one shape.
+  Args:
+    data: uint8[num_bytes] (e.g. `TextSplits.train`) or any int token array.
+    batch_size: sequences per batch.
+    seq_len: model input length.
+    seed: the data-order seed; equal seeds give identical batch streams.
+    shuffle: shuffle windows each epoch (False: corpus order, for evaluation).
+    epochs: number of passes; None iterates forever.
+    drop_remainder: drop a final partial batch, so every batch has one shape.
 
-    Yields:
-      Batches as dicts of numpy arrays.
-    """
-    num_windows = (len(data) - 1) // seq_len
-    if num_windows < 1:
-        raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
-    starts = np.arange(num_windows) * seq_len
-    offsets = np.arange(seq_len + 1)
-    for _, index in _epoch_orders(
-        num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
-        epochs=epochs, drop_remainder=drop_remainder,
-    ):
-        yield {"tokens": data[starts[index][:, None] + offsets[None, :]].astype(np.int32)}
+  Yields:
+    Batches as dicts of numpy arrays.
+  """
+  num_windows = (len(data) - 1) // seq_len
+  if num_windows < 1:
+    raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
+  starts = np.arange(num_windows) * seq_len
+  offsets = np.arange(seq_len + 1)
+  for _, index in _epoch_orders(
+      num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
+      epochs=epochs, drop_remainder=drop_remainder,
+  ):
+    yield {"tokens": data[starts[index][:, None] + offsets[None, :]].astype(np.int32)}
 
 
 def mask_tokens(
@@ -297,38 +297,38 @@ def mask_tokens(
     mask_id: int = MASK_ID,
     num_random_tokens: int = NUM_BYTES,
 ) -> Batch:
-    """BERT's masking: pick `mask_rate` of each row; of those 80% [MASK], 10% random, 10% kept.
+  """BERT's masking: pick `mask_rate` of each row; of those 80% [MASK], 10% random, 10% kept.
 
-    Exactly max(1, round(mask_rate * seq_len)) positions per row are chosen,
-    uniformly without replacement; each chosen position independently becomes
-    `mask_id` with probability 0.8, a uniform random token in
-    [0, num_random_tokens) with probability 0.1, or stays as it is.
+  Exactly max(1, round(mask_rate * seq_len)) positions per row are chosen,
+  uniformly without replacement; each chosen position independently becomes
+  `mask_id` with probability 0.8, a uniform random token in
+  [0, num_random_tokens) with probability 0.1, or stays as it is.
 
-    Args:
-      tokens: int[batch, seq_len] original ids.
-      rng: numpy generator; the output is a function of its state.
-      mask_rate: fraction of positions to predict.
-      mask_id: id of the [MASK] token.
-      num_random_tokens: random replacements are drawn from [0, this).
+  Args:
+    tokens: int[batch, seq_len] original ids.
+    rng: numpy generator; the output is a function of its state.
+    mask_rate: fraction of positions to predict.
+    mask_id: id of the [MASK] token.
+    num_random_tokens: random replacements are drawn from [0, this).
 
-    Returns:
-      {"tokens": int32 masked inputs, "targets": int32 original ids,
-       "mask_weights": float32, 1.0 at the chosen positions and 0.0 elsewhere}.
-    """
-    batch, seq_len = tokens.shape
-    num_chosen = max(1, round(mask_rate * seq_len))
-    chosen = np.argsort(rng.random((batch, seq_len)), axis=1)[:, :num_chosen]
-    rows = np.arange(batch)[:, None]
-    weights = np.zeros((batch, seq_len), np.float32)
-    weights[rows, chosen] = 1.0
-    action = rng.random((batch, num_chosen))
-    random_tokens = rng.integers(0, num_random_tokens, (batch, num_chosen))
-    targets = tokens.astype(np.int32)
-    original = targets[rows, chosen]
-    replaced = np.where(action < 0.8, mask_id, np.where(action < 0.9, random_tokens, original))
-    inputs = targets.copy()
-    inputs[rows, chosen] = replaced
-    return {"tokens": inputs, "targets": targets, "mask_weights": weights}
+  Returns:
+    {"tokens": int32 masked inputs, "targets": int32 original ids,
+     "mask_weights": float32, 1.0 at the chosen positions and 0.0 elsewhere}.
+  """
+  batch, seq_len = tokens.shape
+  num_chosen = max(1, round(mask_rate * seq_len))
+  chosen = np.argsort(rng.random((batch, seq_len)), axis=1)[:, :num_chosen]
+  rows = np.arange(batch)[:, None]
+  weights = np.zeros((batch, seq_len), np.float32)
+  weights[rows, chosen] = 1.0
+  action = rng.random((batch, num_chosen))
+  random_tokens = rng.integers(0, num_random_tokens, (batch, num_chosen))
+  targets = tokens.astype(np.int32)
+  original = targets[rows, chosen]
+  replaced = np.where(action < 0.8, mask_id, np.where(action < 0.9, random_tokens, original))
+  inputs = targets.copy()
+  inputs[rows, chosen] = replaced
+  return {"tokens": inputs, "targets": targets, "mask_weights": weights}
 
 
 def mlm_batches(
@@ -342,59 +342,59 @@ def mlm_batches(
     epochs: int | None = None,
     drop_remainder: bool = True,
 ) -> Iterator[Batch]:
-    """Masked-LM batches for `models.BERT` (see `mask_tokens` for the format).
+  """Masked-LM batches for `models.BERT` (see `mask_tokens` for the format).
 
-    Windows of seq_len bytes, shuffled per epoch; masks are redrawn for every
-    batch (dynamic masking), all from `seed`, so the stream is reproducible.
+  Windows of seq_len bytes, shuffled per epoch; masks are redrawn for every
+  batch (dynamic masking), all from `seed`, so the stream is reproducible.
 
-    Args:
-      data: uint8[num_bytes] byte corpus.
-      batch_size: sequences per batch.
-      seq_len: sequence length.
-      seed: the data-order and masking seed.
-      mask_rate: fraction of positions to predict per sequence.
-      shuffle: shuffle windows each epoch.
-      epochs: number of passes; None iterates forever.
-      drop_remainder: drop a final partial batch.
+  Args:
+    data: uint8[num_bytes] byte corpus.
+    batch_size: sequences per batch.
+    seq_len: sequence length.
+    seed: the data-order and masking seed.
+    mask_rate: fraction of positions to predict per sequence.
+    shuffle: shuffle windows each epoch.
+    epochs: number of passes; None iterates forever.
+    drop_remainder: drop a final partial batch.
 
-    Yields:
-      {"tokens", "targets", "mask_weights"} numpy batches.
-    """
-    num_windows = len(data) // seq_len
-    if num_windows < 1:
-        raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
-    starts = np.arange(num_windows) * seq_len
-    offsets = np.arange(seq_len)
-    for rng, index in _epoch_orders(
-        num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
-        epochs=epochs, drop_remainder=drop_remainder,
-    ):
-        windows = data[starts[index][:, None] + offsets[None, :]]
-        yield mask_tokens(windows, rng, mask_rate=mask_rate)
+  Yields:
+    {"tokens", "targets", "mask_weights"} numpy batches.
+  """
+  num_windows = len(data) // seq_len
+  if num_windows < 1:
+    raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
+  starts = np.arange(num_windows) * seq_len
+  offsets = np.arange(seq_len)
+  for rng, index in _epoch_orders(
+      num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
+      epochs=epochs, drop_remainder=drop_remainder,
+  ):
+    windows = data[starts[index][:, None] + offsets[None, :]]
+    yield mask_tokens(windows, rng, mask_rate=mask_rate)
 
 
 def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
-    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), split.
+  """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), split.
 
-    Pixels are scaled from 0..16 to [0, 1] and given a channel axis.
+  Pixels are scaled from 0..16 to [0, 1] and given a channel axis.
 
-    Args:
-      valid_fraction: fraction of images held out.
-      seed: seed of the (fixed) permutation that assigns images to splits.
+  Args:
+    valid_fraction: fraction of images held out.
+    seed: seed of the (fixed) permutation that assigns images to splits.
 
-    Returns:
-      `ImageSplits` with images float32[n, 8, 8, 1] and labels int32[n].
-    """
-    # Imported here so that text-only users do not pay for importing sklearn.
-    from sklearn import datasets
+  Returns:
+    `ImageSplits` with images float32[n, 8, 8, 1] and labels int32[n].
+  """
+  # Imported here so that text-only users do not pay for importing sklearn.
+  from sklearn import datasets
 
-    digits = datasets.load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int32)
-    order = np.random.default_rng(seed).permutation(len(labels))
-    num_valid = int(round(len(labels) * valid_fraction))
-    valid, train = order[:num_valid], order[num_valid:]
-    return ImageSplits(images[train], labels[train], images[valid], labels[valid])
+  digits = datasets.load_digits()
+  images = (digits.images / 16.0).astype(np.float32)[..., None]
+  labels = digits.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(labels))
+  num_valid = int(round(len(labels) * valid_fraction))
+  valid, train = order[:num_valid], order[num_valid:]
+  return ImageSplits(images[train], labels[train], images[valid], labels[valid])
 
 
 def image_batches(
@@ -407,24 +407,24 @@ def image_batches(
     epochs: int | None = None,
     drop_remainder: bool = True,
 ) -> Iterator[Batch]:
-    """Classification batches for `models.ViT`: {"images": float32[b, H, W, C], "labels": int32[b]}.
+  """Classification batches for `models.ViT`: {"images": float32[b, H, W, C], "labels": int32[b]}.
 
-    Args:
-      images: float[n, H, W, C] images.
-      labels: int[n] labels.
-      batch_size: images per batch.
-      seed: the data-order seed.
-      shuffle: shuffle each epoch.
-      epochs: number of passes; None iterates forever.
-      drop_remainder: drop a final partial batch.
+  Args:
+    images: float[n, H, W, C] images.
+    labels: int[n] labels.
+    batch_size: images per batch.
+    seed: the data-order seed.
+    shuffle: shuffle each epoch.
+    epochs: number of passes; None iterates forever.
+    drop_remainder: drop a final partial batch.
 
-    Yields:
-      Batches as dicts of numpy arrays.
-    """
-    if len(images) != len(labels):
-        raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    for _, index in _epoch_orders(
-        len(labels), batch_size=batch_size, seed=seed, shuffle=shuffle,
-        epochs=epochs, drop_remainder=drop_remainder,
-    ):
-        yield {"images": images[index].astype(np.float32), "labels": labels[index].astype(np.int32)}
+  Yields:
+    Batches as dicts of numpy arrays.
+  """
+  if len(images) != len(labels):
+    raise ValueError(f"{len(images)} images but {len(labels)} labels")
+  for _, index in _epoch_orders(
+      len(labels), batch_size=batch_size, seed=seed, shuffle=shuffle,
+      epochs=epochs, drop_remainder=drop_remainder,
+  ):
+    yield {"images": images[index].astype(np.float32), "labels": labels[index].astype(np.int32)}

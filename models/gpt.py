@@ -26,121 +26,121 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig(layers.TransformerConfig):
-    """Hyper-parameters of a `GPT` model.
+  """Hyper-parameters of a `GPT` model.
 
-    The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
-    `remat`, dtypes) come from `models.layers.TransformerConfig`.
+  The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
+  `remat`, dtypes) come from `models.layers.TransformerConfig`.
 
-    Attributes:
-      vocab_size: number of token ids (50257 for GPT-2's BPE, 256 for bytes).
-      max_len: context length (number of learned positions).
-    """
+  Attributes:
+    vocab_size: number of token ids (50257 for GPT-2's BPE, 256 for bytes).
+    max_len: context length (number of learned positions).
+  """
 
-    vocab_size: int = 50257
-    max_len: int = 1024
+  vocab_size: int = 50257
+  max_len: int = 1024
 
-    @classmethod
-    def gpt2_small(cls, **overrides: Any) -> GPTConfig:
-        """GPT-2 small: 12 layers, width 768, 12 heads (124M parameters)."""
-        return cls(**{"num_layers": 12, "hidden": 768, "num_heads": 12, **overrides})
+  @classmethod
+  def gpt2_small(cls, **overrides: Any) -> GPTConfig:
+    """GPT-2 small: 12 layers, width 768, 12 heads (124M parameters)."""
+    return cls(**{"num_layers": 12, "hidden": 768, "num_heads": 12, **overrides})
 
-    @classmethod
-    def gpt2_medium(cls, **overrides: Any) -> GPTConfig:
-        """GPT-2 medium: 24 layers, width 1024, 16 heads (355M parameters)."""
-        return cls(**{"num_layers": 24, "hidden": 1024, "num_heads": 16, **overrides})
+  @classmethod
+  def gpt2_medium(cls, **overrides: Any) -> GPTConfig:
+    """GPT-2 medium: 24 layers, width 1024, 16 heads (355M parameters)."""
+    return cls(**{"num_layers": 24, "hidden": 1024, "num_heads": 16, **overrides})
 
-    @classmethod
-    def gpt2_large(cls, **overrides: Any) -> GPTConfig:
-        """GPT-2 large: 36 layers, width 1280, 20 heads (774M parameters)."""
-        return cls(**{"num_layers": 36, "hidden": 1280, "num_heads": 20, **overrides})
+  @classmethod
+  def gpt2_large(cls, **overrides: Any) -> GPTConfig:
+    """GPT-2 large: 36 layers, width 1280, 20 heads (774M parameters)."""
+    return cls(**{"num_layers": 36, "hidden": 1280, "num_heads": 20, **overrides})
 
-    @classmethod
-    def gpt2_xl(cls, **overrides: Any) -> GPTConfig:
-        """GPT-2 XL: 48 layers, width 1600, 25 heads (1.56B parameters)."""
-        return cls(**{"num_layers": 48, "hidden": 1600, "num_heads": 25, **overrides})
+  @classmethod
+  def gpt2_xl(cls, **overrides: Any) -> GPTConfig:
+    """GPT-2 XL: 48 layers, width 1600, 25 heads (1.56B parameters)."""
+    return cls(**{"num_layers": 48, "hidden": 1600, "num_heads": 25, **overrides})
 
-    @classmethod
-    def tiny(cls, **overrides: Any) -> GPTConfig:
-        """A byte-level model small enough to train on two CPU cores."""
-        return cls(**{
-            "vocab_size": 256, "max_len": 128, "num_layers": 2, "hidden": 128,
-            "num_heads": 4, **overrides,
-        })
+  @classmethod
+  def tiny(cls, **overrides: Any) -> GPTConfig:
+    """A byte-level model small enough to train on two CPU cores."""
+    return cls(**{
+        "vocab_size": 256, "max_len": 128, "num_layers": 2, "hidden": 128,
+        "num_heads": 4, **overrides,
+    })
 
-    @classmethod
-    def test(cls, **overrides: Any) -> GPTConfig:
-        """One layer, width 128: the smoke-test configuration."""
-        return cls(**{
-            "vocab_size": 256, "max_len": 32, "num_layers": 1, "hidden": 128,
-            "num_heads": 4, **overrides,
-        })
+  @classmethod
+  def test(cls, **overrides: Any) -> GPTConfig:
+    """One layer, width 128: the smoke-test configuration."""
+    return cls(**{
+        "vocab_size": 256, "max_len": 32, "num_layers": 1, "hidden": 128,
+        "num_heads": 4, **overrides,
+    })
 
 
 class GPT(nnx.Module):
-    """GPT-2 style decoder LM; `__call__` maps tokens to next-token logits."""
+  """GPT-2 style decoder LM; `__call__` maps tokens to next-token logits."""
 
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        """Initialises the parameters.
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    """Initialises the parameters.
 
-        Args:
-          config: the model's hyper-parameters.
-          rngs: random streams for initialisation (the `params` stream is used).
-        """
-        layers.check_remat(config.remat)
-        self.config = config
-        self.token_embed = nnx.Embed(
-            config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
-            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
+    Args:
+      config: the model's hyper-parameters.
+      rngs: random streams for initialisation (the `params` stream is used).
+    """
+    layers.check_remat(config.remat)
+    self.config = config
+    self.token_embed = nnx.Embed(
+        config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
+        dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
+    )
+    self.position_embed = nnx.Param(
+        layers.DEFAULT_INIT(rngs.params(), (config.max_len, config.hidden), config.param_dtype)
+    )
+    # GPT-2 scales the init of the projections that write into the residual
+    # stream by 1/sqrt(2 * num_layers), so its variance stays O(1) with depth.
+    out_init = nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * config.num_layers))
+    self.blocks = nnx.List([
+        layers.Block(
+            config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
+            layer_norm_eps=config.layer_norm_eps, gelu_approximate=True,
+            dtype=config.dtype, param_dtype=config.param_dtype,
+            out_init=out_init, rngs=rngs,
         )
-        self.position_embed = nnx.Param(
-            layers.DEFAULT_INIT(rngs.params(), (config.max_len, config.hidden), config.param_dtype)
-        )
-        # GPT-2 scales the init of the projections that write into the residual
-        # stream by 1/sqrt(2 * num_layers), so its variance stays O(1) with depth.
-        out_init = nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * config.num_layers))
-        self.blocks = nnx.List([
-            layers.Block(
-                config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
-                layer_norm_eps=config.layer_norm_eps, gelu_approximate=True,
-                dtype=config.dtype, param_dtype=config.param_dtype,
-                out_init=out_init, rngs=rngs,
-            )
-            for _ in range(config.num_layers)
-        ])
-        self.final_norm = layers.LayerNorm(
-            config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs,
-        )
+        for _ in range(config.num_layers)
+    ])
+    self.final_norm = layers.LayerNorm(
+        config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
+        param_dtype=config.param_dtype, rngs=rngs,
+    )
 
-    def __call__(self, tokens: Array) -> Array:
-        """Computes next-token logits.
+  def __call__(self, tokens: Array) -> Array:
+    """Computes next-token logits.
 
-        Args:
-          tokens: int[batch, length] token ids, length <= config.max_len.
+    Args:
+      tokens: int[batch, length] token ids, length <= config.max_len.
 
-        Returns:
-          [batch, length, vocab_size] logits in the compute dtype.
-        """
-        length = tokens.shape[1]
-        if length > self.config.max_len:
-            raise ValueError(f"sequence length {length} > max_len {self.config.max_len}")
-        positions = self.position_embed[...][:length].astype(self.config.dtype)
-        x = self.token_embed(tokens) + positions[None, :, :]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
-        x = layers.apply_blocks(self.blocks, x, causal, remat=self.config.remat)
-        # Tied head: logits are inner products with the token embedding.
-        return self.token_embed.attend(self.final_norm(x))
+    Returns:
+      [batch, length, vocab_size] logits in the compute dtype.
+    """
+    length = tokens.shape[1]
+    if length > self.config.max_len:
+      raise ValueError(f"sequence length {length} > max_len {self.config.max_len}")
+    positions = self.position_embed[...][:length].astype(self.config.dtype)
+    x = self.token_embed(tokens) + positions[None, :, :]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
+    x = layers.apply_blocks(self.blocks, x, causal, remat=self.config.remat)
+    # Tied head: logits are inner products with the token embedding.
+    return self.token_embed.attend(self.final_norm(x))
 
-    def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-        """Mean next-token cross-entropy of a batch.
+  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    """Mean next-token cross-entropy of a batch.
 
-        Args:
-          batch: {"tokens": int32[batch, seq_len + 1]}.
+    Args:
+      batch: {"tokens": int32[batch, seq_len + 1]}.
 
-        Returns:
-          (loss, {"accuracy": next-token accuracy}), float32 scalars.
-        """
-        tokens = batch["tokens"]
-        logits = self(tokens[:, :-1])
-        loss, accuracy = layers.cross_entropy(logits, tokens[:, 1:])
-        return loss, {"accuracy": accuracy}
+    Returns:
+      (loss, {"accuracy": next-token accuracy}), float32 scalars.
+    """
+    tokens = batch["tokens"]
+    logits = self(tokens[:, :-1])
+    loss, accuracy = layers.cross_entropy(logits, tokens[:, 1:])
+    return loss, {"accuracy": accuracy}

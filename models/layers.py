@@ -38,35 +38,35 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Hyper-parameters every model here shares: the stack of blocks.
+  """Hyper-parameters every model here shares: the stack of blocks.
 
-    `GPTConfig`, `BERTConfig` and `ViTConfig` add their inputs and outputs and
-    override defaults (e.g. `layer_norm_eps`) where the published models differ.
+  `GPTConfig`, `BERTConfig` and `ViTConfig` add their inputs and outputs and
+  override defaults (e.g. `layer_norm_eps`) where the published models differ.
 
-    Attributes:
-      num_layers: number of transformer blocks.
-      num_heads: attention heads per block.
-      hidden: model width.
-      mlp_dim: MLP inner width; None means 4 * hidden.
-      layer_norm_eps: LayerNorm epsilon.
-      remat: block remat policy, a key of `REMAT_POLICIES`.
-      dtype: compute dtype.
-      param_dtype: parameter dtype.
-    """
+  Attributes:
+    num_layers: number of transformer blocks.
+    num_heads: attention heads per block.
+    hidden: model width.
+    mlp_dim: MLP inner width; None means 4 * hidden.
+    layer_norm_eps: LayerNorm epsilon.
+    remat: block remat policy, a key of `REMAT_POLICIES`.
+    dtype: compute dtype.
+    param_dtype: parameter dtype.
+  """
 
-    num_layers: int = 12
-    num_heads: int = 12
-    hidden: int = 768
-    mlp_dim: int | None = None
-    layer_norm_eps: float = 1e-5
-    remat: str = "none"
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+  num_layers: int = 12
+  num_heads: int = 12
+  hidden: int = 768
+  mlp_dim: int | None = None
+  layer_norm_eps: float = 1e-5
+  remat: str = "none"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
-    @property
-    def mlp_width(self) -> int:
-        """The MLP inner width actually used."""
-        return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
+  @property
+  def mlp_width(self) -> int:
+    """The MLP inner width actually used."""
+    return 4 * self.hidden if self.mlp_dim is None else self.mlp_dim
 
 
 # Weight init as in GPT-2 / BERT: N(0, 0.02).
@@ -74,264 +74,264 @@ DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)
 
 
 def check_remat(remat: str) -> None:
-    """Raises ValueError unless `remat` names a policy in `REMAT_POLICIES`."""
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+  """Raises ValueError unless `remat` names a policy in `REMAT_POLICIES`."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with statistics in float32 and explicit casts.
+  """LayerNorm with statistics in float32 and explicit casts.
 
-    `nnx.LayerNorm` relies on implicit bfloat16/float32 promotion, which
-    `jax_numpy_dtype_promotion="strict"` forbids; this one casts by hand. The
-    parameters (`scale`, `bias`) are the same as nnx.LayerNorm's.
+  `nnx.LayerNorm` relies on implicit bfloat16/float32 promotion, which
+  `jax_numpy_dtype_promotion="strict"` forbids; this one casts by hand. The
+  parameters (`scale`, `bias`) are the same as nnx.LayerNorm's.
+  """
+
+  def __init__(
+      self,
+      features: int,
+      *,
+      epsilon: float,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
+
+    Args:
+      features: size of the normalised (last) axis.
+      epsilon: added to the variance.
+      dtype: output dtype.
+      param_dtype: parameter dtype.
+      rngs: unused (the init is deterministic); kept for a uniform signature.
     """
+    del rngs
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
 
-    def __init__(
-        self,
-        features: int,
-        *,
-        epsilon: float,
-        dtype: DType = jnp.float32,
-        param_dtype: DType = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        """Creates the layer.
-
-        Args:
-          features: size of the normalised (last) axis.
-          epsilon: added to the variance.
-          dtype: output dtype.
-          param_dtype: parameter dtype.
-          rngs: unused (the init is deterministic); kept for a uniform signature.
-        """
-        del rngs
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
-
-    def __call__(self, x: Array) -> Array:
-        """Normalises the last axis of `x`; returns `dtype`."""
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        features = (1,) * (x.ndim - 1) + (-1,)
-        y = y * self.scale[...].astype(jnp.float32).reshape(features)
-        y = y + self.bias[...].astype(jnp.float32).reshape(features)
-        return y.astype(self.dtype)
+  def __call__(self, x: Array) -> Array:
+    """Normalises the last axis of `x`; returns `dtype`."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+    features = (1,) * (x.ndim - 1) + (-1,)
+    y = y * self.scale[...].astype(jnp.float32).reshape(features)
+    y = y + self.bias[...].astype(jnp.float32).reshape(features)
+    return y.astype(self.dtype)
 
 
 class MultiHeadAttention(nnx.Module):
-    """Multi-head self-attention with a fused QKV projection.
+  """Multi-head self-attention with a fused QKV projection.
 
-    The softmax is computed in float32 whatever the compute dtype, so bfloat16
-    models stay stable.
+  The softmax is computed in float32 whatever the compute dtype, so bfloat16
+  models stay stable.
+  """
+
+  def __init__(
+      self,
+      hidden: int,
+      num_heads: int,
+      *,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
+
+    Args:
+      hidden: model width; must be divisible by `num_heads`.
+      num_heads: number of attention heads.
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+      out_init: init of the output projection (GPT-2 scales it by depth).
+      rngs: random streams for initialisation.
     """
+    if hidden % num_heads:
+      raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+    self.num_heads = num_heads
+    self.head_dim = hidden // num_heads
+    self.dtype = dtype
+    self.qkv = nnx.Linear(
+        hidden, 3 * hidden, kernel_init=DEFAULT_INIT,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
+    self.out = nnx.Linear(
+        hidden, hidden, kernel_init=out_init,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
 
-    def __init__(
-        self,
-        hidden: int,
-        num_heads: int,
-        *,
-        dtype: DType = jnp.float32,
-        param_dtype: DType = jnp.float32,
-        out_init: nnx.Initializer = DEFAULT_INIT,
-        rngs: nnx.Rngs,
-    ):
-        """Creates the layer.
+  def __call__(self, x: Array, mask: Array | None = None) -> Array:
+    """Attends over the sequence.
 
-        Args:
-          hidden: model width; must be divisible by `num_heads`.
-          num_heads: number of attention heads.
-          dtype: compute dtype.
-          param_dtype: parameter dtype.
-          out_init: init of the output projection (GPT-2 scales it by depth).
-          rngs: random streams for initialisation.
-        """
-        if hidden % num_heads:
-            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
-        self.num_heads = num_heads
-        self.head_dim = hidden // num_heads
-        self.dtype = dtype
-        self.qkv = nnx.Linear(
-            hidden, 3 * hidden, kernel_init=DEFAULT_INIT,
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
-        self.out = nnx.Linear(
-            hidden, hidden, kernel_init=out_init,
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
+    Args:
+      x: [batch, length, hidden] inputs.
+      mask: optional bool mask of rank 4, broadcastable to
+        [batch, heads, query, key]; True where attention is allowed.
 
-    def __call__(self, x: Array, mask: Array | None = None) -> Array:
-        """Attends over the sequence.
-
-        Args:
-          x: [batch, length, hidden] inputs.
-          mask: optional bool mask of rank 4, broadcastable to
-            [batch, heads, query, key]; True where attention is allowed.
-
-        Returns:
-          [batch, length, hidden] outputs.
-        """
-        batch, length, hidden = x.shape
-        qkv = checkpoint_name(self.qkv(x), "qkv")
-        qkv = qkv.reshape(batch, length, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        # Scale q before the dot product: a smaller tensor than the scores.
-        q = q * (1.0 / math.sqrt(self.head_dim))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        if mask is not None:
-            # A large finite value rather than -inf: a fully masked row then
-            # gives a uniform softmax instead of NaN.
-            scores = jnp.where(mask, scores, float(jnp.finfo(jnp.float32).min))
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        context = checkpoint_name(context.reshape(batch, length, hidden), "attention_context")
-        return checkpoint_name(self.out(context), "attention_out")
+    Returns:
+      [batch, length, hidden] outputs.
+    """
+    batch, length, hidden = x.shape
+    qkv = checkpoint_name(self.qkv(x), "qkv")
+    qkv = qkv.reshape(batch, length, 3, self.num_heads, self.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # Scale q before the dot product: a smaller tensor than the scores.
+    q = q * (1.0 / math.sqrt(self.head_dim))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    if mask is not None:
+      # A large finite value rather than -inf: a fully masked row then
+      # gives a uniform softmax instead of NaN.
+      scores = jnp.where(mask, scores, float(jnp.finfo(jnp.float32).min))
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    context = checkpoint_name(context.reshape(batch, length, hidden), "attention_context")
+    return checkpoint_name(self.out(context), "attention_out")
 
 
 class MLP(nnx.Module):
-    """Two-layer GELU feed-forward network."""
+  """Two-layer GELU feed-forward network."""
 
-    def __init__(
-        self,
-        hidden: int,
-        mlp_dim: int,
-        *,
-        gelu_approximate: bool,
-        dtype: DType = jnp.float32,
-        param_dtype: DType = jnp.float32,
-        out_init: nnx.Initializer = DEFAULT_INIT,
-        rngs: nnx.Rngs,
-    ):
-        """Creates the layer.
+  def __init__(
+      self,
+      hidden: int,
+      mlp_dim: int,
+      *,
+      gelu_approximate: bool,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
 
-        Args:
-          hidden: model width.
-          mlp_dim: inner width (4 * hidden in GPT-2, BERT and ViT).
-          gelu_approximate: tanh GELU (GPT-2) instead of the exact erf GELU
-            (BERT, ViT).
-          dtype: compute dtype.
-          param_dtype: parameter dtype.
-          out_init: init of the output projection.
-          rngs: random streams for initialisation.
-        """
-        self.gelu_approximate = gelu_approximate
-        self.fc = nnx.Linear(
-            hidden, mlp_dim, kernel_init=DEFAULT_INIT,
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
-        self.proj = nnx.Linear(
-            mlp_dim, hidden, kernel_init=out_init,
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
+    Args:
+      hidden: model width.
+      mlp_dim: inner width (4 * hidden in GPT-2, BERT and ViT).
+      gelu_approximate: tanh GELU (GPT-2) instead of the exact erf GELU
+        (BERT, ViT).
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+      out_init: init of the output projection.
+      rngs: random streams for initialisation.
+    """
+    self.gelu_approximate = gelu_approximate
+    self.fc = nnx.Linear(
+        hidden, mlp_dim, kernel_init=DEFAULT_INIT,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
+    self.proj = nnx.Linear(
+        mlp_dim, hidden, kernel_init=out_init,
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
 
-    def __call__(self, x: Array) -> Array:
-        """Applies fc -> GELU -> proj to [..., hidden] inputs."""
-        h = checkpoint_name(self.fc(x), "mlp_hidden")
-        h = jax.nn.gelu(h, approximate=self.gelu_approximate)
-        return checkpoint_name(self.proj(h), "mlp_out")
+  def __call__(self, x: Array) -> Array:
+    """Applies fc -> GELU -> proj to [..., hidden] inputs."""
+    h = checkpoint_name(self.fc(x), "mlp_hidden")
+    h = jax.nn.gelu(h, approximate=self.gelu_approximate)
+    return checkpoint_name(self.proj(h), "mlp_out")
 
 
 class Block(nnx.Module):
-    """A transformer block: attention and MLP, each with a residual and a LayerNorm.
+  """A transformer block: attention and MLP, each with a residual and a LayerNorm.
 
-    `pre_norm=True` is the GPT-2 / ViT layout, x + f(LN(x)); `pre_norm=False` is
-    BERT's post-LN layout, LN(x + f(x)).
-    """
+  `pre_norm=True` is the GPT-2 / ViT layout, x + f(LN(x)); `pre_norm=False` is
+  BERT's post-LN layout, LN(x + f(x)).
+  """
 
-    def __init__(
-        self,
-        hidden: int,
-        num_heads: int,
-        mlp_dim: int,
-        *,
-        pre_norm: bool,
-        layer_norm_eps: float,
-        gelu_approximate: bool,
-        dtype: DType = jnp.float32,
-        param_dtype: DType = jnp.float32,
-        out_init: nnx.Initializer = DEFAULT_INIT,
-        rngs: nnx.Rngs,
-    ):
-        """Creates the block; arguments are as in `MultiHeadAttention` and `MLP`."""
-        self.pre_norm = pre_norm
-        self.ln1 = LayerNorm(
-            hidden, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
-        self.attention = MultiHeadAttention(
-            hidden, num_heads, dtype=dtype, param_dtype=param_dtype,
-            out_init=out_init, rngs=rngs,
-        )
-        self.ln2 = LayerNorm(
-            hidden, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-        )
-        self.mlp = MLP(
-            hidden, mlp_dim, gelu_approximate=gelu_approximate, dtype=dtype,
-            param_dtype=param_dtype, out_init=out_init, rngs=rngs,
-        )
+  def __init__(
+      self,
+      hidden: int,
+      num_heads: int,
+      mlp_dim: int,
+      *,
+      pre_norm: bool,
+      layer_norm_eps: float,
+      gelu_approximate: bool,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the block; arguments are as in `MultiHeadAttention` and `MLP`."""
+    self.pre_norm = pre_norm
+    self.ln1 = LayerNorm(
+        hidden, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
+    self.attention = MultiHeadAttention(
+        hidden, num_heads, dtype=dtype, param_dtype=param_dtype,
+        out_init=out_init, rngs=rngs,
+    )
+    self.ln2 = LayerNorm(
+        hidden, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )
+    self.mlp = MLP(
+        hidden, mlp_dim, gelu_approximate=gelu_approximate, dtype=dtype,
+        param_dtype=param_dtype, out_init=out_init, rngs=rngs,
+    )
 
-    def __call__(self, x: Array, mask: Array | None = None) -> Array:
-        """Applies the block to [batch, length, hidden] inputs."""
-        if self.pre_norm:
-            x = x + self.attention(self.ln1(x), mask)
-            return x + self.mlp(self.ln2(x))
-        x = self.ln1(x + self.attention(x, mask))
-        return self.ln2(x + self.mlp(x))
+  def __call__(self, x: Array, mask: Array | None = None) -> Array:
+    """Applies the block to [batch, length, hidden] inputs."""
+    if self.pre_norm:
+      x = x + self.attention(self.ln1(x), mask)
+      return x + self.mlp(self.ln2(x))
+    x = self.ln1(x + self.attention(x, mask))
+    return self.ln2(x + self.mlp(x))
 
 
 def _apply_block(block: Block, x: Array, mask: Array | None) -> Array:
-    return block(x, mask)
+  return block(x, mask)
 
 
 def apply_blocks(
     blocks: nnx.List, x: Array, mask: Array | None, *, remat: str
 ) -> Array:
-    """Runs `x` through `blocks` in order (unrolled), each under the remat policy.
+  """Runs `x` through `blocks` in order (unrolled), each under the remat policy.
 
-    Args:
-      blocks: the model's `nnx.List` of `Block`s.
-      x: [batch, length, hidden] activations.
-      mask: attention mask passed to every block, or None.
-      remat: a key of `REMAT_POLICIES`.
+  Args:
+    blocks: the model's `nnx.List` of `Block`s.
+    x: [batch, length, hidden] activations.
+    mask: attention mask passed to every block, or None.
+    remat: a key of `REMAT_POLICIES`.
 
-    Returns:
-      The activations after the last block.
-    """
-    check_remat(remat)
-    policy = REMAT_POLICIES[remat]
-    if policy is None:
-        apply = _apply_block
-    else:
-        apply = nnx.remat(_apply_block, policy=policy)
-    for block in blocks:
-        x = apply(block, x, mask)
-    return x
+  Returns:
+    The activations after the last block.
+  """
+  check_remat(remat)
+  policy = REMAT_POLICIES[remat]
+  if policy is None:
+    apply = _apply_block
+  else:
+    apply = nnx.remat(_apply_block, policy=policy)
+  for block in blocks:
+    x = apply(block, x, mask)
+  return x
 
 
 def cross_entropy(
     logits: Array, labels: Array, weights: Array | None = None
 ) -> tuple[Array, Array]:
-    """Weighted mean softmax cross-entropy and accuracy, computed in float32.
+  """Weighted mean softmax cross-entropy and accuracy, computed in float32.
 
-    Args:
-      logits: [..., num_classes] logits of any float dtype.
-      labels: [...] int labels.
-      weights: optional [...] float weights (e.g. 1 at masked-LM positions);
-        None weighs every position equally.
+  Args:
+    logits: [..., num_classes] logits of any float dtype.
+    labels: [...] int labels.
+    weights: optional [...] float weights (e.g. 1 at masked-LM positions);
+      None weighs every position equally.
 
-    Returns:
-      (mean loss, accuracy) as float32 scalars, both weighted by `weights`.
-    """
-    logits = logits.astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
-    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-    if weights is None:
-        return jnp.mean(nll), jnp.mean(correct)
-    weights = weights.astype(jnp.float32)
-    # max(., 1) so a micro-batch without any target gives 0, not NaN.
-    total = jnp.maximum(jnp.sum(weights), 1.0)
-    return jnp.sum(nll * weights) / total, jnp.sum(correct * weights) / total
+  Returns:
+    (mean loss, accuracy) as float32 scalars, both weighted by `weights`.
+  """
+  logits = logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  if weights is None:
+    return jnp.mean(nll), jnp.mean(correct)
+  weights = weights.astype(jnp.float32)
+  # max(., 1) so a micro-batch without any target gives 0, not NaN.
+  total = jnp.maximum(jnp.sum(weights), 1.0)
+  return jnp.sum(nll * weights) / total, jnp.sum(correct * weights) / total

@@ -28,146 +28,146 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig(layers.TransformerConfig):
-    """Hyper-parameters of a `ViT` model.
+  """Hyper-parameters of a `ViT` model.
 
-    The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
-    `remat`, dtypes) come from `models.layers.TransformerConfig`.
+  The block stack's fields (`num_layers`, `hidden`, `num_heads`, `mlp_dim`,
+  `remat`, dtypes) come from `models.layers.TransformerConfig`.
 
-    Attributes:
-      image_size: height = width of the input images.
-      patch_size: side of the square patches; must divide image_size.
-      num_channels: input channels (3 for RGB, 1 for sklearn digits).
-      num_classes: number of output classes.
-    """
+  Attributes:
+    image_size: height = width of the input images.
+    patch_size: side of the square patches; must divide image_size.
+    num_channels: input channels (3 for RGB, 1 for sklearn digits).
+    num_classes: number of output classes.
+  """
 
-    image_size: int = 224
-    patch_size: int = 16
-    num_channels: int = 3
-    num_classes: int = 1000
-    layer_norm_eps: float = 1e-6
+  image_size: int = 224
+  patch_size: int = 16
+  num_channels: int = 3
+  num_classes: int = 1000
+  layer_norm_eps: float = 1e-6
 
-    @property
-    def num_patches(self) -> int:
-        """Number of patches per image (sequence length without the CLS token)."""
-        return (self.image_size // self.patch_size) ** 2
+  @property
+  def num_patches(self) -> int:
+    """Number of patches per image (sequence length without the CLS token)."""
+    return (self.image_size // self.patch_size) ** 2
 
-    @classmethod
-    def vit_base(cls, **overrides: Any) -> ViTConfig:
-        """ViT-B/16: 12 layers, width 768, 12 heads (86M parameters)."""
-        return cls(**{"num_layers": 12, "hidden": 768, "num_heads": 12, **overrides})
+  @classmethod
+  def vit_base(cls, **overrides: Any) -> ViTConfig:
+    """ViT-B/16: 12 layers, width 768, 12 heads (86M parameters)."""
+    return cls(**{"num_layers": 12, "hidden": 768, "num_heads": 12, **overrides})
 
-    @classmethod
-    def vit_large(cls, **overrides: Any) -> ViTConfig:
-        """ViT-L/16: 24 layers, width 1024, 16 heads (304M parameters)."""
-        return cls(**{"num_layers": 24, "hidden": 1024, "num_heads": 16, **overrides})
+  @classmethod
+  def vit_large(cls, **overrides: Any) -> ViTConfig:
+    """ViT-L/16: 24 layers, width 1024, 16 heads (304M parameters)."""
+    return cls(**{"num_layers": 24, "hidden": 1024, "num_heads": 16, **overrides})
 
-    @classmethod
-    def tiny(cls, **overrides: Any) -> ViTConfig:
-        """For the 8x8 one-channel sklearn digits (10 classes): 16 patches of 2x2."""
-        return cls(**{
-            "image_size": 8, "patch_size": 2, "num_channels": 1, "num_classes": 10,
-            "num_layers": 2, "hidden": 128, "num_heads": 4, **overrides,
-        })
+  @classmethod
+  def tiny(cls, **overrides: Any) -> ViTConfig:
+    """For the 8x8 one-channel sklearn digits (10 classes): 16 patches of 2x2."""
+    return cls(**{
+        "image_size": 8, "patch_size": 2, "num_channels": 1, "num_classes": 10,
+        "num_layers": 2, "hidden": 128, "num_heads": 4, **overrides,
+    })
 
-    @classmethod
-    def test(cls, **overrides: Any) -> ViTConfig:
-        """One layer, width 128: the smoke-test configuration (8x8 digits)."""
-        return cls(**{
-            "image_size": 8, "patch_size": 2, "num_channels": 1, "num_classes": 10,
-            "num_layers": 1, "hidden": 128, "num_heads": 4, **overrides,
-        })
+  @classmethod
+  def test(cls, **overrides: Any) -> ViTConfig:
+    """One layer, width 128: the smoke-test configuration (8x8 digits)."""
+    return cls(**{
+        "image_size": 8, "patch_size": 2, "num_channels": 1, "num_classes": 10,
+        "num_layers": 1, "hidden": 128, "num_heads": 4, **overrides,
+    })
 
 
 class ViT(nnx.Module):
-    """Vision Transformer classifier; `__call__` maps images to class logits."""
+  """Vision Transformer classifier; `__call__` maps images to class logits."""
 
-    def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
-        """Initialises the parameters.
+  def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
+    """Initialises the parameters.
 
-        Args:
-          config: the model's hyper-parameters.
-          rngs: random streams for initialisation (the `params` stream is used).
-        """
-        layers.check_remat(config.remat)
-        if config.image_size % config.patch_size:
-            raise ValueError(
-                f"patch_size={config.patch_size} does not divide image_size={config.image_size}"
-            )
-        self.config = config
-        dense = dict(
-            kernel_init=layers.DEFAULT_INIT, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs,
+    Args:
+      config: the model's hyper-parameters.
+      rngs: random streams for initialisation (the `params` stream is used).
+    """
+    layers.check_remat(config.remat)
+    if config.image_size % config.patch_size:
+      raise ValueError(
+          f"patch_size={config.patch_size} does not divide image_size={config.image_size}"
+      )
+    self.config = config
+    dense = dict(
+        kernel_init=layers.DEFAULT_INIT, dtype=config.dtype,
+        param_dtype=config.param_dtype, rngs=rngs,
+    )
+    patch_dim = config.patch_size * config.patch_size * config.num_channels
+    self.patch_embed = nnx.Linear(patch_dim, config.hidden, **dense)
+    self.cls_token = nnx.Param(jnp.zeros((config.hidden,), config.param_dtype))
+    self.position_embed = nnx.Param(
+        layers.DEFAULT_INIT(
+            rngs.params(), (config.num_patches + 1, config.hidden), config.param_dtype
         )
-        patch_dim = config.patch_size * config.patch_size * config.num_channels
-        self.patch_embed = nnx.Linear(patch_dim, config.hidden, **dense)
-        self.cls_token = nnx.Param(jnp.zeros((config.hidden,), config.param_dtype))
-        self.position_embed = nnx.Param(
-            layers.DEFAULT_INIT(
-                rngs.params(), (config.num_patches + 1, config.hidden), config.param_dtype
-            )
+    )
+    self.blocks = nnx.List([
+        layers.Block(
+            config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
+            layer_norm_eps=config.layer_norm_eps, gelu_approximate=False,
+            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
         )
-        self.blocks = nnx.List([
-            layers.Block(
-                config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
-                layer_norm_eps=config.layer_norm_eps, gelu_approximate=False,
-                dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-            )
-            for _ in range(config.num_layers)
-        ])
-        self.final_norm = layers.LayerNorm(
-            config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs,
-        )
-        # N(0, 0.02) rather than the zero init of ViT fine-tuning: we train from
-        # scratch, and a zero head would zero every other gradient at step one.
-        self.head = nnx.Linear(config.hidden, config.num_classes, **dense)
+        for _ in range(config.num_layers)
+    ])
+    self.final_norm = layers.LayerNorm(
+        config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
+        param_dtype=config.param_dtype, rngs=rngs,
+    )
+    # N(0, 0.02) rather than the zero init of ViT fine-tuning: we train from
+    # scratch, and a zero head would zero every other gradient at step one.
+    self.head = nnx.Linear(config.hidden, config.num_classes, **dense)
 
-    def patchify(self, images: Array) -> Array:
-        """[batch, H, W, C] (or [batch, H, W]) -> [batch, num_patches, p * p * C].
+  def patchify(self, images: Array) -> Array:
+    """[batch, H, W, C] (or [batch, H, W]) -> [batch, num_patches, p * p * C].
 
-        Patches are in row-major order and each is flattened as (row, col,
-        channel), which makes the patch Linear equal to a stride-p Conv.
-        """
-        config = self.config
-        if images.ndim == 3:
-            images = images[..., None]
-        batch, height, width, channels = images.shape
-        if (height, width, channels) != (config.image_size, config.image_size, config.num_channels):
-            raise ValueError(
-                f"expected images of shape [batch, {config.image_size}, {config.image_size}, "
-                f"{config.num_channels}], got {images.shape}"
-            )
-        p = config.patch_size
-        x = images.reshape(batch, height // p, p, width // p, p, channels)
-        x = x.transpose(0, 1, 3, 2, 4, 5)
-        return x.reshape(batch, (height // p) * (width // p), p * p * channels)
+    Patches are in row-major order and each is flattened as (row, col,
+    channel), which makes the patch Linear equal to a stride-p Conv.
+    """
+    config = self.config
+    if images.ndim == 3:
+      images = images[..., None]
+    batch, height, width, channels = images.shape
+    if (height, width, channels) != (config.image_size, config.image_size, config.num_channels):
+      raise ValueError(
+          f"expected images of shape [batch, {config.image_size}, {config.image_size}, "
+          f"{config.num_channels}], got {images.shape}"
+      )
+    p = config.patch_size
+    x = images.reshape(batch, height // p, p, width // p, p, channels)
+    x = x.transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(batch, (height // p) * (width // p), p * p * channels)
 
-    def __call__(self, images: Array) -> Array:
-        """Class logits [batch, num_classes] in the compute dtype.
+  def __call__(self, images: Array) -> Array:
+    """Class logits [batch, num_classes] in the compute dtype.
 
-        Args:
-          images: float[batch, H, W, C], or float[batch, H, W] for one channel.
-        """
-        x = self.patch_embed(self.patchify(images).astype(self.config.dtype))
-        batch, _, hidden = x.shape
-        cls = jnp.broadcast_to(
-            self.cls_token[...].astype(x.dtype)[None, None, :], (batch, 1, hidden)
-        )
-        x = jnp.concatenate([cls, x], axis=1)
-        x = x + self.position_embed[...].astype(x.dtype)[None, :, :]
-        x = layers.apply_blocks(self.blocks, x, None, remat=self.config.remat)
-        return self.head(self.final_norm(x[:, 0]))
+    Args:
+      images: float[batch, H, W, C], or float[batch, H, W] for one channel.
+    """
+    x = self.patch_embed(self.patchify(images).astype(self.config.dtype))
+    batch, _, hidden = x.shape
+    cls = jnp.broadcast_to(
+        self.cls_token[...].astype(x.dtype)[None, None, :], (batch, 1, hidden)
+    )
+    x = jnp.concatenate([cls, x], axis=1)
+    x = x + self.position_embed[...].astype(x.dtype)[None, :, :]
+    x = layers.apply_blocks(self.blocks, x, None, remat=self.config.remat)
+    return self.head(self.final_norm(x[:, 0]))
 
-    def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-        """Mean classification cross-entropy.
+  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    """Mean classification cross-entropy.
 
-        Args:
-          batch: {"images": float32[batch, H, W, C] or [batch, H, W],
-            "labels": int32[batch]}.
+    Args:
+      batch: {"images": float32[batch, H, W, C] or [batch, H, W],
+        "labels": int32[batch]}.
 
-        Returns:
-          (loss, {"accuracy": top-1 accuracy}), float32 scalars.
-        """
-        logits = self(batch["images"])
-        loss, accuracy = layers.cross_entropy(logits, batch["labels"])
-        return loss, {"accuracy": accuracy}
+    Returns:
+      (loss, {"accuracy": top-1 accuracy}), float32 scalars.
+    """
+    logits = self(batch["images"])
+    loss, accuracy = layers.cross_entropy(logits, batch["labels"])
+    return loss, {"accuracy": accuracy}

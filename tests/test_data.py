@@ -17,224 +17,224 @@ from models import data
 
 @pytest.fixture
 def text_dir(tmp_path: Path) -> Path:
-    """A directory with two small text files, plus a hidden file to be ignored."""
-    (tmp_path / "a.txt").write_bytes(b"alpha beta gamma\n" * 40)
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.txt").write_bytes(b"delta epsilon\n" * 30)
-    (tmp_path / ".hidden").write_bytes(b"never read")
-    return tmp_path
+  """A directory with two small text files, plus a hidden file to be ignored."""
+  (tmp_path / "a.txt").write_bytes(b"alpha beta gamma\n" * 40)
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "b.txt").write_bytes(b"delta epsilon\n" * 30)
+  (tmp_path / ".hidden").write_bytes(b"never read")
+  return tmp_path
 
 
 def test_load_text_directory_split_is_by_file_and_disjoint(text_dir):
-    splits = data.load_text(text_dir)
-    a, b = text_dir / "a.txt", text_dir / "sub" / "b.txt"
-    assert splits.train_files == (str(a),)
-    assert splits.valid_files == (str(b),)
-    assert set(splits.train_files).isdisjoint(splits.valid_files)
-    assert splits.train.dtype == np.uint8 and splits.valid.dtype == np.uint8
-    assert splits.train.tobytes() == a.read_bytes()
-    assert splits.valid.tobytes() == b.read_bytes()
+  splits = data.load_text(text_dir)
+  a, b = text_dir / "a.txt", text_dir / "sub" / "b.txt"
+  assert splits.train_files == (str(a),)
+  assert splits.valid_files == (str(b),)
+  assert set(splits.train_files).isdisjoint(splits.valid_files)
+  assert splits.train.dtype == np.uint8 and splits.valid.dtype == np.uint8
+  assert splits.train.tobytes() == a.read_bytes()
+  assert splits.valid.tobytes() == b.read_bytes()
 
 
 def test_load_text_suffix_filter_and_cap(text_dir):
-    (text_dir / "c.md").write_bytes(b"# title\n")
-    assert len(data.list_files(text_dir)) == 3
-    assert data.list_files(text_dir, suffixes=(".md",)) == [text_dir / "c.md"]
-    capped = data.load_text(text_dir, max_bytes=100, suffixes=(".txt",))
-    # Only the first file fits under the cap, so its tail is held out.
-    assert len(capped.train) + len(capped.valid) == 100
-    assert (capped.train.tobytes() + capped.valid.tobytes()) == (text_dir / "a.txt").read_bytes()[:100]
+  (text_dir / "c.md").write_bytes(b"# title\n")
+  assert len(data.list_files(text_dir)) == 3
+  assert data.list_files(text_dir, suffixes=(".md",)) == [text_dir / "c.md"]
+  capped = data.load_text(text_dir, max_bytes=100, suffixes=(".txt",))
+  # Only the first file fits under the cap, so its tail is held out.
+  assert len(capped.train) + len(capped.valid) == 100
+  assert (capped.train.tobytes() + capped.valid.tobytes()) == (text_dir / "a.txt").read_bytes()[:100]
 
 
 def test_load_text_single_file_splits_bytes(text_dir):
-    path = text_dir / "a.txt"
-    splits = data.load_text(path, valid_fraction=0.25)
-    content = path.read_bytes()
-    assert splits.train.tobytes() + splits.valid.tobytes() == content
-    assert len(splits.valid) == int(len(content) * 0.25)
+  path = text_dir / "a.txt"
+  splits = data.load_text(path, valid_fraction=0.25)
+  content = path.read_bytes()
+  assert splits.train.tobytes() + splits.valid.tobytes() == content
+  assert len(splits.valid) == int(len(content) * 0.25)
 
 
 def test_load_text_rejects_empty_dir(tmp_path):
-    with pytest.raises(ValueError):
-        data.load_text(tmp_path)
+  with pytest.raises(ValueError):
+    data.load_text(tmp_path)
 
 
 @pytest.mark.parametrize("num_items", [0, 1, 2, 3, 10, 37, 100])
 @pytest.mark.parametrize("fraction", [0.0, 0.05, 0.1, 0.5, 0.9])
 def test_held_out_indices(num_items, fraction):
-    held = data.held_out_indices(num_items, fraction)
-    assert len(set(held.tolist())) == len(held)
-    assert all(0 <= i < num_items for i in held)
-    if num_items >= 2 and fraction > 0:
-        assert held[-1] == num_items - 1
-        assert 1 <= len(held) < num_items
-        # About the asked fraction, unless clamped to [1, num_items - 1].
-        assert abs(len(held) - num_items * fraction) < 1 or len(held) in (1, num_items - 1)
-        # Evenly spread: gaps between held-out items differ by at most one.
-        gaps = np.diff(np.concatenate([[-1], held]))
-        assert gaps.max() - gaps.min() <= 1
-    else:
-        assert len(held) == 0
+  held = data.held_out_indices(num_items, fraction)
+  assert len(set(held.tolist())) == len(held)
+  assert all(0 <= i < num_items for i in held)
+  if num_items >= 2 and fraction > 0:
+    assert held[-1] == num_items - 1
+    assert 1 <= len(held) < num_items
+    # About the asked fraction, unless clamped to [1, num_items - 1].
+    assert abs(len(held) - num_items * fraction) < 1 or len(held) in (1, num_items - 1)
+    # Evenly spread: gaps between held-out items differ by at most one.
+    gaps = np.diff(np.concatenate([[-1], held]))
+    assert gaps.max() - gaps.min() <= 1
+  else:
+    assert len(held) == 0
 
 
 def test_stdlib_corpus_is_deterministic_and_split():
-    first = data.load_stdlib_text(max_bytes=2_000_000, valid_fraction=0.1)
-    second = data.load_stdlib_text(max_bytes=2_000_000, valid_fraction=0.1)
-    assert np.array_equal(first.train, second.train) and np.array_equal(first.valid, second.valid)
-    assert len(first.train) + len(first.valid) == 2_000_000
-    # 10% of the files; in bytes that varies with file sizes.
-    assert abs(len(first.valid_files) - 0.1 * len(first.train_files + first.valid_files)) < 1
-    assert 0.03 < len(first.valid) / 2_000_000 < 0.3
-    assert set(first.train_files).isdisjoint(first.valid_files)
-    root = data.stdlib_root()
-    for name in first.train_files + first.valid_files:
-        path = Path(name)
-        assert path.suffix == ".py"
-        assert not set(path.relative_to(root).parts[:-1]) & data.STDLIB_EXCLUDED_DIRS
-    # Corpus order is sorted path order, so the held-out files are interleaved.
-    order = first.train_files + first.valid_files
-    assert sorted(order, key=lambda n: Path(n).relative_to(root).as_posix()) != list(order)
+  first = data.load_stdlib_text(max_bytes=2_000_000, valid_fraction=0.1)
+  second = data.load_stdlib_text(max_bytes=2_000_000, valid_fraction=0.1)
+  assert np.array_equal(first.train, second.train) and np.array_equal(first.valid, second.valid)
+  assert len(first.train) + len(first.valid) == 2_000_000
+  # 10% of the files; in bytes that varies with file sizes.
+  assert abs(len(first.valid_files) - 0.1 * len(first.train_files + first.valid_files)) < 1
+  assert 0.03 < len(first.valid) / 2_000_000 < 0.3
+  assert set(first.train_files).isdisjoint(first.valid_files)
+  root = data.stdlib_root()
+  for name in first.train_files + first.valid_files:
+    path = Path(name)
+    assert path.suffix == ".py"
+    assert not set(path.relative_to(root).parts[:-1]) & data.STDLIB_EXCLUDED_DIRS
+  # Corpus order is sorted path order, so the held-out files are interleaved.
+  order = first.train_files + first.valid_files
+  assert sorted(order, key=lambda n: Path(n).relative_to(root).as_posix()) != list(order)
 
 
 def corpus(size: int = 10_000) -> np.ndarray:
-    return np.random.default_rng(123).integers(0, 256, size).astype(np.uint8)
+  return np.random.default_rng(123).integers(0, 256, size).astype(np.uint8)
 
 
 def test_lm_batches_shapes_contents_and_coverage():
-    text = corpus()
-    seq_len, batch_size = 32, 8
-    num_windows = (len(text) - 1) // seq_len
-    batches = list(data.lm_batches(text, batch_size=batch_size, seq_len=seq_len, seed=0, epochs=1))
-    assert len(batches) == num_windows // batch_size
-    starts = []
-    for batch in batches:
-        tokens = batch["tokens"]
-        assert tokens.shape == (batch_size, seq_len + 1) and tokens.dtype == np.int32
-        for row in tokens:
-            # Each row is a slice of the corpus at a multiple of seq_len.
-            candidates = [s for s in range(0, len(text), seq_len)
-                          if np.array_equal(text[s : s + seq_len + 1], row)]
-            assert candidates
-            starts.append(candidates[0])
-    assert len(set(starts)) == len(starts)  # no window twice in an epoch
+  text = corpus()
+  seq_len, batch_size = 32, 8
+  num_windows = (len(text) - 1) // seq_len
+  batches = list(data.lm_batches(text, batch_size=batch_size, seq_len=seq_len, seed=0, epochs=1))
+  assert len(batches) == num_windows // batch_size
+  starts = []
+  for batch in batches:
+    tokens = batch["tokens"]
+    assert tokens.shape == (batch_size, seq_len + 1) and tokens.dtype == np.int32
+    for row in tokens:
+      # Each row is a slice of the corpus at a multiple of seq_len.
+      candidates = [s for s in range(0, len(text), seq_len)
+                    if np.array_equal(text[s : s + seq_len + 1], row)]
+      assert candidates
+      starts.append(candidates[0])
+  assert len(set(starts)) == len(starts)  # no window twice in an epoch
 
 
 def test_lm_batches_deterministic_per_seed():
-    text = corpus()
-    stream = lambda seed: list(itertools.islice(
-        data.lm_batches(text, batch_size=4, seq_len=16, seed=seed), 30))
-    first, again, other = stream(0), stream(0), stream(1)
-    assert all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(first, again))
-    assert not all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(first, other))
+  text = corpus()
+  stream = lambda seed: list(itertools.islice(
+      data.lm_batches(text, batch_size=4, seq_len=16, seed=seed), 30))
+  first, again, other = stream(0), stream(0), stream(1)
+  assert all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(first, again))
+  assert not all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(first, other))
 
 
 def test_lm_batches_unshuffled_is_corpus_order():
-    text = corpus(1000)
-    batch = next(data.lm_batches(text, batch_size=3, seq_len=10, shuffle=False))
-    np.testing.assert_array_equal(batch["tokens"][1], text[10:21])
+  text = corpus(1000)
+  batch = next(data.lm_batches(text, batch_size=3, seq_len=10, shuffle=False))
+  np.testing.assert_array_equal(batch["tokens"][1], text[10:21])
 
 
 def test_lm_batches_infinite_and_short_corpus():
-    text = corpus(200)
-    stream = data.lm_batches(text, batch_size=2, seq_len=16, seed=0)
-    assert len(list(itertools.islice(stream, 100))) == 100  # many epochs
-    with pytest.raises(ValueError):
-        next(data.lm_batches(text, batch_size=2, seq_len=500))
+  text = corpus(200)
+  stream = data.lm_batches(text, batch_size=2, seq_len=16, seed=0)
+  assert len(list(itertools.islice(stream, 100))) == 100  # many epochs
+  with pytest.raises(ValueError):
+    next(data.lm_batches(text, batch_size=2, seq_len=500))
 
 
 def test_mask_tokens_follows_bert_rule():
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (400, 100)).astype(np.uint8)
-    out = data.mask_tokens(tokens, np.random.default_rng(7))
-    inputs, targets, weights = out["tokens"], out["targets"], out["mask_weights"]
-    assert inputs.dtype == targets.dtype == np.int32 and weights.dtype == np.float32
-    np.testing.assert_array_equal(targets, tokens)
-    np.testing.assert_array_equal(weights.sum(axis=1), np.full(400, 15.0))
-    chosen = weights > 0
-    # Positions not chosen are untouched.
-    np.testing.assert_array_equal(inputs[~chosen], targets[~chosen])
-    num = chosen.sum()  # 6000 draws: 3-sigma of a 0.1 rate is about 0.012
-    masked = np.mean(inputs[chosen] == data.MASK_ID)
-    kept = np.mean(inputs[chosen] == targets[chosen])
-    random = np.mean((inputs[chosen] != data.MASK_ID) & (inputs[chosen] != targets[chosen]))
-    assert num == 6000
-    assert abs(masked - 0.8) < 0.02
-    assert abs(kept - (0.1 + 0.1 / 256)) < 0.015
-    assert abs(random - 0.1 * 255 / 256) < 0.015
-    assert inputs[chosen][inputs[chosen] != data.MASK_ID].max() < 256  # random ids are bytes
-    # Chosen positions are spread over the whole sequence.
-    assert chosen[:, :50].sum() > 0.4 * num and chosen[:, 50:].sum() > 0.4 * num
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (400, 100)).astype(np.uint8)
+  out = data.mask_tokens(tokens, np.random.default_rng(7))
+  inputs, targets, weights = out["tokens"], out["targets"], out["mask_weights"]
+  assert inputs.dtype == targets.dtype == np.int32 and weights.dtype == np.float32
+  np.testing.assert_array_equal(targets, tokens)
+  np.testing.assert_array_equal(weights.sum(axis=1), np.full(400, 15.0))
+  chosen = weights > 0
+  # Positions not chosen are untouched.
+  np.testing.assert_array_equal(inputs[~chosen], targets[~chosen])
+  num = chosen.sum()  # 6000 draws: 3-sigma of a 0.1 rate is about 0.012
+  masked = np.mean(inputs[chosen] == data.MASK_ID)
+  kept = np.mean(inputs[chosen] == targets[chosen])
+  random = np.mean((inputs[chosen] != data.MASK_ID) & (inputs[chosen] != targets[chosen]))
+  assert num == 6000
+  assert abs(masked - 0.8) < 0.02
+  assert abs(kept - (0.1 + 0.1 / 256)) < 0.015
+  assert abs(random - 0.1 * 255 / 256) < 0.015
+  assert inputs[chosen][inputs[chosen] != data.MASK_ID].max() < 256  # random ids are bytes
+  # Chosen positions are spread over the whole sequence.
+  assert chosen[:, :50].sum() > 0.4 * num and chosen[:, 50:].sum() > 0.4 * num
 
 
 def test_mask_tokens_deterministic():
-    tokens = corpus(640).reshape(10, 64)
-    first = data.mask_tokens(tokens, np.random.default_rng(3))
-    again = data.mask_tokens(tokens, np.random.default_rng(3))
-    other = data.mask_tokens(tokens, np.random.default_rng(4))
-    for key in first:
-        np.testing.assert_array_equal(first[key], again[key])
-    assert not np.array_equal(first["mask_weights"], other["mask_weights"])
+  tokens = corpus(640).reshape(10, 64)
+  first = data.mask_tokens(tokens, np.random.default_rng(3))
+  again = data.mask_tokens(tokens, np.random.default_rng(3))
+  other = data.mask_tokens(tokens, np.random.default_rng(4))
+  for key in first:
+    np.testing.assert_array_equal(first[key], again[key])
+  assert not np.array_equal(first["mask_weights"], other["mask_weights"])
 
 
 def test_mlm_batches():
-    text = corpus()
-    seq_len = 32
-    take = lambda seed: list(itertools.islice(
-        data.mlm_batches(text, batch_size=4, seq_len=seq_len, seed=seed), 20))
-    first, again = take(0), take(0)
-    for x, y in zip(first, again):
-        for key in x:
-            np.testing.assert_array_equal(x[key], y[key])
-    windows = text[: len(text) // seq_len * seq_len].reshape(-1, seq_len)
-    for batch in first:
-        assert batch["tokens"].shape == batch["targets"].shape == batch["mask_weights"].shape
-        assert batch["tokens"].shape == (4, seq_len)
-        np.testing.assert_array_equal(batch["mask_weights"].sum(axis=1), np.full(4, 5.0))
-        for row in batch["targets"]:
-            assert (windows == row[None, :]).all(axis=1).any()
-    # Dynamic masking: the same window is masked differently in another epoch.
-    ordered = list(data.mlm_batches(text, batch_size=4, seq_len=seq_len, shuffle=False, epochs=2))
-    half = len(ordered) // 2
-    np.testing.assert_array_equal(ordered[0]["targets"], ordered[half]["targets"])
-    assert not np.array_equal(ordered[0]["mask_weights"], ordered[half]["mask_weights"])
+  text = corpus()
+  seq_len = 32
+  take = lambda seed: list(itertools.islice(
+      data.mlm_batches(text, batch_size=4, seq_len=seq_len, seed=seed), 20))
+  first, again = take(0), take(0)
+  for x, y in zip(first, again):
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key])
+  windows = text[: len(text) // seq_len * seq_len].reshape(-1, seq_len)
+  for batch in first:
+    assert batch["tokens"].shape == batch["targets"].shape == batch["mask_weights"].shape
+    assert batch["tokens"].shape == (4, seq_len)
+    np.testing.assert_array_equal(batch["mask_weights"].sum(axis=1), np.full(4, 5.0))
+    for row in batch["targets"]:
+      assert (windows == row[None, :]).all(axis=1).any()
+  # Dynamic masking: the same window is masked differently in another epoch.
+  ordered = list(data.mlm_batches(text, batch_size=4, seq_len=seq_len, shuffle=False, epochs=2))
+  half = len(ordered) // 2
+  np.testing.assert_array_equal(ordered[0]["targets"], ordered[half]["targets"])
+  assert not np.array_equal(ordered[0]["mask_weights"], ordered[half]["mask_weights"])
 
 
 def test_load_digits_split():
-    from sklearn import datasets
+  from sklearn import datasets
 
-    splits = data.load_digits(valid_fraction=0.2, seed=0)
-    reference = datasets.load_digits()
-    assert splits.train_images.shape[1:] == (8, 8, 1)
-    assert splits.train_images.dtype == np.float32 and splits.train_labels.dtype == np.int32
-    assert len(splits.valid_labels) == round(0.2 * len(reference.target))
-    assert len(splits.train_labels) + len(splits.valid_labels) == len(reference.target)
-    assert 0.0 <= splits.train_images.min() and splits.train_images.max() <= 1.0
-    # Together the splits are exactly the data set, each image once.
-    images = np.concatenate([splits.train_images, splits.valid_images])[..., 0] * 16.0
-    labels = np.concatenate([splits.train_labels, splits.valid_labels])
-    key = lambda im, lab: (lab, im.astype(np.int64).tobytes())
-    ours = sorted(key(im, lab) for im, lab in zip(images, labels))
-    theirs = sorted(key(im, lab) for im, lab in zip(reference.images, reference.target))
-    assert ours == theirs
-    assert set(np.unique(splits.valid_labels)) == set(range(10))
-    again = data.load_digits(valid_fraction=0.2, seed=0)
-    np.testing.assert_array_equal(again.valid_images, splits.valid_images)
+  splits = data.load_digits(valid_fraction=0.2, seed=0)
+  reference = datasets.load_digits()
+  assert splits.train_images.shape[1:] == (8, 8, 1)
+  assert splits.train_images.dtype == np.float32 and splits.train_labels.dtype == np.int32
+  assert len(splits.valid_labels) == round(0.2 * len(reference.target))
+  assert len(splits.train_labels) + len(splits.valid_labels) == len(reference.target)
+  assert 0.0 <= splits.train_images.min() and splits.train_images.max() <= 1.0
+  # Together the splits are exactly the data set, each image once.
+  images = np.concatenate([splits.train_images, splits.valid_images])[..., 0] * 16.0
+  labels = np.concatenate([splits.train_labels, splits.valid_labels])
+  key = lambda im, lab: (lab, im.astype(np.int64).tobytes())
+  ours = sorted(key(im, lab) for im, lab in zip(images, labels))
+  theirs = sorted(key(im, lab) for im, lab in zip(reference.images, reference.target))
+  assert ours == theirs
+  assert set(np.unique(splits.valid_labels)) == set(range(10))
+  again = data.load_digits(valid_fraction=0.2, seed=0)
+  np.testing.assert_array_equal(again.valid_images, splits.valid_images)
 
 
 def test_image_batches():
-    images = np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1)
-    labels = np.arange(50, dtype=np.int32)
-    epoch = list(data.image_batches(images, labels, batch_size=8, seed=0, epochs=1))
-    assert len(epoch) == 6
-    seen = np.concatenate([b["labels"] for b in epoch])
-    assert len(set(seen.tolist())) == 48  # no repeats; remainder dropped
-    for batch in epoch:
-        np.testing.assert_array_equal(batch["images"], images[batch["labels"]])
-    again = list(data.image_batches(images, labels, batch_size=8, seed=0, epochs=1))
-    assert all(np.array_equal(x["labels"], y["labels"]) for x, y in zip(epoch, again))
-    second_epoch = list(itertools.islice(
-        data.image_batches(images, labels, batch_size=8, seed=0), 6, 12))
-    assert not all(np.array_equal(x["labels"], y["labels"]) for x, y in zip(epoch, second_epoch))
-    full = list(data.image_batches(images, labels, batch_size=8, shuffle=False, epochs=1,
-                                   drop_remainder=False))
-    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in full]), labels)
+  images = np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1)
+  labels = np.arange(50, dtype=np.int32)
+  epoch = list(data.image_batches(images, labels, batch_size=8, seed=0, epochs=1))
+  assert len(epoch) == 6
+  seen = np.concatenate([b["labels"] for b in epoch])
+  assert len(set(seen.tolist())) == 48  # no repeats; remainder dropped
+  for batch in epoch:
+    np.testing.assert_array_equal(batch["images"], images[batch["labels"]])
+  again = list(data.image_batches(images, labels, batch_size=8, seed=0, epochs=1))
+  assert all(np.array_equal(x["labels"], y["labels"]) for x, y in zip(epoch, again))
+  second_epoch = list(itertools.islice(
+      data.image_batches(images, labels, batch_size=8, seed=0), 6, 12))
+  assert not all(np.array_equal(x["labels"], y["labels"]) for x, y in zip(epoch, second_epoch))
+  full = list(data.image_batches(images, labels, batch_size=8, shuffle=False, epochs=1,
+                                 drop_remainder=False))
+  np.testing.assert_array_equal(np.concatenate([b["labels"] for b in full]), labels)
