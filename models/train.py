@@ -36,6 +36,7 @@ from models import data
 
 MODEL_KINDS = ("gpt", "bert", "vit")
 OPTIMIZERS = ("adama", "adam", "multisteps")
+MOMENT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,10 @@ class TrainConfig:
   data_path: str | None = None  # a user text file or directory (text models).
   max_bytes: int = 2_000_000  # corpus cap for the standard-library text.
   remat: str = "none"
+  # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
+  mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
+  nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
+  quantize_moments: bool = False  # 8-bit BlockQuantization(); adama only.
 
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
@@ -71,24 +76,58 @@ class TrainConfig:
       raise ValueError(
           f"batch size {self.batch_size} does not split into "
           f"num_micro_batches={self.num_micro_batches} equal micro-batches.")
+    for name in ("mu_dtype", "nu_dtype"):
+      value = getattr(self, name)
+      if value is not None and value not in MOMENT_DTYPES:
+        raise ValueError(f"{name} must be one of {MOMENT_DTYPES} or None, got {value!r}.")
+    if self.optimizer != "adama":
+      if self.nu_dtype is not None:
+        raise ValueError(
+            f"nu_dtype={self.nu_dtype!r} needs optimizer='adama' (optax.adamw has no "
+            f"nu_dtype), got optimizer={self.optimizer!r}.")
+      if self.quantize_moments:
+        raise ValueError(
+            "quantize_moments (8-bit moments) needs optimizer='adama', got "
+            f"optimizer={self.optimizer!r}.")
 
   @property
   def preset_name(self) -> str:
     return self.preset or f"{self.model}_tiny"
 
 
+def warmup_cosine_schedule(
+    learning_rate: float, steps: int, warmup_steps: int
+) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then cosine decay to a tenth of it.
+
+  Args:
+    learning_rate: the peak learning rate.
+    steps: length of the schedule, in optimizer (mini-batch) steps.
+    warmup_steps: steps of linear warm-up; capped at `steps // 2`, so short
+      runs (smoke tests) keep at least half their steps after warm-up.
+
+  Returns:
+    The schedule, a function of the step count.
+  """
+  if steps < 1:
+    raise ValueError(f"steps must be >= 1, got {steps}.")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+  return optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, min(warmup_steps, steps // 2), steps,
+      end_value=0.1 * learning_rate)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """The optimizer of a run; every one counts its schedule in mini-batches."""
-  # Short runs (smoke tests) keep at least half their steps after warm-up.
-  warmup = min(config.warmup_steps, config.steps // 2)
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, warmup, config.steps,
-      end_value=0.1 * config.learning_rate)
+  schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   if config.optimizer == "adama":
+    quantization = optax_adama.BlockQuantization() if config.quantize_moments else None
     return optax_adama.adamaw(
         schedule, weight_decay=config.weight_decay,
-        num_micro_batches=config.num_micro_batches)
-  adamw = optax.adamw(schedule, weight_decay=config.weight_decay)
+        num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
+        nu_dtype=config.nu_dtype, quantization=quantization)
+  adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
   return adamw  # microbatch_step accumulates the mean gradient for it.
@@ -260,6 +299,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="your own text file or directory (gpt/bert)")
   parser.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
   parser.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
+  parser.add_argument("--mu-dtype", choices=MOMENT_DTYPES, default=None,
+                      help="first-moment dtype (default: the params' dtype)")
+  parser.add_argument("--nu-dtype", choices=MOMENT_DTYPES, default=None,
+                      help="second-moment dtype, adama only (default: the params' dtype)")
+  parser.add_argument("--quantize-moments", action="store_true",
+                      help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
   parser.add_argument("--metrics-out", type=Path, default=None,
                       help="write the run(s) as JSON here")
   parser.add_argument("--compare", action="store_true",
@@ -273,10 +318,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
   optimizers = ("adama", "adam") if args.compare else (config.optimizer,)
-  runs = []
-  for optimizer in optimizers:
-    run_config = dataclasses.replace(config, optimizer=optimizer)
-    runs.append(train(run_config, progress=not args.no_progress))
+  # All configs first: a bad combination fails before any training.
+  run_configs = [dataclasses.replace(config, optimizer=o) for o in optimizers]
+  runs = [train(run_config, progress=not args.no_progress) for run_config in run_configs]
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "
         f"batch {config.batch_size} = {config.num_micro_batches} micro-batches, "
         f"{config.steps} steps, on {runs[0]['machine']['device']}")
