@@ -64,12 +64,12 @@ def main(argv: Sequence[str] | None = None) -> float:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import optax
   from flax import nnx
 
   import models
   import optax_adama
   from models import data
+  from models.train import warmup_cosine_schedule
 
   multi_process = args.coordinator is not None or args.num_processes not in (None, 1)
   if multi_process:
@@ -88,18 +88,18 @@ def main(argv: Sequence[str] | None = None) -> float:
       f"({jax.local_device_count()} local), mesh {dict(mesh.shape)}")
 
   rows_per_process, remainder = divmod(args.batch_size, num_processes)
-  if remainder or (args.batch_size // args.num_micro_batches) % jax.device_count():
+  micro_batch_size, micro_remainder = divmod(args.batch_size, args.num_micro_batches)
+  if remainder or micro_remainder or micro_batch_size % jax.device_count():
     raise ValueError(
-        f"batch size {args.batch_size} must split into {args.num_micro_batches} "
-        f"micro-batches of a multiple of {jax.device_count()} devices rows.")
+        f"batch size {args.batch_size} must split into {args.num_micro_batches} equal "
+        f"micro-batches whose rows are a multiple of the {jax.device_count()} devices, "
+        f"and into equal shares for the {num_processes} process(es).")
 
   # Same seed everywhere: every process builds the same initial params.
   model_config = models.get_config(args.preset)
   loss_fn, params = models.split_loss_fn(
       models.create(model_config, rngs=nnx.Rngs(0)), has_aux=True)
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, args.learning_rate, min(20, args.steps // 2), args.steps,
-      end_value=0.1 * args.learning_rate)
+  schedule = warmup_cosine_schedule(args.learning_rate, args.steps, warmup_steps=20)
   moments = {
       "float32": {},
       "bfloat16": {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
