@@ -92,8 +92,12 @@ def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
 def make_step(
     method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[Step, optax.GradientTransformation, int]:
-  """(jitted donating step, its optimizer, the number of micro-batches it scans)."""
+) -> tuple[Step, optax.GradientTransformation]:
+  """(jitted donating step, its optimizer) of a method.
+
+  ``full_batch`` runs the whole mini-batch as one micro-batch; every other
+  method scans ``num_micro_batches`` of them.
+  """
   adam = optax.adam(learning_rate)
   if method in SHARDED_METHODS:
     if mesh is None:
@@ -104,23 +108,21 @@ def make_step(
     step = optax_adama.microbatch_step(
         loss_fn, tx, num_micro_batches=num_micro_batches, mesh=mesh,
         shard_states="zero2" if method.startswith("zero2") else None)
-    return step, tx, num_micro_batches
+    return step, tx
   if method == "full_batch":
-    return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam, 1
+    return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam
   if method == "scan_accumulation":
     step = optax_adama.microbatch_step(
         loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False)
-    return step, adam, num_micro_batches
+    return step, adam
   if method == "multisteps":
     tx = optax.MultiSteps(adam, every_k_schedule=num_micro_batches)
-    return optax_adama.microbatch_step(
-        loss_fn, tx, num_micro_batches=num_micro_batches), tx, num_micro_batches
+    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
   if method == "optax_microbatching":
-    return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam, num_micro_batches
+    return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam
   if method == "adama":
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
-    return optax_adama.microbatch_step(
-        loss_fn, tx, num_micro_batches=num_micro_batches), tx, num_micro_batches
+    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
 
@@ -178,7 +180,7 @@ def measure_memory(
   floor = optax_adama.memory_floor(
       loss_fn, params, adama_state, batch, num_micro_batches=num_micro_batches).to_dict()
   for method in methods:
-    step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     opt_state = jax.eval_shape(tx.init, params)
     start = time.perf_counter()
     report = optax_adama.memory_report(step, params, opt_state, batch)
@@ -213,7 +215,7 @@ def measure_throughput(
   tokens_per_step = batch_size * tokens_per_example(config, batch)
   runners = {}
   for method in methods:
-    step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     params = jax.tree.map(jnp.array, init_params)
     state = tx.init(params)
     compiled = step.lower(params, state, batch).compile()
@@ -269,7 +271,7 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden)
   loss_fn, params = split_model(config)
-  step, tx, _ = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh)
+  step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh)
   devices = 1 if mesh is None else mesh.size
   batch = abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
   report = optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params), batch)
