@@ -84,7 +84,6 @@ class BERT(nnx.Module):
       config: the model's hyper-parameters.
       rngs: random streams for initialisation (the `params` stream is used).
     """
-    layers.check_remat(config.remat)
     self.config = config
     dense = dict(
         kernel_init=layers.DEFAULT_INIT, dtype=config.dtype,

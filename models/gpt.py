@@ -86,7 +86,6 @@ class GPT(nnx.Module):
       config: the model's hyper-parameters.
       rngs: random streams for initialisation (the `params` stream is used).
     """
-    layers.check_remat(config.remat)
     self.config = config
     self.token_embed = nnx.Embed(
         config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,

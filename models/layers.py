@@ -22,19 +22,27 @@ from jax.ad_checkpoint import checkpoint_name
 Array = jax.Array
 DType = Any
 
+# The block's activations tagged with `checkpoint_name`, for the "minimal" policy.
+CHECKPOINT_NAMES = ("qkv", "attention_context", "attention_out", "mlp_hidden", "mlp_out")
+
 # Remat policy names (the `remat` field of every model config) mapped onto
 # `jax.checkpoint` policies. `None` means: do not wrap the block at all.
 #   none          keep every activation (fastest, most memory)
+#   minimal       keep the CHECKPOINT_NAMES tensors: the weight matmul outputs
+#                 and the attention context, nothing T x T; the backward pass
+#                 recomputes the attention scores, softmax and elementwise ops
 #   full          keep only the block inputs, recompute the block on backward
 #   dots          keep matmul outputs, recompute elementwise ops (GELU, LN, ...)
 #   dots_no_batch keep only weight matmuls; attention scores (T x T, batched
 #                 dots) are recomputed, which is what saves memory at long T
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
+    "minimal": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -63,6 +71,10 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+
   @property
   def mlp_width(self) -> int:
     """The MLP inner width actually used."""
@@ -71,12 +83,6 @@ class TransformerConfig:
 
 # Weight init as in GPT-2 / BERT: N(0, 0.02).
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)
-
-
-def check_remat(remat: str) -> None:
-  """Raises ValueError unless `remat` names a policy in `REMAT_POLICIES`."""
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
 
 
 class LayerNorm(nnx.Module):
@@ -300,7 +306,6 @@ def apply_blocks(
   Returns:
     The activations after the last block.
   """
-  check_remat(remat)
   policy = REMAT_POLICIES[remat]
   if policy is None:
     apply = _apply_block

@@ -88,7 +88,6 @@ class ViT(nnx.Module):
       config: the model's hyper-parameters.
       rngs: random streams for initialisation (the `params` stream is used).
     """
-    layers.check_remat(config.remat)
     if config.image_size % config.patch_size:
       raise ValueError(
           f"patch_size={config.patch_size} does not divide image_size={config.image_size}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -177,12 +178,12 @@ def test_split_loss_fn_equals_make_loss_fn():
     # Every policy goes through the same wrapper, and each costs a compile, so
     # the fast set checks each model once and the other policies on GPT.
     [
-        ("gpt", ("full", "dots")),
+        ("gpt", ("minimal", "full", "dots")),
         ("bert", ("full",)),
         ("vit", ("full",)),
         pytest.param("gpt", ("dots_no_batch",), marks=pytest.mark.slow),
-        pytest.param("bert", ("dots", "dots_no_batch"), marks=pytest.mark.slow),
-        pytest.param("vit", ("dots", "dots_no_batch"), marks=pytest.mark.slow),
+        pytest.param("bert", ("minimal", "dots", "dots_no_batch"), marks=pytest.mark.slow),
+        pytest.param("vit", ("minimal", "dots", "dots_no_batch"), marks=pytest.mark.slow),
     ],
 )
 def test_remat_policies_match_no_remat(kind, policies):
@@ -214,9 +215,35 @@ def test_remat_actually_recomputes():
   assert "checkpoint" not in jaxpr_text("none") and "remat" not in jaxpr_text("none")
 
 
+def test_minimal_remat_keeps_the_named_activations_and_nothing_quadratic(capsys):
+  """Under "minimal" the backward pass keeps exactly the tagged block tensors."""
+  config = smoke_config("gpt")
+  batch = make_batch(config)
+  length = batch["tokens"].shape[1] - 1
+
+  def saved(remat: str) -> str:
+    loss_fn, params = models.split_loss_fn(
+        models.create(config, remat=remat, rngs=nnx.Rngs(0)))
+    jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, batch), params)
+    return capsys.readouterr().out
+
+  minimal, full = saved("minimal"), saved("full")
+  # mlp_out only feeds a residual add, whose backward needs nothing saved.
+  for name in ("qkv", "attention_context", "attention_out", "mlp_hidden"):
+    assert f"named '{name}'" in minimal
+    assert f"named '{name}'" not in full
+  # No float [batch, heads, T, T] scores or probabilities (the bool causal mask
+  # is saved outside the blocks under every policy).
+  quadratic = re.compile(rf"^f32\[\d+,\d+,{length},{length}\]", re.MULTILINE)
+  assert not quadratic.search(minimal)
+  assert quadratic.search(saved("none"))
+
+
 def test_unknown_remat_and_preset_raise():
-  with pytest.raises(ValueError, match="remat"):
+  with pytest.raises(ValueError, match="remat.*'some'"):
     models.create("gpt_test", remat="some", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="remat.*'some'"):
+    models.ViTConfig(remat="some")  # checked once, where the config is built
   with pytest.raises(KeyError):
     models.get_config("gpt5")
 
@@ -369,7 +396,7 @@ def test_presets_are_frozen_and_hashable():
 
 
 def test_remat_policy_names():
-  assert set(layers.REMAT_POLICIES) == {"none", "full", "dots", "dots_no_batch"}
+  assert set(layers.REMAT_POLICIES) == {"none", "minimal", "full", "dots", "dots_no_batch"}
 
 
 def test_loss_fn_scans_over_micro_batches():
