@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all validate bench notebooks clean
+.PHONY: demo test test-all validate notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test-all: $(STAMP)
 
 validate: $(STAMP)
 	$(BIN)/python -m models.validate
+
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/build.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
