@@ -22,6 +22,9 @@ from optax_adama._quantize import QuantizedArray
 from optax_adama._quantize import dequantize_blocks
 from optax_adama._quantize import quantize_blocks
 from optax_adama._quantize import stochastic_round
+from optax_adama._schedules import MiniBatchScheduleState
+from optax_adama._schedules import inject_hyperparams
+from optax_adama._schedules import mini_batch_schedule
 from optax_adama._sharding import StepShardings
 from optax_adama._sharding import batch_sharding
 from optax_adama._sharding import sharded_tree_shardings
@@ -37,6 +40,7 @@ __all__ = (
     "MemoryFloor",
     "MemoryReport",
     "MiniBatchChainState",
+    "MiniBatchScheduleState",
     "QuantizedArray",
     "ScaleByAdamAState",
     "StepShardings",
@@ -46,10 +50,12 @@ __all__ = (
     "dequantize_blocks",
     "find_adama_state",
     "has_updated",
+    "inject_hyperparams",
     "memory_floor",
     "memory_report",
     "microbatch_step",
     "mini_batch_chain",
+    "mini_batch_schedule",
     "quantize_blocks",
     "scale_by_adama",
     "sharded_tree_shardings",

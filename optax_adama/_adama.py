@@ -3,16 +3,24 @@
 This module holds the math of DESIGN.md: the moment fold, the bias-corrected
 direction emitted once per mini-batch, the leaf-local non-finite guard, and the
 `adama` / `adamaw` aliases built from them.
+
+The per-leaf math lives at module level. A moment is either a dense array or a
+:class:`QuantizedArray`; :func:`_load` and :func:`_store` are the one interface
+to both, so the fold and the direction are written once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
+import sys
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_adama import _quantize
@@ -31,27 +39,105 @@ __all__ = [
 ]
 
 ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
+Moment = Union[jax.Array, QuantizedArray]
 
 
-class ScaleByAdamAState(NamedTuple):
-  """State of :func:`scale_by_adama`."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["count", "micro_step", "mu", "nu", "mini_batch_accepted",
+                 "num_dropped"],
+    meta_fields=["num_micro_batches"])
+@dataclasses.dataclass(frozen=True)
+class ScaleByAdamAState:
+  """State of :func:`scale_by_adama`.
 
-  count: chex.Array  # int32 []: mini-batches completed; drives bias correction.
+  ``num_micro_batches`` is static (part of the tree structure, not a leaf), so
+  a jitted step can read it while tracing: :func:`microbatch_step` takes ``N``
+  from here and a mismatch cannot happen.
+  """
+
+  count: chex.Array  # int32 []: mini-batches completed, dropped ones included; bias correction and schedules count these.
   micro_step: chex.Array  # int32 []: micro-batches folded into the current mini-batch, in [0, N).
   mu: optax.Updates  # like params (dtype mu_dtype): first moment; with quantization, a QuantizedArray per large leaf.
   nu: optax.Updates  # like params (dtype nu_dtype): second moment, mean of g_i**2; with quantization, a QuantizedArray of sqrt(v) per large leaf.
   mini_batch_accepted: chex.Array  # int32 []: micro-batches of the current (or just completed) mini-batch with an all-finite gradient.
   num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
+  num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
 
 
-def _check_num_micro_batches(num_micro_batches: int) -> int:
-  if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
+def _check_num_micro_batches(num_micro_batches: Any) -> Optional[int]:
+  """``N`` as a Python int; ``None`` if it is a traced (abstract) integer.
+
+  Integer-like values are accepted as :class:`optax.MultiSteps` accepts them
+  (``np.int64(2)``, a concrete 0-d integer array, which is what
+  ``optax.inject_hyperparams`` passes); bools and floats are not.
+  """
+  value = num_micro_batches
+  dtype = getattr(value, "dtype", None)
+  is_integer_array = (
+      dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+      and jnp.ndim(value) == 0)
+  if isinstance(value, bool) or not (isinstance(value, int) or is_integer_array):
     raise TypeError(
-        f"num_micro_batches must be a Python int, got {num_micro_batches!r}."
-    )
-  if num_micro_batches < 1:
-    raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}.")
-  return num_micro_batches
+        f"num_micro_batches must be an integer, got {value!r} "
+        f"({type(value).__name__}).")
+  if isinstance(value, jax.core.Tracer):
+    return None  # checked against the state's static N in update.
+  value = int(value)
+  if value < 1:
+    raise ValueError(f"num_micro_batches must be >= 1, got {value}.")
+  return value
+
+
+def _check_float_params(params: optax.Params) -> None:
+  """Raises a ``TypeError`` naming every leaf that is not a real float."""
+  bad = [
+      f"{jax.tree_util.keystr(path)} ({jnp.dtype(_dtype_of(leaf))})"
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+      if not jnp.issubdtype(_dtype_of(leaf), jnp.floating)
+  ]
+  if bad:
+    raise TypeError(
+        "AdamA moves real floating-point params only; these leaves would "
+        f"never move: {', '.join(bad)}. Keep integer and boolean state out "
+        "of the optimized tree (e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)), "
+        "or cast them to a float dtype.")
+
+
+def _reject_call_counting_schedules() -> None:
+  """Fails loudly where ``optax.inject_hyperparams`` would count micro-batches.
+
+  ``optax.inject_hyperparams(adama)(learning_rate=schedule, ...)`` evaluates a
+  plain schedule at its own count of ``update`` calls, one per micro-batch,
+  and hands AdamA only the value; nothing downstream can recover the
+  mini-batch count. The wrapper calls the factory from its ``init`` / ``update``
+  with its scheduled hyperparameters in scope, so look there (a frame or two
+  up) for a plain schedule wrapped by optax. Schedules made by
+  :func:`optax_adama.mini_batch_schedule` (what :func:`optax_adama.inject_hyperparams`
+  passes) count mini-batches and pass.
+  """
+  frame = sys._getframe(2)  # the caller of adama / adamaw
+  for _ in range(3):
+    if frame is None:
+      return
+    scheduled = frame.f_locals.get("sched_hps")
+    if (frame.f_globals.get("__name__", "").startswith("optax.")
+        and isinstance(scheduled, dict)):
+      counting = sorted(name for name, s in scheduled.items()
+                        if isinstance(s, optax.schedules.WrappedSchedule))
+      if counting:
+        raise ValueError(
+            f"optax.inject_hyperparams would evaluate the schedule of {counting} "
+            "once per update call, i.e. per micro-batch; AdamA's schedules count "
+            "mini-batches. Use optax_adama.inject_hyperparams(...) instead (the "
+            "same state, hyperparams included), or pass the schedule as "
+            "optax_adama.mini_batch_schedule(schedule, num_micro_batches).")
+      return
+    frame = frame.f_back
+
+
+def _dtype_of(leaf: Any) -> jnp.dtype:
+  return jnp.dtype(getattr(leaf, "dtype", None) or jnp.result_type(leaf))
 
 
 def _compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
@@ -60,6 +146,153 @@ def _compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
   # by width, since strict dtype promotion has no bf16 -> f32 path.)
   wide = any(jnp.dtype(d).itemsize > 4 for d in dtypes)
   return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+# One load/store interface for both kinds of moment. `order` is 1 for m and 2
+# for v: a quantized v is stored as sqrt(v), so its codes span twice the
+# decades of v, and is squared on load.
+
+
+def _load(moment: Moment, order: int) -> jax.Array:
+  """The moment's value, widened for arithmetic, in the moment's own layout."""
+  if isinstance(moment, QuantizedArray):
+    root = _quantize.dequantize_blocks(moment)
+    return root * root if order == 2 else root
+  return moment.astype(_compute_dtype(moment.dtype))
+
+
+def _stored_absmax(moment: QuantizedArray, order: int) -> jax.Array:
+  """Per block, the largest magnitude of the stored value (v, not sqrt v)."""
+  root = _quantize.quantized_absmax(moment)
+  return root * root if order == 2 else root
+
+
+def _store(
+    value: jax.Array, like: Moment, order: int, seed: Optional[jax.Array],
+    absmax: Optional[jax.Array] = None,
+) -> Moment:
+  """Narrows ``value`` to ``like``'s storage; stochastically if ``seed``.
+
+  For a quantized moment ``absmax`` bounds each block's largest magnitude.
+  """
+  if isinstance(like, QuantizedArray):
+    if order == 2:
+      return _quantize.quantize_blocks(
+          jnp.sqrt(value), like.codes.dtype, seed, absmax=jnp.sqrt(absmax),
+          unbiased_square=True)
+    return _quantize.quantize_blocks(value, like.codes.dtype, seed, absmax=absmax)
+  narrows = jnp.dtype(like.dtype).itemsize < value.dtype.itemsize
+  if seed is not None and narrows and value.dtype == jnp.float32:
+    value = _quantize.stochastic_round(value, like.dtype, seed)
+  return value.astype(like.dtype)
+
+
+def _to_layout(x: jax.Array, like: Moment) -> jax.Array:
+  """``x`` (shaped like the param) in ``like``'s layout (blocks if quantized)."""
+  if isinstance(like, QuantizedArray):
+    return _quantize.to_blocks(x, *like.codes.shape)
+  return x
+
+
+def _fold_moment(
+    moment: Moment, grad: jax.Array, finite_grad: jax.Array, decay: jax.Array,
+    weight: jax.Array, order: int, seed: Optional[jax.Array],
+) -> Moment:
+  """``decay * moment + weight * grad**order``, stored like ``moment``.
+
+  ``grad`` is the raw gradient leaf, ``finite_grad`` the same with its
+  non-finite entries zeroed.
+  """
+  dtype = _compute_dtype(_quantize.storage_dtype(moment))
+  decay = jnp.asarray(decay).astype(dtype)
+  weight = jnp.asarray(weight).astype(dtype)
+  g = _to_layout(finite_grad.astype(dtype), moment)
+  new = decay * _load(moment, order) + weight * g**order
+  absmax = None
+  if isinstance(moment, QuantizedArray):
+    # The new scales come from bounds (old block absmax, gradient block
+    # absmax), not from the new values: an exact absmax would be a reduction
+    # over the float32 result, which XLA then materializes for every leaf at
+    # once (2 P of temp, measured). |new| <= decay |old|max + weight |g|max**k.
+    grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)
+    absmax = decay * _stored_absmax(moment, order) + weight * grad_absmax**order
+  return _store(new, moment, order, seed, absmax)
+
+
+def _direction(
+    mu: Moment, nu: Moment, like: jax.ShapeDtypeStruct, count: jax.Array,
+    b1: jax.Array, b2: jax.Array, eps: jax.Array, eps_root: jax.Array,
+) -> jax.Array:
+  """The bias-corrected Adam direction of one leaf, shaped and typed as ``like``."""
+  dtype = _compute_dtype(_quantize.storage_dtype(mu), _quantize.storage_dtype(nu))
+  # Explicit casts keep this valid under jax_numpy_dtype_promotion="strict"
+  # (optax.tree.bias_correction raises there: float ** int32).
+  t = count.astype(dtype)
+  b1, b2, eps, eps_root = (jnp.asarray(x).astype(dtype) for x in (b1, b2, eps, eps_root))
+  m_hat = _load(mu, 1) / (1 - b1**t)
+  v_hat = _load(nu, 2) / (1 - b2**t)
+  u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+  if isinstance(mu, QuantizedArray):
+    u = _quantize.from_blocks(u, like.shape)
+  return u.astype(like.dtype)
+
+
+def _gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
+  """The direction where ``emit``, exact zeros elsewhere."""
+  # Only the gradient's shape and dtype enter: the gradient itself would
+  # become an operand of the branch, one more reason for XLA to keep it alive.
+  like = jax.ShapeDtypeStruct(jnp.shape(grad), grad.dtype)
+  if not isinstance(mu, QuantizedArray):
+    u = _direction(mu, nu, like, **hyperparams)
+    return jnp.where(emit, u, jnp.zeros_like(u))
+  # A quantized moment must be read back from its stored bytes. Computed
+  # unconditionally, XLA fuses the requantization into the direction and
+  # reads the float32 fold result instead, which then stays alive for every
+  # leaf until the all-leaf `emit` is known. Behind a branch (run on the
+  # emitting call only) the direction reads the codes.
+  return jax.lax.cond(
+      emit, lambda: _direction(mu, nu, like, **hyperparams),
+      lambda: jnp.zeros(like.shape, like.dtype))
+
+
+def _leaf_seeds(rounding_seed, state: ScaleByAdamAState, num_leaves: int):
+  """Two uint32 seeds per leaf (m, v), fresh for every call; no key in the state."""
+  call_seed = _quantize.mix_seed(
+      _quantize.mix_seed(jnp.asarray(rounding_seed), state.count),
+      state.micro_step)
+  return [(_quantize.mix_seed(call_seed, jnp.uint32(2 * i)),
+           _quantize.mix_seed(call_seed, jnp.uint32(2 * i + 1)))
+          for i in range(num_leaves)]
+
+
+def _completed(state: ScaleByAdamAState) -> jax.Array:
+  """Whether the call that produced ``state`` completed a mini-batch."""
+  # jnp.asarray also unwraps containers such as flax.nnx.Optimizer's OptArray.
+  return (jnp.asarray(state.micro_step) == 0) & (jnp.asarray(state.count) > 0)
+
+
+def _emitted(state: ScaleByAdamAState) -> jax.Array:
+  """Whether the call that produced ``state`` emitted a (nonzero) update."""
+  return _completed(state) & (jnp.asarray(state.mini_batch_accepted) > 0)
+
+
+def _advance_counters(
+    state: ScaleByAdamAState, mu, nu, all_finite: jax.Array
+) -> ScaleByAdamAState:
+  """The state after one more micro-batch, with the folded moments."""
+  starts = state.micro_step == 0
+  micro_step = state.micro_step + 1
+  completes = micro_step == state.num_micro_batches
+  accepted = jnp.where(starts, 0, state.mini_batch_accepted) + all_finite.astype(jnp.int32)
+  return ScaleByAdamAState(
+      count=jnp.where(completes, optax.safe_increment(state.count), state.count),
+      micro_step=jnp.where(completes, 0, micro_step).astype(jnp.int32),
+      mu=mu,
+      nu=nu,
+      mini_batch_accepted=accepted.astype(jnp.int32),
+      num_dropped=state.num_dropped + (~all_finite).astype(jnp.int32),
+      num_micro_batches=state.num_micro_batches,
+  )
 
 
 def scale_by_adama(
@@ -72,7 +305,7 @@ def scale_by_adama(
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: Optional[bool] = None,
+    stochastic_rounding: bool = True,
     rounding_seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Rescale micro-batch gradients with Adam Accumulation (AdamA).
@@ -99,15 +332,24 @@ def scale_by_adama(
   variance, so steps are never larger than Adam's. With ``N = 1`` this is
   exactly :func:`optax.scale_by_adam`.
 
+  Transformations chained *before* AdamA see one micro-batch gradient per
+  call, not the mini-batch mean: ``optax.clip_by_global_norm(c)`` there clips
+  each :math:`g_i` (and keeps the whole micro-batch gradient alive to take its
+  norm, the buffer AdamA removes); leaf-local ones (``optax.clip``,
+  ``optax.adaptive_grad_clip``) cost nothing extra. Do not wrap AdamA in
+  ``optax.apply_if_finite``: a skipped call shifts the mini-batch boundaries.
+  The guard below replaces it.
+
   Non-finite gradients never reach the moments: each NaN or Inf gradient entry
   is folded as zero, and a micro-batch holding any is counted in
   ``num_dropped``. (:func:`microbatch_step` also drops a micro-batch whose loss
   is not finite, whole.) The guard is elementwise on purpose: dropping the whole
   micro-batch on one bad entry would need every leaf's gradient alive until all
-  were checked, one full gradient, the very buffer AdamA removes. If no
-  micro-batch of a mini-batch is entirely finite, the emitted update is zero
-  (params unchanged); the moments still decay once, as Adam's would for a zero
-  gradient, so bias correction stays consistent.
+  were checked, one full gradient, the very buffer AdamA removes. A mini-batch
+  with no entirely finite micro-batch is a step on a zero gradient whose update
+  is skipped: the moments decay once and ``count`` (hence bias correction and
+  the schedules of :func:`adama`) advances, as after any mini-batch, but the
+  emitted update is zero and params stay unchanged.
 
   Smaller moments: a ``mu_dtype`` / ``nu_dtype`` narrower than float32 (e.g.
   ``jnp.bfloat16``) or ``quantization=BlockQuantization()`` (8-bit block-wise
@@ -116,14 +358,16 @@ def scale_by_adama(
   float32, folded and narrowed again inside its own fold, so no second
   full-precision copy of the moments exists. Narrowing uses stochastic
   rounding by default: round-to-nearest would drop the small per-micro-batch
-  increments :math:`(1-\beta_2)/N\, g_i^2` (and v's decay) entirely.
+  increments :math:`(1-\beta_2)/N\, g_i^2` (and v's decay) entirely. The
+  rounding of a quantized :math:`\sqrt v` is unbiased for :math:`v` itself.
 
   Args:
     b1: Decay rate of the first moment.
     b2: Decay rate of the second moment.
     eps: Term added to the denominator for numerical stability.
     eps_root: Term added inside the square root of the denominator.
-    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
+    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch:
+      an integer (``np.int64`` and 0-d integer arrays too), fixed at ``init``.
     mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: store the moments of leaves with at least
@@ -131,8 +375,8 @@ def scale_by_adama(
       :class:`QuantizedArray` each); smaller leaves keep ``mu_dtype`` /
       ``nu_dtype``. ``None``: no quantization.
     stochastic_rounding: round moments stochastically when they are stored
-      narrower than float32. ``None`` (default) means yes exactly then; with
-      float32 moments nothing is rounded and the result is unchanged.
+      narrower than float32 (``False``: round to nearest). With float32
+      moments nothing is rounded either way.
     rounding_seed: seed of the rounding noise, drawn afresh on every call
       from the seed, the step count and the micro-batch index.
 
@@ -141,7 +385,10 @@ def scale_by_adama(
     :class:`ScaleByAdamAState`.
 
   Raises:
-    ValueError: if ``num_micro_batches < 1``.
+    TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
+      if a param leaf is not a real float; the message names the leaf.
+    ValueError: if ``num_micro_batches < 1``, or (at ``update``) if it
+      differs from the ``N`` the state was made with.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -161,198 +408,75 @@ def scale_by_adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  given_num_micro_batches = _check_num_micro_batches(num_micro_batches)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   if quantization is not None and not isinstance(quantization, BlockQuantization):
     raise TypeError(
         f"quantization must be a BlockQuantization or None, got {quantization!r}.")
-  # Per-micro-batch weights of the fold: the moments average over N slots.
-  mu_weight = (1.0 - b1) / num_micro_batches
-  nu_weight = (1.0 - b2) / num_micro_batches
+  if not isinstance(stochastic_rounding, (bool, np.bool_)):
+    raise TypeError(
+        f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
 
-  def quantizes(leaf) -> bool:
-    return quantization is not None and quantization.quantizes(jnp.shape(leaf))
+  def init_moment(param, dtype):
+    if quantization is not None and quantization.quantizes(jnp.shape(param)):
+      return quantization.zeros(jnp.shape(param))
+    return jnp.zeros(jnp.shape(param), dtype or _dtype_of(param))
 
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
+    if given_num_micro_batches is None:
+      raise TypeError(
+          "num_micro_batches must be concrete when the state is made: it "
+          "fixes the mini-batch length.")
+    _check_float_params(params)
     # One buffer per counter: a shared one could not be donated twice.
     zero = lambda: jnp.zeros([], jnp.int32)
-
-    def moment(dtype):
-      return jax.tree.map(
-          lambda p: (quantization.zeros(jnp.shape(p)) if quantizes(p)
-                     else jnp.zeros_like(p, dtype=dtype)),
-          params)
-
     return ScaleByAdamAState(
         count=zero(),
         micro_step=zero(),
-        mu=moment(mu_dtype),
-        nu=moment(nu_dtype),
+        mu=jax.tree.map(lambda p: init_moment(p, mu_dtype), params),
+        nu=jax.tree.map(lambda p: init_moment(p, nu_dtype), params),
         mini_batch_accepted=zero(),
         num_dropped=zero(),
+        num_micro_batches=given_num_micro_batches,
     )
-
-  def narrows(stored_dtype, compute_dtype) -> bool:
-    if stochastic_rounding is False:
-      return False
-    return jnp.dtype(stored_dtype).itemsize < jnp.dtype(compute_dtype).itemsize
-
-  def store(x, dtype, seed):
-    """Narrows a float32/64 moment to ``dtype``, stochastically where asked."""
-    if narrows(dtype, x.dtype) and x.dtype == jnp.float32:
-      x = _quantize.stochastic_round(x, dtype, seed)
-    return x.astype(dtype)
-
-  def fold_leaf(g, m, v, starts_mini_batch, seeds):
-    """Folds one gradient leaf into its moments; returns (m, v, all_finite)."""
-    # The guard is elementwise so it fuses into the fold. Gating the fold on a
-    # reduction over the leaf (all-finite) makes XLA keep gradients alive
-    # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.
-    is_finite = jnp.isfinite(g)
-    if isinstance(m, QuantizedArray):
-      return _fold_quantized_leaf(g, m, v, is_finite, starts_mini_batch, seeds)
-    m_compute = _compute_dtype(m.dtype)
-    v_compute = _compute_dtype(v.dtype)
-    g_m = jnp.where(is_finite, g, jnp.zeros_like(g)).astype(m_compute)
-    g_v = g_m.astype(v_compute)
-    m_decay = jnp.where(starts_mini_batch, b1, 1.0).astype(m_compute)
-    v_decay = jnp.where(starts_mini_batch, b2, 1.0).astype(v_compute)
-    new_m = m_decay * m.astype(m_compute) + mu_weight * g_m
-    new_v = v_decay * v.astype(v_compute) + nu_weight * (g_v * g_v)
-    # Only counted, never gating the fold: free, as measured above.
-    return (store(new_m, m.dtype, seeds[0]), store(new_v, v.dtype, seeds[1]),
-            jnp.all(is_finite))
-
-  def _fold_quantized_leaf(g, m, v, is_finite, starts_mini_batch, seeds):
-    # Dequantize -> fold -> requantize, all on this leaf's blocks: the float32
-    # m and v exist only inside this leaf's fusion, never for the whole tree.
-    # The new scales come from bounds (old block absmax, gradient block
-    # absmax) rather than from the new values: an exact absmax would be a
-    # reduction over the float32 result, which XLA then materializes, for
-    # every leaf at once (2 P of temp, measured).
-    num_blocks, block_len = m.codes.shape
-    g32 = jnp.where(is_finite, g, jnp.zeros_like(g)).astype(jnp.float32)
-    g_blocks = _quantize.to_blocks(g32, num_blocks, block_len)
-    g_absmax = _quantize.finite_absmax_blocks(g, num_blocks, block_len)
-    m_decay = jnp.where(starts_mini_batch, b1, 1.0).astype(jnp.float32)
-    v_decay = jnp.where(starts_mini_batch, b2, 1.0).astype(jnp.float32)
-    old_m = _quantize.dequantize_blocks(m)
-    old_sqrt_v = _quantize.dequantize_blocks(v)
-    # |m'| <= decay |m|max + w |g|max, and sqrt(v') likewise, elementwise.
-    m_absmax = m_decay * _quantize.quantized_absmax(m) + mu_weight * g_absmax
-    old_v_absmax = _quantize.quantized_absmax(v)
-    v_absmax = jnp.sqrt(v_decay * old_v_absmax * old_v_absmax
-                        + nu_weight * g_absmax * g_absmax)
-    new_m = m_decay * old_m + mu_weight * g_blocks
-    new_v = v_decay * (old_sqrt_v * old_sqrt_v) + nu_weight * (g_blocks * g_blocks)
-    random = stochastic_rounding is not False
-    code_dtype = quantization.code_dtype
-    new_m = _quantize.quantize_blocks(
-        new_m, code_dtype, seeds[0] if random else None, absmax=m_absmax)
-    new_v = _quantize.quantize_blocks(
-        jnp.sqrt(new_v), code_dtype, seeds[1] if random else None, absmax=v_absmax)
-    return new_m, new_v, jnp.all(is_finite)
-
-  def direction_leaf(m, v, like, count, emit):
-    """The gated Adam direction of one leaf, shaped and typed as ``like``."""
-    if isinstance(m, QuantizedArray):
-      sqrt_v = _quantize.dequantize_blocks(v)
-      blocks_like = jax.ShapeDtypeStruct(m.codes.shape, jnp.float32)
-      return _quantize.from_blocks(
-          direction_leaf(_quantize.dequantize_blocks(m), sqrt_v * sqrt_v,
-                         blocks_like, count, emit),
-          like.shape).astype(like.dtype)
-    dtype = _compute_dtype(m.dtype, v.dtype)
-    # Explicit casts keep this valid under jax_numpy_dtype_promotion="strict"
-    # (optax.tree.bias_correction raises there: float ** int32).
-    t = count.astype(dtype)
-    m_hat = m.astype(dtype) / (1.0 - jnp.asarray(b1, dtype) ** t)
-    v_hat = v.astype(dtype) / (1.0 - jnp.asarray(b2, dtype) ** t)
-    u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
-    return jnp.where(emit, u, jnp.zeros_like(u)).astype(like.dtype)
-
-  def gated_direction_leaf(m, v, g, count, emit):
-    # Only g's shape and dtype enter the branch below: g itself would become
-    # an operand of the cond, one more reason for XLA to keep it alive.
-    like = jax.ShapeDtypeStruct(jnp.shape(g), g.dtype)
-    if not isinstance(m, QuantizedArray):
-      return direction_leaf(m, v, like, count, emit)
-    # A quantized moment must be read back from its stored bytes. Computed
-    # unconditionally, XLA fuses the requantization into the direction and
-    # reads the float32 fold result (sqrt(v) is too expensive to duplicate)
-    # instead, which then stays alive for every leaf until the all-leaf
-    # `emit` is known. Behind a branch (run on the emitting call only) the
-    # direction reads the codes.
-    return jax.lax.cond(
-        emit,
-        lambda: direction_leaf(m, v, like, count, jnp.array(True)),
-        lambda: jnp.zeros(like.shape, like.dtype))
-
-  def needs_seeds(mu, nu) -> bool:
-    if stochastic_rounding is False:
-      return False
-    stored = jax.tree.leaves((mu, nu))
-    return any(jnp.dtype(x.dtype).itemsize < 4 for x in stored)
 
   def update_fn(updates, state, params=None):
     del params
-    starts_mini_batch = state.micro_step == 0
+    n = state.num_micro_batches
+    if given_num_micro_batches not in (None, n):
+      raise ValueError(
+          f"num_micro_batches={given_num_micro_batches} but the state was made "
+          f"with num_micro_batches={n}.")
+    starts = state.micro_step == 0
     grads, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
-    if needs_seeds(mus, nus):
-      # Fresh noise for every call, hashed from scalars: no key in the state.
-      call_seed = _quantize.mix_seed(
-          _quantize.mix_seed(jnp.uint32(rounding_seed), state.count),
-          state.micro_step)
-      leaf_seeds = [
-          (_quantize.mix_seed(call_seed, jnp.uint32(2 * i)),
-           _quantize.mix_seed(call_seed, jnp.uint32(2 * i + 1)))
-          for i in range(len(grads))]
-    else:
-      leaf_seeds = [(None, None)] * len(grads)
-    folded = [
-        fold_leaf(g, m, v, starts_mini_batch, seeds)
-        for g, m, v, seeds in zip(grads, mus, nus, leaf_seeds)
-    ]
-    mu = treedef.unflatten([m for m, _, _ in folded])
-    nu = treedef.unflatten([v for _, v, _ in folded])
+    narrow = any(_quantize.storage_dtype(x).itemsize < 4 for x in mus + nus)
+    seeds = (_leaf_seeds(rounding_seed, state, len(grads))
+             if stochastic_rounding and narrow else [(None, None)] * len(grads))
+    m_decay, v_decay = jnp.where(starts, b1, 1.0), jnp.where(starts, b2, 1.0)
+    new_mus, new_nus, finite = [], [], []
+    for g, m, v, (m_seed, v_seed) in zip(grads, mus, nus, seeds):
+      # The guard is elementwise so it fuses into the fold. Gating the fold on
+      # a reduction over the leaf (all-finite) makes XLA keep gradients alive
+      # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.
+      is_finite = jnp.isfinite(g)
+      finite_g = jnp.where(is_finite, g, jnp.zeros_like(g))
+      new_mus.append(_fold_moment(m, g, finite_g, m_decay, (1 - b1) / n, 1, m_seed))
+      new_nus.append(_fold_moment(v, g, finite_g, v_decay, (1 - b2) / n, 2, v_seed))
+      finite.append(jnp.all(is_finite))  # counted only, never gating: free.
     # Combines one boolean per leaf; no gradient waits on it.
-    all_finite = functools.reduce(
-        jnp.logical_and, [finite for _, _, finite in folded], jnp.array(True))
-    mini_batch_accepted = jnp.where(
-        starts_mini_batch, 0, state.mini_batch_accepted
-    ) + all_finite.astype(jnp.int32)
-    micro_step = state.micro_step + 1
-    completes = micro_step == num_micro_batches
-    count = jnp.where(completes, optax.safe_increment(state.count), state.count)
-    emit = completes & (mini_batch_accepted > 0)
-    new_updates = treedef.unflatten([
-        gated_direction_leaf(m, v, g, count, emit)
-        for m, v, g in zip(
-            treedef.flatten_up_to(mu), treedef.flatten_up_to(nu), grads)])
-    new_state = ScaleByAdamAState(
-        count=count,
-        micro_step=jnp.where(completes, 0, micro_step).astype(jnp.int32),
-        mu=mu,
-        nu=nu,
-        mini_batch_accepted=mini_batch_accepted.astype(jnp.int32),
-        num_dropped=state.num_dropped + (~all_finite).astype(jnp.int32),
-    )
-    return new_updates, new_state
+    all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
+    new_state = _advance_counters(
+        state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
+    emit = _emitted(new_state)
+    hyperparams = dict(count=new_state.count, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    new_updates = [_gated_direction(m, v, g, emit, **hyperparams)
+                   for m, v, g in zip(new_mus, new_nus, grads)]
+    return treedef.unflatten(new_updates), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _adama_emitted(state: ScaleByAdamAState) -> jax.Array:
-  """Whether the update call that produced ``state`` emitted a nonzero update."""
-  # jnp.asarray also unwraps containers such as flax.nnx.Optimizer's OptArray.
-  return (
-      (jnp.asarray(state.micro_step) == 0)
-      & (jnp.asarray(state.count) > 0)
-      & (jnp.asarray(state.mini_batch_accepted) > 0)
-  )
 
 
 def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
@@ -387,8 +511,9 @@ def mini_batch_chain(
   ``optax.chain(scale_by_adama(...), optax.add_decayed_weights(wd))`` would add
   weight decay on every micro-batch call, and an ``optax`` schedule would count
   micro-batches. Here ``transforms`` see AdamA's emitted direction and their
-  state advances only on the call that completes a mini-batch; on every other
-  call the chain emits exactly zero.
+  state advances once per completed mini-batch (a mini-batch whose
+  micro-batches were all dropped included, so schedules and bias correction
+  count the same steps); every call that emits nothing emits exactly zero.
 
   Args:
     head: a :func:`scale_by_adama` transformation.
@@ -405,22 +530,20 @@ def mini_batch_chain(
     if not isinstance(adama_state, ScaleByAdamAState):
       raise TypeError(
           "mini_batch_chain expects a scale_by_adama transformation as head, "
-          f"got state {type(adama_state).__name__}."
-      )
+          f"got state {type(adama_state).__name__}.")
     return MiniBatchChainState(adama=adama_state, inner=inner.init(params))
 
   def update_fn(updates, state, params=None):
     direction, adama_state = head.update(updates, state.adama, params)
-    emit = _adama_emitted(adama_state)
+    emit = _emitted(adama_state)
     # The transforms run on every call (elementwise work that fuses with the
-    # fold), but only the completing call keeps their output and state.
+    # fold), but only a completing call keeps their state, and only an
+    # emitting one their output.
     inner_updates, inner_state = inner.update(direction, state.inner, params)
     new_updates = jax.tree.map(
         lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
-        inner_updates,
-        direction,
-    )
-    inner_state = optax.tree.where(emit, inner_state, state.inner)
+        inner_updates, direction)
+    inner_state = optax.tree.where(_completed(adama_state), inner_state, state.inner)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -437,7 +560,7 @@ def adama(
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: Optional[bool] = None,
+    stochastic_rounding: bool = True,
 ) -> optax.GradientTransformation:
   r"""Adam Accumulation: Adam fed one micro-batch gradient per ``update`` call.
 
@@ -450,7 +573,10 @@ def adama(
     u_t = -\alpha_t \, \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}
 
   and every other call emits exactly zero. A schedule ``learning_rate(t)``
-  counts mini-batches.
+  counts mini-batches. To read or change the learning rate during training,
+  build the optimizer with :func:`optax_adama.inject_hyperparams` (the
+  ``optax.inject_hyperparams`` of AdamA, whose schedules count mini-batches):
+  ``state.hyperparams["learning_rate"]``.
 
   Args:
     learning_rate: a float or an optax schedule of the mini-batch count.
@@ -486,6 +612,7 @@ def adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
+  _reject_call_counting_schedules()
   return mini_batch_chain(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
@@ -508,7 +635,7 @@ def adamaw(
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: Optional[bool] = None,
+    stochastic_rounding: bool = True,
 ) -> optax.GradientTransformation:
   r"""AdamA with decoupled weight decay, applied once per mini-batch.
 
@@ -518,7 +645,8 @@ def adamaw(
       + \lambda \theta_{t-1} \right)
 
   on the ``N``-th call of a mini-batch, zero on the others. Matches
-  :func:`optax.adamw` for ``N = 1``.
+  :func:`optax.adamw` for ``N = 1``. Schedules count mini-batches; see
+  :func:`adama` for reading the learning rate during training.
 
   Args:
     learning_rate: a float or an optax schedule of the mini-batch count.
@@ -548,6 +676,7 @@ def adamaw(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
+  _reject_call_counting_schedules()
   return mini_batch_chain(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
@@ -576,4 +705,5 @@ def has_updated(state: Any) -> jax.Array:
     raise ValueError(
         "has_updated expects an AdamA state (from scale_by_adama, adama, "
         f"adamaw or a chain holding one), got {type(state).__name__}.")
-  return _adama_emitted(adama_state)
+  return _emitted(adama_state)
+

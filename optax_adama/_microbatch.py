@@ -9,7 +9,9 @@ write by hand (a gradient-sum carry, one `update` on the mean), the baseline.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+import operator
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _sharding
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._adama import _adama_emitted
+from optax_adama._adama import _emitted
 from optax_adama._adama import _check_num_micro_batches
 from optax_adama._adama import find_adama_state
 
@@ -80,7 +82,7 @@ def microbatch_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
     *,
-    num_micro_batches: int,
+    num_micro_batches: Optional[int] = None,
     has_aux: bool = False,
     update_every_micro_batch: Optional[bool] = None,
     mesh: Optional[jax.sharding.Mesh] = None,
@@ -100,13 +102,19 @@ def microbatch_step(
     micro-batch gradient is handed to ``tx.update`` and the (zero until the
     ``N``-th) updates applied. With AdamA the gradient is folded into the
     moments and dies there, so XLA can free each layer's gradient as soon as
-    it is folded. A micro-batch whose loss is not finite is dropped whole
-    (its gradient is replaced by NaN, which AdamA's leaf-local guard drops).
+    it is folded.
   * gradient accumulation (anything else, e.g. ``optax.adam``): the scan carries
     a gradient sum, and ``tx.update`` is called once with the mean gradient.
 
-  With ``mesh``, the step is data parallel on that mesh through GSPMD (``jit``
-  with ``in_shardings`` / ``out_shardings``, see :func:`step_shardings`): the
+  Non-finite micro-batches are dropped in every mode, the same way: a
+  micro-batch whose loss is not finite contributes nothing, and non-finite
+  gradient entries are taken as zero; ``metrics["num_dropped"]`` counts the
+  micro-batches hit. The mean still divides by ``N``. If every micro-batch of
+  a mini-batch is dropped, params stay unchanged (AdamA, accumulation; the
+  optimizer state takes a zero-gradient step). ``optax.MultiSteps`` applies
+  its mean of zeros like any other: use its ``should_skip_update_fn`` to skip.
+
+  With ``mesh``, the step is data parallel on that mesh through GSPMD: the
   batch is split over ``data_axis``, each device scans over its own rows of
   every micro-batch, and ``shard_states`` chooses ZeRO-1 (m, v split over the
   devices), ZeRO-2 (also each micro-batch gradient reduce-scattered straight
@@ -114,15 +122,17 @@ def microbatch_step(
   FSDP (params split too). With a transformation that is not AdamA (e.g.
   ``optax.adam``) under ZeRO-2 or FSDP, each device accumulates its slice of
   the gradient sum: the sharded accumulation baseline. Results equal the
-  single-device step up to float rounding.
-  Place params and state with :func:`step_shardings` first so their buffers
-  can be donated; run ``jax.distributed.initialize()`` first on several hosts.
+  single-device step up to float rounding. Place params and state with
+  :func:`step_shardings` first so their buffers can be donated; run
+  ``jax.distributed.initialize()`` first on several hosts.
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch)`` returning the micro-batch *mean*
       loss, or ``(loss, aux)`` when ``has_aux``.
     tx: any optax transformation.
     num_micro_batches: ``N``, the number of micro-batches per mini-batch.
+      With AdamA it is read from the optimizer state and may be left out;
+      given, it must agree.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     update_every_micro_batch: force the mode; ``None`` picks it from the state
       (see :func:`updates_every_micro_batch`).
@@ -136,19 +146,22 @@ def microbatch_step(
   Returns:
     The jitted step, with ``.lower(params, opt_state, batch)`` available.
     ``metrics["loss"]`` is the mean of the finite micro-batch losses,
-    ``metrics["num_nonfinite_losses"]`` counts the others, with AdamA
+    ``metrics["num_nonfinite_losses"]`` counts the others,
     ``metrics["num_dropped"]`` counts the micro-batches dropped, and with
     ``has_aux`` ``metrics["aux"]`` holds each micro-batch's aux, stacked.
 
   Raises:
-    ValueError: at construction if ``num_micro_batches < 1``; at the first call
-      if the batch does not split into ``N`` micro-batches.
+    ValueError: at construction if ``num_micro_batches < 1``. At the first
+      call, before any buffer is used: if ``num_micro_batches`` differs from
+      the AdamA state's, is missing without an AdamA state, or does not split
+      the batch; or if two leaves of params and state are the same array
+      (donation would hand one buffer over twice).
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
     >>> loss_fn = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
     >>> tx = optax_adama.adama(0.1, num_micro_batches=2)
-    >>> step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+    >>> step = optax_adama.microbatch_step(loss_fn, tx)  # N from the state
     >>> params = {"w": jnp.zeros(())}
     >>> state = tx.init(params)
     >>> batch = {"x": jnp.arange(4.0), "y": 2.0 * jnp.arange(4.0)}
@@ -159,106 +172,234 @@ def microbatch_step(
   References:
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.
   """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  if num_micro_batches is not None:
+    num_micro_batches = _check_num_micro_batches(num_micro_batches)
   _sharding.check_shard_states(shard_states)
   if mesh is None and shard_states is not None:
     raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
-  if mesh is not None:
-    mesh = _sharding.auto_mesh(mesh)
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  if mesh is None:
+    placement = _single_device_placement(value_and_grad, has_aux)
+  else:
+    placement = _mesh_placement(
+        value_and_grad, has_aux, _sharding.auto_mesh(mesh), shard_states, data_axis)
+  step = _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux)
+  if mesh is None:
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+  else:
+    # Params and state keep the shardings they were placed with (the step
+    # constrains its outputs to the same), the batch is split on arrival.
+    jitted = jax.jit(
+        step, donate_argnums=(0, 1),
+        in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  return _with_distinct_buffers(jitted)
 
-  def constrain(tree, shardings):
-    return tree if mesh is None else jax.lax.with_sharding_constraint(tree, shardings)
 
-  def shardings_of(params, opt_state):
-    return _sharding.step_shardings(
-        params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+class _Placement(NamedTuple):
+  """Where the step's arrays live: the hooks the data-parallel step changes."""
 
+  # (params, micro_batch) -> (loss, aux, grads); grads placed like `grad_shardings`.
+  loss_and_grads: Callable[..., tuple[Any, Any, Any]]
+  # (params, opt_state) -> StepShardings, or None on one device.
+  shardings: Callable[[Any, Any], Optional[_sharding.StepShardings]]
+  # (micro_batches) -> micro_batches, row axis placed.
+  place_micro_batches: Callable[[Batch], Batch]
+  # (params, updates, emitted) -> params.
+  apply_updates: Callable[[Any, Any, jax.Array], Any]
+
+
+def _single_device_placement(value_and_grad, has_aux) -> _Placement:
   def loss_and_grads(params, micro_batch):
-    if mesh is not None:
-      return _data_parallel_loss_and_grads(
-          value_and_grad, has_aux, mesh, data_axis, shard_states,
-          shardings_of(params, None), params, micro_batch)
     out, grads = value_and_grad(params, micro_batch)
     loss, aux = out if has_aux else (out, None)
     return loss, aux, grads
 
+  return _Placement(
+      loss_and_grads=loss_and_grads,
+      shardings=lambda params, opt_state: None,
+      place_micro_batches=lambda micro_batches: micro_batches,
+      apply_updates=lambda params, updates, emitted: optax.apply_updates(params, updates))
+
+
+def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _Placement:
+  def shardings(params, opt_state):
+    return _sharding.step_shardings(
+        params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+
+  def loss_and_grads(params, micro_batch):
+    return _data_parallel_loss_and_grads(
+        value_and_grad, has_aux, mesh, data_axis, shard_states,
+        shardings(params, None), params, micro_batch)
+
+  def place_micro_batches(micro_batches):
+    # [N, B / N, ...]: the row axis stays split over the devices (the
+    # column-major split keeps each device's rows on that device).
+    row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
+    return jax.lax.with_sharding_constraint(
+        micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
+
+  def apply_updates(params, updates, emitted):
+    if shard_states in ("zero1", "zero2") and emitted is not None:
+      # Params are replicated but AdamA's updates come out sharded like m
+      # and v: applying them all-gathers. They are exactly zero until the
+      # N-th micro-batch, so gather only then.
+      params = jax.lax.cond(
+          emitted, lambda: optax.apply_updates(params, updates), lambda: params)
+    else:
+      params = optax.apply_updates(params, updates)
+    # Keep the carry where it started (replicated for ZeRO-1/2), or GSPMD may
+    # shard it after the sharded update and gather it in every forward.
+    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
+
+  return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates)
+
+
+def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux):
+  """The step as a function of (params, opt_state, batch), before jit."""
+
   def per_micro_batch_updates(params, opt_state, micro_batches):
-    guard_loss = find_adama_state(opt_state) is not None
+    adama = find_adama_state(opt_state) is not None
 
     def body(carry, micro_batch):
       params, opt_state = carry
-      loss, aux, grads = loss_and_grads(params, micro_batch)
-      if guard_loss:
-        # A scalar-gated select per leaf: local, and fuses with the fold.
-        loss_finite = jnp.isfinite(loss)
-        grads = jax.tree.map(
-            lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      if mesh is not None and shard_states in ("zero1", "zero2") and guard_loss:
-        # Params are replicated but the updates come out sharded like m and v:
-        # applying them all-gathers. AdamA's updates are exactly zero until
-        # the N-th micro-batch, so gather only then.
-        params = jax.lax.cond(
-            _adama_emitted(find_adama_state(opt_state)),
-            lambda: optax.apply_updates(params, updates), lambda: params)
+      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+      if adama:  # AdamA drops (and counts) non-finite gradients itself.
+        grads, dropped = _poison_if_loss_nonfinite(loss, grads), jnp.array(False)
       else:
-        params = optax.apply_updates(params, updates)
-      if mesh is not None:
-        # Keep the carry where it started (replicated for ZeRO-1/2), or GSPMD
-        # may shard it after the sharded update and gather it in every forward.
-        params = constrain(params, shardings_of(params, None).params)
-      return (params, opt_state), (loss, aux)
+        grads, dropped = _zero_nonfinite(loss, grads)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      emitted = _emitted(find_adama_state(opt_state)) if adama else None
+      params = placement.apply_updates(params, updates, emitted)
+      return (params, opt_state), (loss, aux, dropped)
 
-    (params, opt_state), (losses, aux) = jax.lax.scan(
-        body, (params, opt_state), micro_batches)
-    return params, opt_state, losses, aux
+    (params, opt_state), outputs = jax.lax.scan(body, (params, opt_state), micro_batches)
+    return params, opt_state, outputs
 
   def accumulated_gradient_update(params, opt_state, micro_batches):
     def body(grad_sum, micro_batch):
-      loss, aux, grads = loss_and_grads(params, micro_batch)
-      return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
+      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+      grads, dropped = _zero_nonfinite(loss, grads)
+      return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux, dropped)
 
     grad_sum = jax.tree.map(jnp.zeros_like, params)
-    if mesh is not None:
+    shardings = placement.shardings(params, None)
+    if shardings is not None:
       # Under ZeRO-2 / FSDP each device accumulates its slice only (as
       # DeepSpeed's ZeRO-2 does): the baseline AdamA is compared against.
-      grad_sum = constrain(grad_sum, shardings_of(params, None).grads)
-    grad_sum, (losses, aux) = jax.lax.scan(body, grad_sum, micro_batches)
+      grad_sum = jax.lax.with_sharding_constraint(grad_sum, shardings.grads)
+    grad_sum, outputs = jax.lax.scan(body, grad_sum, micro_batches)
+    num_micro_batches = jax.tree.leaves(micro_batches)[0].shape[0]
     grads = jax.tree.map(lambda g: g / num_micro_batches, grad_sum)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, losses, aux
+    # Every micro-batch dropped: a zero-gradient step for the optimizer
+    # state, none for params (AdamA's rule).
+    any_kept = ~jnp.all(outputs[2])
+    updates = jax.tree.map(lambda u: jnp.where(any_kept, u, jnp.zeros_like(u)), updates)
+    return optax.apply_updates(params, updates), opt_state, outputs
 
   def step(params, opt_state, batch):
-    micro_batches = split_micro_batches(batch, num_micro_batches)
-    if mesh is not None:
-      # [N, B / N, ...]: the row axis stays split over the devices (the
-      # column-major split keeps each device's rows on that device).
-      micro_batches = constrain(micro_batches, jax.tree.map(
-          lambda _: NamedSharding(mesh, PartitionSpec(None, data_axis)),
-          micro_batches))
-    per_micro = (
-        updates_every_micro_batch(opt_state)
-        if update_every_micro_batch is None else update_every_micro_batch)
+    shardings = placement.shardings(params, opt_state)
+    if shardings is not None:
+      params, opt_state = jax.lax.with_sharding_constraint(
+          (params, opt_state), (shardings.params, shardings.opt_state))
+    n = _resolve_num_micro_batches(num_micro_batches, opt_state)
+    micro_batches = placement.place_micro_batches(split_micro_batches(batch, n))
+    per_micro = (updates_every_micro_batch(opt_state)
+                 if update_every_micro_batch is None else update_every_micro_batch)
     run = per_micro_batch_updates if per_micro else accumulated_gradient_update
     dropped_before = _num_dropped(opt_state)
-    params, opt_state, losses, aux = run(params, opt_state, micro_batches)
+    params, opt_state, (losses, aux, dropped) = run(params, opt_state, micro_batches)
+    if dropped_before is not None:  # AdamA counted them in its state.
+      dropped = _num_dropped(opt_state) - dropped_before
     finite = jnp.isfinite(losses)
     num_finite = jnp.sum(finite.astype(jnp.int32))
     metrics: Metrics = {
         "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
         / num_finite.astype(losses.dtype),
-        "num_nonfinite_losses": num_micro_batches - num_finite,
+        "num_nonfinite_losses": n - num_finite,
+        "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
     }
-    if dropped_before is not None:
-      metrics["num_dropped"] = _num_dropped(opt_state) - dropped_before
     if has_aux:
       metrics["aux"] = aux
+    if shardings is not None:
+      params, opt_state = jax.lax.with_sharding_constraint(
+          (params, opt_state), (shardings.params, shardings.opt_state))
     return params, opt_state, metrics
 
-  if mesh is None:
-    return jax.jit(step, donate_argnums=(0, 1))
-  return _MeshStep(step, mesh, shardings_of, data_axis)
+  return step
+
+
+def _resolve_num_micro_batches(given: Optional[int], opt_state: optax.OptState) -> int:
+  """``N``: the AdamA state's (static), checked against the one given."""
+  adama_state = find_adama_state(opt_state)
+  if adama_state is None:
+    if given is None:
+      raise ValueError(
+          "microbatch_step needs num_micro_batches: the optimizer state holds "
+          "no AdamA state to take it from.")
+    return given
+  if given is not None and given != adama_state.num_micro_batches:
+    raise ValueError(
+        f"microbatch_step(num_micro_batches={given}) but the optimizer was made "
+        f"with num_micro_batches={adama_state.num_micro_batches}: every other "
+        "step would be skipped. Leave num_micro_batches out of microbatch_step "
+        "to take the optimizer's.")
+  return adama_state.num_micro_batches
+
+
+def _poison_if_loss_nonfinite(loss, grads):
+  # A scalar-gated select per leaf: local, and fuses with AdamA's fold, whose
+  # elementwise guard then drops the whole micro-batch and counts it.
+  loss_finite = jnp.isfinite(loss)
+  return jax.tree.map(
+      lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
+
+
+def _zero_nonfinite(loss, grads):
+  """(grads with non-finite entries and non-finite-loss micro-batches zeroed, dropped)."""
+  loss_finite = jnp.isfinite(loss)
+  leaves, treedef = jax.tree.flatten(grads)
+  finite = [jnp.isfinite(g) for g in leaves]
+  kept = [jnp.where(loss_finite & f, g, jnp.zeros_like(g)) for g, f in zip(leaves, finite)]
+  # Counted, never gating the sum: no leaf waits for the others.
+  all_finite = functools.reduce(
+      operator.and_, [jnp.all(f) for f in finite], loss_finite)
+  return treedef.unflatten(kept), ~all_finite
+
+
+def _with_distinct_buffers(jitted):
+  """``jitted`` with a check that no two donated leaves are one array.
+
+  XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
+  twice") only when the step runs, in terms of flattened argument numbers.
+  Params that share a leaf (tied weights stored twice, one ``jnp.zeros``
+  reused) are caught here first, by leaf path.
+  """
+
+  @functools.wraps(jitted)
+  def step(params, opt_state, batch):
+    leaves = jax.tree.leaves((params, opt_state))
+    if len({id(x) for x in leaves}) != len(leaves):
+      _raise_shared_leaves(params, opt_state)
+    return jitted(params, opt_state, batch)
+
+  step.lower = jitted.lower
+  return step
+
+
+def _raise_shared_leaves(params, opt_state):
+  first_path: dict[int, str] = {}
+  for name, tree in (("params", params), ("opt_state", opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      where = name + jax.tree_util.keystr(path)
+      if id(leaf) in first_path:
+        raise ValueError(
+            f"{first_path[id(leaf)]} and {where} are the same array, and the "
+            "step donates its inputs: one buffer cannot be donated twice. "
+            "Give each leaf its own buffer, e.g. params = jax.tree.map(jnp.copy, "
+            "params) before tx.init(params), or keep a tied weight once in the "
+            "tree.")
+      first_path[id(leaf)] = where
 
 
 def _data_parallel_loss_and_grads(
@@ -337,47 +478,6 @@ def _to_varying(x, axis_names):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
   return jax.lax.pvary(x, missing)
-
-
-class _MeshStep:
-  """``jax.jit(step)`` with shardings derived from the arguments' shapes.
-
-  ``jit`` needs one sharding per leaf, which depends on the params tree; this
-  builds (and caches) one jitted step per argument structure, with the same
-  ``__call__`` / ``lower`` interface as a jitted function.
-  """
-
-  def __init__(self, step, mesh, shardings_of, data_axis):
-    self._step = step
-    self._mesh = mesh
-    self._shardings_of = shardings_of
-    self._data_axis = data_axis
-    self._jitted: dict[Any, Any] = {}
-
-  def _jit_for(self, params, opt_state, batch):
-    key = jax.tree.map(
-        lambda x: (tuple(jnp.shape(x)), jnp.dtype(x.dtype)),
-        (params, opt_state, batch))
-    key = (jax.tree.structure(key), tuple(jax.tree.leaves(key)))
-    if key not in self._jitted:
-      shardings = self._shardings_of(params, opt_state)
-      batch_sharding = _sharding.batch_sharding(self._mesh, self._data_axis)
-      replicated = NamedSharding(self._mesh, PartitionSpec())
-      self._jitted[key] = jax.jit(
-          self._step,
-          in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
-          out_shardings=(shardings.params, shardings.opt_state, replicated),
-          donate_argnums=(0, 1))
-    return self._jitted[key]
-
-  def __call__(self, params, opt_state, batch):
-    return self._jit_for(params, opt_state, batch)(params, opt_state, batch)
-
-  def lower(self, params, opt_state, batch):
-    return self._jit_for(params, opt_state, batch).lower(params, opt_state, batch)
-
-  def _cache_size(self) -> int:
-    return sum(f._cache_size() for f in self._jitted.values())
 
 
 def _num_dropped(opt_state: optax.OptState) -> Optional[jax.Array]:

@@ -43,6 +43,8 @@ __all__ = [
     "mix_seed",
     "random_bits",
     "stochastic_round",
+    "stochastic_round_square",
+    "storage_dtype",
     "block_absmax",
     "finite_absmax_blocks",
     "quantized_absmax",
@@ -214,6 +216,53 @@ def stochastic_round(
   return jnp.where(jnp.isfinite(x), rounded, x)
 
 
+def stochastic_round_square(
+    x: jax.Array, dtype: jax.typing.DTypeLike, seed: jax.Array
+) -> jax.Array:
+  r"""Rounds non-negative float32 ``x`` to ``dtype`` so that its *square* is unbiased.
+
+  With :math:`l \le x \le h` the neighbours of ``x`` in ``dtype``, rounds up
+  with probability :math:`(x^2 - l^2) / (h^2 - l^2)`, so
+  :math:`\mathbb{E}[\mathrm{SR}(x)^2] = x^2`. :func:`stochastic_round` is
+  unbiased for ``x`` instead, which makes :math:`\mathrm{SR}(x)^2` too large
+  on average by the rounding variance. That is the rounding for a moment
+  stored as its square root (v as :math:`\sqrt v`): v then stays unbiased
+  over many folds rather than drifting up. As :func:`stochastic_round`,
+  values below ``dtype``'s smallest normal are rounded to nearest by the
+  final cast, and non-finite values pass through.
+
+  Args:
+    x: a non-negative float32 array.
+    dtype: the narrow float dtype the result will be cast to.
+    seed: a uint32 scalar (see :func:`random_bits`).
+
+  Returns:
+    A float32 array of values representable in ``dtype`` (in its normal range).
+  """
+  if x.dtype != jnp.float32:
+    raise TypeError(f"stochastic_round_square expects float32, got {x.dtype}.")
+  dropped_bits = jnp.finfo(jnp.float32).nmant - jnp.finfo(dtype).nmant
+  if dropped_bits <= 0:
+    return x
+  keep = jnp.uint32(0xFFFFFFFF ^ ((1 << dropped_bits) - 1))
+  low_bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & keep
+  low = jax.lax.bitcast_convert_type(low_bits, jnp.float32)
+  high = jax.lax.bitcast_convert_type(
+      low_bits + jnp.uint32(1 << dropped_bits), jnp.float32)
+  round_up = (x - low) * (x + low) / ((high - low) * (high + low))
+  # 24 random bits: a uniform draw in [0, 1) on float32's exact grid.
+  uniform = (random_bits(x.shape, seed) >> jnp.uint32(8)).astype(jnp.float32)
+  rounded = jnp.where(uniform * 2.0**-24 < round_up, high, low)
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+def storage_dtype(moment: jax.Array | QuantizedArray) -> jnp.dtype:
+  """The dtype a moment is stored in (its codes' for a :class:`QuantizedArray`)."""
+  if isinstance(moment, QuantizedArray):
+    return jnp.dtype(moment.codes.dtype)
+  return jnp.dtype(moment.dtype)
+
+
 def block_absmax(blocks: jax.Array) -> jax.Array:
   """float32 ``[num_blocks]``: the largest magnitude in each block."""
   return jnp.max(jnp.abs(blocks), axis=1)
@@ -255,6 +304,7 @@ def quantize_blocks(
     code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn,
     seed: Optional[jax.Array] = None,
     absmax: Optional[jax.Array] = None,
+    unbiased_square: bool = False,
 ) -> QuantizedArray:
   """Quantizes float32 ``[num_blocks, block_len]`` with one scale per block.
 
@@ -280,7 +330,8 @@ def quantize_blocks(
   divisor = jnp.where(absmax > 0, scale, jnp.ones_like(scale))
   scaled = blocks / divisor[:, None]
   if seed is not None:
-    scaled = stochastic_round(scaled, code_dtype, seed)
+    round_fn = stochastic_round_square if unbiased_square else stochastic_round
+    scaled = round_fn(scaled, code_dtype, seed)
   # float8_e4m3fn has no infinity: anything past its max would become NaN.
   codes = jnp.clip(scaled, -code_max, code_max).astype(code_dtype)
   return QuantizedArray(codes=codes, scale=scale)

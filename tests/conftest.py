@@ -1,4 +1,5 @@
-"""Strict JAX settings for every test, in the style of Equinox's test suite.
+"""Strict JAX settings for every test, in the style of Equinox's test suite,
+and the small MLP most library tests train.
 
 Rank promotion and implicit dtype promotion raise, so library code must say
 what it means. Reference optimizers from optax are run under
@@ -6,8 +7,57 @@ what it means. Reference optimizers from optax are run under
 correction computes ``float ** int32``).
 """
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
+import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+
+@dataclasses.dataclass(frozen=True)
+class MLP:
+  """``num_layers`` square tanh layers ``{"layer{i}": {"w", "b"}}`` and a squared error."""
+
+  num_layers: int = 3
+  width: int = 8
+
+  def params(self, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), self.num_layers)
+    return {
+        f"layer{i}": {
+            "w": (jax.random.normal(k, (self.width, self.width))
+                  / self.width**0.5).astype(dtype),
+            "b": jnp.zeros(self.width, dtype),
+        }
+        for i, k in enumerate(keys)
+    }
+
+  def abstract_params(self, dtype=jnp.float32):
+    """The params as `jax.ShapeDtypeStruct`s: compile-only tests allocate nothing."""
+    return jax.eval_shape(lambda: self.params(dtype))
+
+  def batch(self, seed, size):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return {"x": jax.random.normal(kx, (size, self.width)),
+            "y": jax.random.normal(ky, (size, self.width))}
+
+  def abstract_batch(self, size):
+    shape = jax.ShapeDtypeStruct((size, self.width), jnp.float32)
+    return {"x": shape, "y": shape}
+
+  @staticmethod
+  def loss(params, batch):
+    """Mean squared error of the MLP; computes in the params' dtype."""
+    x = batch["x"].astype(params["layer0"]["w"].dtype)
+    for i in range(len(params)):
+      layer = params[f"layer{i}"]
+      x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
+    return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+@pytest.fixture
+def mlp():
+  return MLP()

@@ -217,9 +217,34 @@ def test_num_micro_batches_below_one_raises_at_construction(bad):
       make(num_micro_batches=bad)
 
 
-def test_num_micro_batches_must_be_int():
-  with pytest.raises(TypeError, match="num_micro_batches"):
-    optax_adama.scale_by_adama(num_micro_batches=2.0)
+@pytest.mark.parametrize("bad", [2.0, np.float64(2.0), True, np.bool_(True), "2",
+                                 jnp.array(2.0), jnp.array([2])])
+def test_num_micro_batches_must_be_an_integer(bad):
+  with pytest.raises(TypeError, match="num_micro_batches must be an integer"):
+    optax_adama.scale_by_adama(num_micro_batches=bad)
+
+
+@pytest.mark.parametrize("integer", [np.int64(2), np.int32(2), jnp.array(2), np.array(2)])
+def test_integer_like_num_micro_batches_are_accepted(integer):
+  state = optax_adama.adama(0.1, num_micro_batches=integer).init({"w": jnp.ones(2)})
+  assert optax_adama.find_adama_state(state).num_micro_batches == 2
+  assert type(optax_adama.find_adama_state(state).num_micro_batches) is int
+
+
+def test_update_with_a_state_of_another_num_micro_batches_raises():
+  params = {"w": jnp.ones(2)}
+  state = optax_adama.scale_by_adama(num_micro_batches=4).init(params)
+  with pytest.raises(ValueError, match="num_micro_batches=2 but the state"):
+    optax_adama.scale_by_adama(num_micro_batches=2).update(params, state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8])
+def test_integer_and_bool_params_raise_naming_the_leaf(dtype):
+  params = {"dense": {"w": jnp.ones(3), "step": jnp.zeros(2, dtype)}}
+  for tx in (optax_adama.scale_by_adama(num_micro_batches=2),
+             optax_adama.adamaw(0.1, num_micro_batches=2)):
+    with pytest.raises(TypeError, match=r"\['dense'\]\['step'\] \((int32|bool|uint8)\)"):
+      tx.init(params)
 
 
 def test_nonfinite_entries_never_reach_moments_and_are_counted():
@@ -290,3 +315,137 @@ def test_mini_batch_chain_requires_adama_head():
   tx = optax_adama.mini_batch_chain(optax.scale_by_adam(), optax.scale(-1.0))
   with pytest.raises(TypeError, match="scale_by_adama"):
     tx.init({"w": jnp.zeros(1)})
+
+
+def test_all_dropped_mini_batch_counts_for_bias_correction_and_schedule_alike():
+  seen = []
+  def schedule(count):
+    seen.append(count)  # traced or concrete: read after the fact
+    return 0.1 * jnp.ones([], jnp.float32)
+  params = {"w": jnp.ones(3)}
+  tx = optax_adama.adama(schedule, num_micro_batches=2)
+  state = tx.init(params)
+  nan = {"w": jnp.full(3, jnp.nan)}
+  for grads in (params, params, nan, nan):  # one healthy, one dropped mini-batch
+    updates, state = tx.update(grads, state, params)
+  schedule_state = state.inner[0]  # optax.scale_by_learning_rate's
+  # The rule: every completed mini-batch counts, dropped or not.
+  assert int(state.adama.count) == 2
+  assert int(schedule_state.count) == 2
+  assert not bool(optax_adama.has_updated(state))
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(3)})
+
+
+@pytest.mark.parametrize("storage", [
+    {}, {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
+    {"quantization": optax_adama.BlockQuantization(block_size=64, min_size=64)},
+], ids=["float32", "bfloat16", "8bit"])
+def test_emitted_update_is_exactly_zero_when_every_micro_batch_drops(storage):
+  # The gate on its own: momentum from a healthy mini-batch would otherwise
+  # give a nonzero direction on the completing call.
+  params = {"w": jnp.ones((8, 16))}
+  tx = optax_adama.scale_by_adama(num_micro_batches=2, **storage)
+  state = tx.init(params)
+  for grads in (params, params):
+    updates, state = tx.update(grads, state)
+  assert bool(jnp.all(updates["w"] != 0))
+  nan = {"w": jnp.full((8, 16), jnp.nan)}
+  for _ in range(2):
+    updates, state = jax.jit(tx.update)(nan, state)
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros((8, 16))})
+
+
+LINEAR = optax.linear_schedule(1.0, 0.0, transition_steps=10)
+
+
+def _learning_rates(tx, num_calls, num_micro_batches=2):
+  """state.hyperparams["learning_rate"] after each completing call, jitted."""
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  rates = []
+  for call in range(num_calls):
+    _, state = update({"w": jnp.full(3, 0.5 + call)}, state, params)
+    if (call + 1) % num_micro_batches == 0:
+      rates.append(round(float(state.hyperparams["learning_rate"]), 6))
+  return rates, state
+
+
+def test_optax_inject_hyperparams_with_constant_learning_rate_works_as_written():
+  tx = optax.inject_hyperparams(optax_adama.adamaw)(learning_rate=1e-3, num_micro_batches=4)
+  ref = optax_adama.adamaw(1e-3, num_micro_batches=4)
+  params = {"w": jnp.linspace(-1.0, 1.0, 6)}
+  state, ref_state = tx.init(params), ref.init(params)
+  update = jax.jit(tx.update)
+  for call in range(8):
+    grads = {"w": jnp.sin(params["w"] + call)}
+    got, state = update(grads, state, params)
+    want, ref_state = ref.update(grads, ref_state, params)
+    # Jitted against eager: the same float32 ops fused differently.
+    chex.assert_trees_all_close(got, want, rtol=RTOL)
+  # Changing the rate between steps, the Flax way.
+  state.hyperparams["learning_rate"] = jnp.asarray(0.0, jnp.float32)
+  for call in range(4):
+    got, state = update({"w": jnp.ones(6)}, state, params)
+  chex.assert_trees_all_equal(got, {"w": jnp.zeros(6)})
+
+
+def test_optax_inject_hyperparams_with_a_plain_schedule_fails_loudly():
+  tx = optax.inject_hyperparams(optax_adama.adama)(
+      learning_rate=LINEAR, num_micro_batches=2)
+  with pytest.raises(ValueError, match="per micro-batch.*optax_adama.inject_hyperparams"):
+    tx.init({"w": jnp.ones(3)})
+
+
+def test_schedules_count_mini_batches_however_they_are_injected():
+  # adama(schedule) gives lr 1.0, 0.9, 0.8 for mini-batches 0, 1, 2.
+  ours, state = _learning_rates(optax_adama.inject_hyperparams(optax_adama.adamaw)(
+      learning_rate=LINEAR, num_micro_batches=2), 6)
+  assert ours == [1.0, 0.9, 0.8]
+  wrapped, _ = _learning_rates(optax.inject_hyperparams(optax_adama.adamaw)(
+      learning_rate=optax_adama.mini_batch_schedule(LINEAR, 2), num_micro_batches=2), 6)
+  assert wrapped == [1.0, 0.9, 0.8]
+  # And the updates are those of adamaw(schedule).
+  params = {"w": jnp.ones(3)}
+  ref = optax_adama.adamaw(LINEAR, num_micro_batches=2)
+  ref_state = ref.init(params)
+  tx = optax_adama.inject_hyperparams(optax_adama.adamaw)(
+      learning_rate=LINEAR, num_micro_batches=2)
+  state = tx.init(params)
+  for call in range(6):
+    grads = {"w": jnp.full(3, 0.5 + call)}
+    got, state = tx.update(grads, state, params)
+    want, ref_state = ref.update(grads, ref_state, params)
+    # The injected rate is the schedule's value cast to float32 first.
+    chex.assert_trees_all_close(got, want, rtol=RTOL)
+
+
+def test_inject_hyperparams_rejects_factories_without_num_micro_batches():
+  with pytest.raises(TypeError, match="takes no num_micro_batches"):
+    optax_adama.inject_hyperparams(optax.adam)
+
+
+def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = _params()
+  tx = optax_adama.adamaw(
+      0.05, weight_decay=0.1, num_micro_batches=3,
+      quantization=optax_adama.BlockQuantization(block_size=4, min_size=8))
+  state = tx.init(params)
+  for call in range(4):  # one mini-batch and one micro-batch into the next
+    updates, state = tx.update(_grads(params, 0, call), state, params)
+    params = optax.apply_updates(params, updates)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+  checkpointer.wait_until_finished()
+  abstract = jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)})
+  restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+  chex.assert_trees_all_equal(restored, {"params": params, "opt_state": state})
+  assert isinstance(optax_adama.find_adama_state(restored["opt_state"]).mu["dense"]["w"],
+                    optax_adama.QuantizedArray)
+  # Training goes on from the restored state exactly as from the live one.
+  for call in range(4, 6):
+    grads = _grads(params, 1, call)
+    want, state = tx.update(grads, state, params)
+    got, restored["opt_state"] = tx.update(grads, restored["opt_state"], params)
+    chex.assert_trees_all_equal(got, want)

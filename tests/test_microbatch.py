@@ -11,32 +11,16 @@ import pytest
 
 import optax_adama
 
-NUM_LAYERS, WIDTH, BATCH = 3, 8, 12
+from conftest import MLP
 
-
-def _params(dtype=jnp.float32):
-  keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
-  return {
-      f"layer{i}": {
-          "w": (jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5).astype(dtype),
-          "b": jnp.zeros(WIDTH, dtype),
-      }
-      for i, k in enumerate(keys)
-  }
+MODEL = MLP(num_layers=3, width=8)
+BATCH, WIDTH = 12, MODEL.width
+_params = MODEL.params
+loss_fn = MODEL.loss
 
 
 def _batch(seed=1, size=BATCH):
-  kx, ky = jax.random.split(jax.random.key(seed))
-  return {"x": jax.random.normal(kx, (size, WIDTH)),
-          "y": jax.random.normal(ky, (size, WIDTH))}
-
-
-def loss_fn(params, batch):
-  x = batch["x"].astype(params["layer0"]["w"].dtype)
-  for i in range(NUM_LAYERS):
-    layer = params[f"layer{i}"]
-    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
-  return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+  return MODEL.batch(seed, size)
 
 
 def _copy(tree):
@@ -89,7 +73,7 @@ def test_accumulation_baseline_equals_full_batch_adam():
     # Equal-sized micro-batches: the mean of micro-batch means is the mean.
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
   chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
-  assert "num_dropped" not in metrics
+  assert int(metrics["num_dropped"]) == 0
 
 
 def test_multisteps_runs_one_update_per_micro_batch():
@@ -147,7 +131,10 @@ def test_num_micro_batches_below_one_raises_at_construction():
 ], ids=["adama", "accumulation"])
 def test_donation_deletes_inputs_without_warning_or_recompilation(make_tx):
   tx = make_tx()
-  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  # Counts traces through a public route: a recompilation retraces the loss.
+  chex.clear_trace_counter()  # the counter is keyed by source, shared by params
+  traced_loss = chex.assert_max_traces(lambda p, b: loss_fn(p, b), n=1)
+  step = optax_adama.microbatch_step(traced_loss, tx, num_micro_batches=2)
   params = _params()
   state = tx.init(params)
   with warnings.catch_warnings():
@@ -156,7 +143,6 @@ def test_donation_deletes_inputs_without_warning_or_recompilation(make_tx):
       new_params, new_state, _ = step(params, state, _batch(0))
       assert all(x.is_deleted() for x in jax.tree.leaves((params, state)))
       new_params, new_state, _ = step(new_params, new_state, _batch(1))
-  assert step._cache_size() == 1
 
 
 def test_bf16_params_with_float32_moments_in_scan():
@@ -165,7 +151,10 @@ def test_bf16_params_with_float32_moments_in_scan():
   params = _params(jnp.bfloat16)
   state = tx.init(params)
   dtypes = jax.tree.map(lambda x: x.dtype, (params, state))
-  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=4)
+  chex.clear_trace_counter()
+  step = optax_adama.microbatch_step(
+      chex.assert_max_traces(lambda p, b: loss_fn(p, b), n=1), tx,
+      num_micro_batches=4)
   losses = []
   for seed in range(5):
     params, state, metrics = step(params, state, _batch(0))
@@ -173,8 +162,7 @@ def test_bf16_params_with_float32_moments_in_scan():
     assert jax.tree.map(lambda x: x.dtype, (params, state)) == dtypes
   adama_state = optax_adama.find_adama_state(state)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(adama_state.mu))
-  assert losses[-1] < losses[0]  # it trains in bf16
-  assert step._cache_size() == 1
+  assert losses[-1] < losses[0]  # it trains in bf16; and compiled once
 
 
 def test_nonfinite_loss_micro_batch_is_dropped_whole():
@@ -230,3 +218,109 @@ def test_has_aux_returns_stacked_aux():
   np.testing.assert_array_equal(metrics["aux"]["rows"], [4, 4, 4])
   np.testing.assert_allclose(
       jnp.mean(metrics["aux"]["loss_copy"]), metrics["loss"], rtol=1e-6)
+
+
+def test_num_micro_batches_is_taken_from_the_adama_state():
+  tx = optax_adama.adama(1e-2, num_micro_batches=3)
+  implicit = optax_adama.microbatch_step(loss_fn, tx)
+  explicit = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
+  params = _params()
+  got, _, _ = implicit(_copy(params), tx.init(params), _batch(0))
+  want, _, _ = explicit(_copy(params), tx.init(params), _batch(0))
+  chex.assert_trees_all_equal(got, want)
+
+
+def test_num_micro_batches_mismatch_raises_before_any_buffer_is_used():
+  tx = optax_adama.adama(1e-2, num_micro_batches=4)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  params = _params()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"num_micro_batches=2.*num_micro_batches=4"):
+    step(params, state, _batch(0))
+  assert not any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+
+
+def test_num_micro_batches_needed_without_adama():
+  step = optax_adama.microbatch_step(loss_fn, optax.adam(1e-2))
+  params = _params()
+  with pytest.raises(ValueError, match="needs num_micro_batches"):
+    step(params, optax.adam(1e-2).init(params), _batch(0))
+
+
+def _poison_micro_batch(batch, micro, num_micro_batches):
+  """NaN in one row of micro-batch ``micro`` (rows micro::N)."""
+  return {**batch, "y": batch["y"].at[micro, 0].set(jnp.nan)}
+
+
+def test_accumulation_drops_a_nonfinite_micro_batch_and_counts_it():
+  tx = optax.adam(1e-2)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
+  batch = _batch(0)
+  params = _params()
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam needs it
+    got, _, metrics = step(_copy(params), tx.init(params),
+                           _poison_micro_batch(batch, 1, 3))
+    # Reference: the mean over N of the healthy micro-batch gradients, with a
+    # zero gradient in place of the dropped one (AdamA's rule).
+    grads = [jax.grad(loss_fn)(params, jax.tree.map(lambda x: x[i::3], batch))
+             for i in (0, 2)]
+    mean = jax.tree.map(lambda a, b: (a + b) / 3, *grads)
+    updates, _ = tx.update(mean, tx.init(params), params)
+  chex.assert_trees_all_close(got, optax.apply_updates(params, updates),
+                              rtol=1e-5, atol=1e-6)
+  assert int(metrics["num_dropped"]) == 1
+  assert int(metrics["num_nonfinite_losses"]) == 1
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax.adam(1e-2),
+    lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+], ids=["accumulation", "multisteps"])
+def test_baselines_never_turn_params_nonfinite(make_tx):
+  tx = make_tx()
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  params = _params()
+  state = tx.init(params)
+  with jax.numpy_dtype_promotion("standard"):
+    params, state, _ = step(params, state, _batch(0))
+    params, state, metrics = step(params, state, _poison_micro_batch(_batch(1), 0, 2))
+  assert int(metrics["num_dropped"]) == 1
+  for leaf in jax.tree.leaves((params, state)):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+
+
+def test_accumulation_leaves_params_unchanged_when_every_micro_batch_drops():
+  tx = optax.adamw(1e-2, weight_decay=0.5)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+  params = _params()
+  with jax.numpy_dtype_promotion("standard"):
+    params, state, _ = step(params, tx.init(params), _batch(0))
+    before = _copy(params)
+    nan_batch = {**_batch(1), "x": jnp.full((BATCH, WIDTH), jnp.nan)}
+    params, state, metrics = step(params, state, nan_batch)
+  chex.assert_trees_all_equal(params, before)
+  assert int(metrics["num_dropped"]) == 2
+
+
+def test_params_sharing_one_buffer_raise_a_clear_error():
+  tx = optax_adama.adama(1e-2, num_micro_batches=2)
+  step = optax_adama.microbatch_step(loss_fn, tx)
+  params = _params()
+  params["layer2"]["b"] = params["layer1"]["b"]  # one jnp.zeros, two leaves
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"params\['layer1'\]\['b'\] and "
+                     r"params\['layer2'\]\['b'\] are the same array"):
+    step(params, state, _batch(0))
+  assert not any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+  # The fix the message gives works.
+  params = jax.tree.map(jnp.copy, params)
+  step(params, tx.init(params), _batch(0))
+
+
+def test_lower_is_available_for_compile_only_use():
+  tx = optax_adama.adama(1e-2, num_micro_batches=2)
+  step = optax_adama.microbatch_step(loss_fn, tx)
+  params = MODEL.abstract_params()
+  state = jax.eval_shape(tx.init, params)
+  compiled = step.lower(params, state, MODEL.abstract_batch(BATCH)).compile()
+  assert compiled.memory_analysis() is not None

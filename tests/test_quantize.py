@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optax_adama
+from conftest import MLP
 from optax_adama import _quantize
 
 CODE_MAX = 448.0  # largest float8_e4m3fn value
@@ -105,10 +106,16 @@ def _cosine(a, b):
   return float(jnp.dot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
 
 
-def test_float32_path_is_unchanged_by_the_new_options():
-  base = optax_adama.scale_by_adama(num_micro_batches=4)
-  explicit = optax_adama.scale_by_adama(num_micro_batches=4, stochastic_rounding=True)
-  chex.assert_trees_all_equal(_run(base, 5), _run(explicit, 5))
+def test_float32_moments_are_never_rounded():
+  # Nothing is narrower than the fold's float32, so the option changes nothing.
+  rounded = optax_adama.scale_by_adama(num_micro_batches=4, stochastic_rounding=True)
+  nearest = optax_adama.scale_by_adama(num_micro_batches=4, stochastic_rounding=False)
+  chex.assert_trees_all_equal(_run(rounded, 5), _run(nearest, 5))
+
+
+def test_stochastic_rounding_must_be_a_bool():
+  with pytest.raises(TypeError, match="stochastic_rounding must be a bool"):
+    optax_adama.scale_by_adama(num_micro_batches=4, stochastic_rounding=None)
 
 
 def test_eight_bit_fold_tracks_the_float32_fold():
@@ -123,13 +130,20 @@ def test_eight_bit_fold_tracks_the_float32_fold():
   m = _quantize.from_blocks(optax_adama.dequantize_blocks(mu["w"]), (96, 100))
   sqrt_v = _quantize.from_blocks(optax_adama.dequantize_blocks(nu["w"]), (96, 100))
   assert _cosine(m, ref_state.mu["w"]) > 0.98
-  # sqrt(v) is rounded without bias, so v is rounded high by the variance of
-  # the rounding noise (measured +4.9%): slightly smaller steps, never larger.
+  # sqrt(v) is rounded so that v is unbiased (measured 0.999; rounding
+  # sqrt(v) without bias made v 4.9% high).
   v_ratio = float(jnp.mean(sqrt_v**2) / jnp.mean(ref_state.nu["w"]))
-  assert 1.0 <= v_ratio <= 1.08, v_ratio
+  assert abs(v_ratio - 1.0) < 0.01, v_ratio
   assert _cosine(updates["w"], ref_updates["w"]) > 0.96  # measured 0.975
-  np.testing.assert_allclose(
-      jnp.linalg.norm(updates["w"]), jnp.linalg.norm(ref_updates["w"]), rtol=0.05)
+  # With v unbiased, its per-element rounding noise (a random walk: each of
+  # the N stores per mini-batch adds fresh noise that b2 forgets slowly) still
+  # makes 1 / sqrt(v) larger on average (Jensen), and m's noise adds to the
+  # norm: measured 1.063 here. (Rounding sqrt(v) without bias gave 1.00: its
+  # high v cancelled the same noise by chance; on the noisy gradients below,
+  # 1.058 before, 1.10 now.) An open question of the 8-bit format, not of the
+  # rounding's bias.
+  norm_ratio = float(jnp.linalg.norm(updates["w"]) / jnp.linalg.norm(ref_updates["w"]))
+  assert 1.0 <= norm_ratio <= 1.08, norm_ratio
   chex.assert_trees_all_close(updates["b"], ref_updates["b"], rtol=1e-5, atol=1e-6)
 
 
@@ -145,27 +159,18 @@ def test_bfloat16_v_needs_stochastic_rounding():
   # Round-to-nearest drops most (1 - b2) / N * g**2 increments (below half a
   # bfloat16 ulp of v) and v's decay; stochastic rounding keeps v unbiased.
   # (Measured: 1.6% low after 60 steps, and the gap grows with the run.)
-  assert abs(mean_v(None) - 1.0) < 0.004
+  assert abs(mean_v(True) - 1.0) < 0.004
   assert abs(mean_v(False) - 1.0) > 0.01
 
 
 # The 8-layer MLP of tests/test_memory.py: P = 2.1 MB, the largest leaf P / 8.
-NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 8, 256, 32, 4
-
-
-def _mlp_loss(params, batch):
-  x = batch["x"]
-  for i in range(NUM_LAYERS):
-    layer = params[f"layer{i}"]
-    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
-  return jnp.mean((x - batch["y"]) ** 2)
+MODEL = MLP(num_layers=8, width=256)
+BATCH, NUM_MICRO = 32, 4
+_mlp_loss = MODEL.loss
 
 
 def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
-  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  params = {f"layer{i}": {"w": shape(WIDTH, WIDTH), "b": shape(WIDTH)}
-            for i in range(NUM_LAYERS)}
-  batch = {"x": shape(BATCH, WIDTH), "y": shape(BATCH, WIDTH)}
+  params, batch = MODEL.abstract_params(), MODEL.abstract_batch(BATCH)
   tx = optax_adama.adama(
       1e-3, num_micro_batches=NUM_MICRO, quantization=optax_adama.BlockQuantization())
   state = jax.eval_shape(tx.init, params)
@@ -193,10 +198,7 @@ def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
 
 
 def test_bfloat16_moments_step_memory():
-  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  params = {f"layer{i}": {"w": shape(WIDTH, WIDTH), "b": shape(WIDTH)}
-            for i in range(NUM_LAYERS)}
-  batch = {"x": shape(BATCH, WIDTH), "y": shape(BATCH, WIDTH)}
+  params, batch = MODEL.abstract_params(), MODEL.abstract_batch(BATCH)
   tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
                          mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
   state = jax.eval_shape(tx.init, params)
@@ -276,3 +278,37 @@ def test_tiny_gpt_eight_bit_final_loss_within_one_percent():
   loss32 = _train_gpt(None, **kwargs)
   loss8 = _train_gpt(optax_adama.BlockQuantization(), **kwargs)
   assert abs(loss8 - loss32) <= 0.01 * loss32, (loss8, loss32)
+
+
+def _v_ratio_on_noisy_gradients(num_mini_batches):
+  """Mean 8-bit v over mean float32 v, N = 4, gradients ~ N(0.05, 0.1**2)."""
+  shape, num_micro_batches = (64, 128), 4
+  params = {"w": jnp.zeros(shape)}
+
+  def run(tx):
+    def mini_batch(state, step):
+      def micro(state, i):
+        key = jax.random.fold_in(jax.random.key(7), step * num_micro_batches + i)
+        g = 0.05 + 0.1 * jax.random.normal(key, shape)
+        return tx.update({"w": g}, state)[1], None
+      return jax.lax.scan(micro, state, jnp.arange(num_micro_batches))[0], None
+    return jax.lax.scan(mini_batch, tx.init(params), jnp.arange(num_mini_batches))[0]
+
+  dense = jax.jit(lambda: run(optax_adama.scale_by_adama(
+      num_micro_batches=num_micro_batches)))()
+  quantized = jax.jit(lambda: run(optax_adama.scale_by_adama(
+      num_micro_batches=num_micro_batches,
+      quantization=optax_adama.BlockQuantization())))()
+  sqrt_v = optax_adama.dequantize_blocks(quantized.nu["w"])
+  return float(jnp.mean(sqrt_v**2) / jnp.mean(dense.nu["w"]))
+
+
+def test_eight_bit_v_is_unbiased_on_noisy_gradients():
+  # Rounding sqrt(v) without bias drifted v up: 1.072 after 40 mini-batches.
+  assert abs(_v_ratio_on_noisy_gradients(40) - 1.0) < 0.01
+
+
+@pytest.mark.slow
+def test_eight_bit_v_stays_unbiased_over_400_mini_batches():
+  # Was about 1.09 from 100 mini-batches on.
+  assert abs(_v_ratio_on_noisy_gradients(400) - 1.0) < 0.01
