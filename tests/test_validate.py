@@ -21,11 +21,36 @@ def test_validate_writes_table_plot_and_raw_runs(tmp_path):
   ])
   assert [r["arm"] for r in rows] == ["Adam", "AdamA N=2"]
   assert all(r["seeds"] == 2 for r in rows)
-  adam, adama = rows
-  assert adama["rel_diff_to_adam"] == pytest.approx(
-      adama["eval_loss_mean"] / adam["eval_loss_mean"] - 1)
   table = (tmp_path / "convergence.md").read_text()
   assert "| vit_tiny | AdamA N=2 | 3 | 2 |" in table
   assert (tmp_path / "convergence.png").stat().st_size > 0
   raw = json.loads((tmp_path / "raw" / "convergence.json").read_text())
   assert len(raw["runs"]) == 4
+
+
+def _run(arm, num_micro_batches, seed, eval_loss, accuracy):
+  return {"arm": arm, "preset": "gpt_tiny", "eval_loss": eval_loss,
+          "eval_metrics": {"loss": eval_loss, "accuracy": accuracy},
+          "config": {"model": "gpt", "seed": seed, "steps": 10,
+                     "num_micro_batches": num_micro_batches}}
+
+
+def test_summary_of_a_hand_computed_example():
+  runs = [_run("Adam", 1, 0, 2.0, 0.5), _run("Adam", 1, 1, 4.0, 0.7),
+          _run("AdamA N=2", 2, 0, 2.2, 0.4), _run("AdamA N=2", 2, 1, 3.9, 0.6)]
+  adam, adama = validate.summarize(runs)
+  assert adam["eval_loss_mean"] == pytest.approx(3.0)
+  assert adam["rel_diff_to_adam"] == pytest.approx(0.0)
+  # Means 3.05 against 3.0: +1.67%. Paired by seed: +10% (2.2 / 2.0) and
+  # -2.5% (3.9 / 4.0), so the largest paired difference is 10%.
+  assert adama["eval_loss_mean"] == pytest.approx(3.05)
+  assert adama["eval_loss_std"] == pytest.approx(1.7 / 2**0.5)  # ddof=1 of two
+  assert adama["rel_diff_to_adam"] == pytest.approx(0.05 / 3)
+  assert adama["paired_rel_diff_max"] == pytest.approx(0.1)
+  assert adama["eval_accuracy_mean"] == pytest.approx(0.5)
+  assert (adama["seeds"], adama["num_micro_batches"], adama["steps"]) == (2, 2, 10)
+  table = validate.markdown(
+      [adam, adama], "cmd", {"cpu": "x", "backend": "cpu", "jax": "0", "optax": "0",
+                             "python": "3"})
+  assert ("| gpt_tiny | AdamA N=2 | 10 | 2 | 3.0500 ± 1.2021 | 0.5000 | +1.67% | 10.00% "
+          "| **no** |") in table
