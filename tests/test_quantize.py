@@ -231,42 +231,22 @@ def test_quantized_state_through_adamaw_and_jit_is_stable():
     optax_adama.scale_by_adama(num_micro_batches=2, quantization="8bit")
 
 
-def _train_gpt(quantization, *, preset, steps, batch_size, seq_len, eval_batches,
-               max_bytes=None):
-  """Eval loss of a GPT trained with AdamA as in `models.train` (same data)."""
-  from flax import nnx  # the tests may use the models; the library may not
-
-  import models
-  from models import train
+def _train_gpt(quantize_moments, **config):
+  """Held-out loss of a GPT trained by `models.train` with AdamA."""
+  from models import train  # the tests may use the models; the library may not
 
   config = train.TrainConfig(
-      preset=preset, steps=steps, batch_size=batch_size, seq_len=seq_len,
-      eval_batches=eval_batches,
-      **({} if max_bytes is None else {"max_bytes": max_bytes}))
-  model_config = models.get_config(config.preset_name)
-  loss_fn, params = models.split_loss_fn(
-      models.create(model_config, rngs=nnx.Rngs(config.seed)), has_aux=True)
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, min(config.warmup_steps, steps // 2), steps,
-      end_value=0.1 * config.learning_rate)
-  tx = optax_adama.adamaw(
-      schedule, weight_decay=0.0, num_micro_batches=config.num_micro_batches,
-      quantization=quantization)
-  state = tx.init(params)
-  step = optax_adama.microbatch_step(
-      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True)
-  batches, held_out = train.make_data(config, model_config)
+      model="gpt", optimizer="adama", quantize_moments=quantize_moments,
+      **config)
   with jax.numpy_dtype_promotion("standard"):  # optax's schedule
-    for _ in range(steps):
-      params, state, _ = step(params, state, next(batches))
-    return train.evaluate(loss_fn, params, held_out)["loss"]
+    return train.train(config, progress=False)["eval_loss"]
 
 
 def test_tiny_gpt_smoke_eight_bit_trains_like_float32():
   kwargs = dict(preset="gpt_test", steps=20, batch_size=8, seq_len=16,
                 eval_batches=2, max_bytes=200_000)
-  loss32 = _train_gpt(None, **kwargs)
-  loss8 = _train_gpt(optax_adama.BlockQuantization(), **kwargs)
+  loss32 = _train_gpt(False, **kwargs)
+  loss8 = _train_gpt(True, **kwargs)
   assert np.isfinite(loss8)
   assert abs(loss8 - loss32) <= 0.03 * loss32, (loss8, loss32)
 
@@ -275,8 +255,8 @@ def test_tiny_gpt_smoke_eight_bit_trains_like_float32():
 def test_tiny_gpt_eight_bit_final_loss_within_one_percent():
   # The issue's contract, on `make demo`'s run (gpt_tiny, 300 steps, N = 4).
   kwargs = dict(preset="gpt_tiny", steps=300, batch_size=32, seq_len=64, eval_batches=16)
-  loss32 = _train_gpt(None, **kwargs)
-  loss8 = _train_gpt(optax_adama.BlockQuantization(), **kwargs)
+  loss32 = _train_gpt(False, **kwargs)
+  loss8 = _train_gpt(True, **kwargs)
   assert abs(loss8 - loss32) <= 0.01 * loss32, (loss8, loss32)
 
 

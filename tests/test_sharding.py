@@ -23,33 +23,20 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import optax_adama
+from conftest import MLP
 
 NUM_DEVICES = 8
 NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 3, 64, 64, 4
 STAGES = (None, "zero1", "zero2", "fsdp")
 
 
-def _params():
-  keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
-  return {
-      f"layer{i}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5,
-                    "b": jnp.zeros(WIDTH)}
-      for i, k in enumerate(keys)
-  }
-
-
-def loss_fn(params, batch):
-  x = batch["x"]
-  for i in range(NUM_LAYERS):
-    layer = params[f"layer{i}"]
-    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
-  return jnp.mean((x - batch["y"]) ** 2)
+MODEL = MLP(num_layers=NUM_LAYERS, width=WIDTH)
+_params = MODEL.params
+loss_fn = MODEL.loss
 
 
 def _batch(seed):
-  kx, ky = jax.random.split(jax.random.key(100 + seed))
-  return {"x": jax.random.normal(kx, (BATCH, WIDTH)),
-          "y": jax.random.normal(ky, (BATCH, WIDTH))}
+  return MODEL.batch(100 + seed, BATCH)
 
 
 def _collectives(hlo_text):
