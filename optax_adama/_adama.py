@@ -255,14 +255,34 @@ def _gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
       lambda: jnp.zeros(like.shape, like.dtype))
 
 
-def _leaf_seeds(rounding_seed, state: ScaleByAdamAState, num_leaves: int):
-  """Two uint32 seeds per leaf (m, v), fresh for every call; no key in the state."""
+def _leaf_seeds(rounding_seed, state: ScaleByAdamAState, mus, nus, stochastic: bool):
+  """Two uint32 seeds per leaf (m, v), fresh for every call; no key in the state.
+
+  ``None`` seeds (round to nearest, or nothing to round) unless ``stochastic``
+  and some moment is stored narrower than float32.
+  """
+  narrow = any(_quantize.storage_dtype(x).itemsize < 4 for x in list(mus) + list(nus))
+  if not (stochastic and narrow):
+    return [(None, None)] * len(mus)
   call_seed = _quantize.mix_seed(
       _quantize.mix_seed(jnp.asarray(rounding_seed), state.count),
       state.micro_step)
   return [(_quantize.mix_seed(call_seed, jnp.uint32(2 * i)),
            _quantize.mix_seed(call_seed, jnp.uint32(2 * i + 1)))
-          for i in range(num_leaves)]
+          for i in range(len(mus))]
+
+
+def _fold_leaf(grad, mu, nu, state: ScaleByAdamAState, b1, b2, seeds):
+  """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``."""
+  # The guard is elementwise so it fuses into the fold. Gating the fold on a
+  # reduction over the leaf (all-finite) makes XLA keep gradients alive
+  # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.
+  is_finite = jnp.isfinite(grad)
+  finite_grad = jnp.where(is_finite, grad, jnp.zeros_like(grad))
+  starts, n = state.micro_step == 0, state.num_micro_batches
+  mu = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1, seeds[0])
+  nu = _fold_moment(nu, grad, finite_grad, jnp.where(starts, b2, 1.0), (1 - b2) / n, 2, seeds[1])
+  return mu, nu, jnp.all(is_finite)  # the flag is counted only, never gating: free.
 
 
 def _completed(state: ScaleByAdamAState) -> jax.Array:
@@ -443,38 +463,26 @@ def scale_by_adama(
 
   def update_fn(updates, state, params=None):
     del params
-    n = state.num_micro_batches
-    if given_num_micro_batches not in (None, n):
+    if given_num_micro_batches not in (None, state.num_micro_batches):
       raise ValueError(
           f"num_micro_batches={given_num_micro_batches} but the state was made "
-          f"with num_micro_batches={n}.")
-    starts = state.micro_step == 0
+          f"with num_micro_batches={state.num_micro_batches}.")
     grads, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
-    narrow = any(_quantize.storage_dtype(x).itemsize < 4 for x in mus + nus)
-    seeds = (_leaf_seeds(rounding_seed, state, len(grads))
-             if stochastic_rounding and narrow else [(None, None)] * len(grads))
-    m_decay, v_decay = jnp.where(starts, b1, 1.0), jnp.where(starts, b2, 1.0)
-    new_mus, new_nus, finite = [], [], []
-    for g, m, v, (m_seed, v_seed) in zip(grads, mus, nus, seeds):
-      # The guard is elementwise so it fuses into the fold. Gating the fold on
-      # a reduction over the leaf (all-finite) makes XLA keep gradients alive
-      # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.
-      is_finite = jnp.isfinite(g)
-      finite_g = jnp.where(is_finite, g, jnp.zeros_like(g))
-      new_mus.append(_fold_moment(m, g, finite_g, m_decay, (1 - b1) / n, 1, m_seed))
-      new_nus.append(_fold_moment(v, g, finite_g, v_decay, (1 - b2) / n, 2, v_seed))
-      finite.append(jnp.all(is_finite))  # counted only, never gating: free.
+    seeds = _leaf_seeds(rounding_seed, state, mus, nus, stochastic_rounding)
+    folded = [_fold_leaf(g, m, v, state, b1, b2, leaf_seeds)
+              for g, m, v, leaf_seeds in zip(grads, mus, nus, seeds)]
+    new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
     # Combines one boolean per leaf; no gradient waits on it.
     all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
     new_state = _advance_counters(
         state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
     emit = _emitted(new_state)
     hyperparams = dict(count=new_state.count, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
-    new_updates = [_gated_direction(m, v, g, emit, **hyperparams)
-                   for m, v, g in zip(new_mus, new_nus, grads)]
-    return treedef.unflatten(new_updates), new_state
+    return treedef.unflatten([
+        _gated_direction(m, v, g, emit, **hyperparams)
+        for m, v, g in zip(new_mus, new_nus, grads)]), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

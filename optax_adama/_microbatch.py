@@ -257,46 +257,6 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
 def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux):
   """The step as a function of (params, opt_state, batch), before jit."""
 
-  def per_micro_batch_updates(params, opt_state, micro_batches):
-    adama = find_adama_state(opt_state) is not None
-
-    def body(carry, micro_batch):
-      params, opt_state = carry
-      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-      if adama:  # AdamA drops (and counts) non-finite gradients itself.
-        grads, dropped = _poison_if_loss_nonfinite(loss, grads), jnp.array(False)
-      else:
-        grads, dropped = _zero_nonfinite(loss, grads)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      emitted = _emitted(find_adama_state(opt_state)) if adama else None
-      params = placement.apply_updates(params, updates, emitted)
-      return (params, opt_state), (loss, aux, dropped)
-
-    (params, opt_state), outputs = jax.lax.scan(body, (params, opt_state), micro_batches)
-    return params, opt_state, outputs
-
-  def accumulated_gradient_update(params, opt_state, micro_batches):
-    def body(grad_sum, micro_batch):
-      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-      grads, dropped = _zero_nonfinite(loss, grads)
-      return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux, dropped)
-
-    grad_sum = jax.tree.map(jnp.zeros_like, params)
-    shardings = placement.shardings(params, None)
-    if shardings is not None:
-      # Under ZeRO-2 / FSDP each device accumulates its slice only (as
-      # DeepSpeed's ZeRO-2 does): the baseline AdamA is compared against.
-      grad_sum = jax.lax.with_sharding_constraint(grad_sum, shardings.grads)
-    grad_sum, outputs = jax.lax.scan(body, grad_sum, micro_batches)
-    num_micro_batches = jax.tree.leaves(micro_batches)[0].shape[0]
-    grads = jax.tree.map(lambda g: g / num_micro_batches, grad_sum)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    # Every micro-batch dropped: a zero-gradient step for the optimizer
-    # state, none for params (AdamA's rule).
-    any_kept = ~jnp.all(outputs[2])
-    updates = jax.tree.map(lambda u: jnp.where(any_kept, u, jnp.zeros_like(u)), updates)
-    return optax.apply_updates(params, updates), opt_state, outputs
-
   def step(params, opt_state, batch):
     shardings = placement.shardings(params, opt_state)
     if shardings is not None:
@@ -306,9 +266,10 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
     micro_batches = placement.place_micro_batches(split_micro_batches(batch, n))
     per_micro = (updates_every_micro_batch(opt_state)
                  if update_every_micro_batch is None else update_every_micro_batch)
-    run = per_micro_batch_updates if per_micro else accumulated_gradient_update
+    run = _per_micro_batch_updates if per_micro else _accumulated_gradient_update
     dropped_before = _num_dropped(opt_state)
-    params, opt_state, (losses, aux, dropped) = run(params, opt_state, micro_batches)
+    params, opt_state, (losses, aux, dropped) = run(
+        tx, placement, params, opt_state, micro_batches)
     if dropped_before is not None:  # AdamA counted them in its state.
       dropped = _num_dropped(opt_state) - dropped_before
     finite = jnp.isfinite(losses)
@@ -327,6 +288,51 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
     return params, opt_state, metrics
 
   return step
+
+
+def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
+  """One ``tx.update`` per micro-batch (AdamA, MultiSteps), in a scan."""
+  adama = find_adama_state(opt_state) is not None
+
+  def body(carry, micro_batch):
+    params, opt_state = carry
+    loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+    if adama:  # AdamA drops (and counts) non-finite gradients itself.
+      grads, dropped = _poison_if_loss_nonfinite(loss, grads), jnp.array(False)
+    else:
+      grads, dropped = _zero_nonfinite(loss, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    emitted = _emitted(find_adama_state(opt_state)) if adama else None
+    params = placement.apply_updates(params, updates, emitted)
+    return (params, opt_state), (loss, aux, dropped)
+
+  (params, opt_state), outputs = jax.lax.scan(body, (params, opt_state), micro_batches)
+  return params, opt_state, outputs
+
+
+def _accumulated_gradient_update(tx, placement, params, opt_state, micro_batches):
+  """A gradient-sum carry over the micro-batches, one ``tx.update`` on the mean."""
+
+  def body(grad_sum, micro_batch):
+    loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+    grads, dropped = _zero_nonfinite(loss, grads)
+    return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux, dropped)
+
+  grad_sum = jax.tree.map(jnp.zeros_like, params)
+  shardings = placement.shardings(params, None)
+  if shardings is not None:
+    # Under ZeRO-2 / FSDP each device accumulates its slice only (as
+    # DeepSpeed's ZeRO-2 does): the baseline AdamA is compared against.
+    grad_sum = jax.lax.with_sharding_constraint(grad_sum, shardings.grads)
+  grad_sum, outputs = jax.lax.scan(body, grad_sum, micro_batches)
+  num_micro_batches = jax.tree.leaves(micro_batches)[0].shape[0]
+  grads = jax.tree.map(lambda g: g / num_micro_batches, grad_sum)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  # Every micro-batch dropped: a zero-gradient step for the optimizer state,
+  # none for params (AdamA's rule).
+  any_kept = ~jnp.all(outputs[2])
+  updates = jax.tree.map(lambda u: jnp.where(any_kept, u, jnp.zeros_like(u)), updates)
+  return optax.apply_updates(params, updates), opt_state, outputs
 
 
 def _resolve_num_micro_batches(given: Optional[int], opt_state: optax.OptState) -> int:
