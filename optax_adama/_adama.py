@@ -194,11 +194,18 @@ def _to_layout(x: jax.Array, like: Moment) -> jax.Array:
   return x
 
 
+class _Folded(NamedTuple):
+  """A moment's new value before it is stored, and a bound for its scales."""
+
+  value: jax.Array  # float32/64, in the moment's layout.
+  absmax: Optional[jax.Array]  # float32 [num_blocks] for a quantized moment, else None.
+
+
 def _fold_moment(
     moment: Moment, grad: jax.Array, finite_grad: jax.Array, decay: jax.Array,
-    weight: jax.Array, order: int, seed: Optional[jax.Array],
-) -> Moment:
-  """``decay * moment + weight * grad**order``, stored like ``moment``.
+    weight: jax.Array, order: int,
+) -> _Folded:
+  """``decay * moment + weight * grad**order``, not yet stored.
 
   ``grad`` is the raw gradient leaf, ``finite_grad`` the same with its
   non-finite entries zeroed.
@@ -208,15 +215,14 @@ def _fold_moment(
   weight = jnp.asarray(weight).astype(dtype)
   g = _to_layout(finite_grad.astype(dtype), moment)
   new = decay * _load(moment, order) + weight * g**order
-  absmax = None
-  if isinstance(moment, QuantizedArray):
-    # The new scales come from bounds (old block absmax, gradient block
-    # absmax), not from the new values: an exact absmax would be a reduction
-    # over the float32 result, which XLA then materializes for every leaf at
-    # once (2 P of temp, measured). |new| <= decay |old|max + weight |g|max**k.
-    grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)
-    absmax = decay * _stored_absmax(moment, order) + weight * grad_absmax**order
-  return _store(new, moment, order, seed, absmax)
+  if not isinstance(moment, QuantizedArray):
+    return _Folded(new, None)
+  # The new scales come from bounds (old block absmax, gradient block absmax),
+  # not from the new values: an exact absmax would be a reduction over the
+  # float32 result, which XLA then materializes for every leaf at once (2 P
+  # of temp, measured). |new| <= decay |old|max + weight |g|max**order.
+  grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)
+  return _Folded(new, decay * _stored_absmax(moment, order) + weight * grad_absmax**order)
 
 
 def _direction(
@@ -272,7 +278,17 @@ def _leaf_seeds(rounding_seed, state: ScaleByAdamAState, mus, nus, stochastic: b
           for i in range(len(mus))]
 
 
-def _fold_leaf(grad, mu, nu, state: ScaleByAdamAState, b1, b2, seeds):
+NU_ESTIMATORS = ("mean", "sum", "momentum")
+
+
+def _nu_weight(b2, num_micro_batches: int, nu_estimator: str):
+  """The weight of each g_i**2 in v's fold."""
+  if nu_estimator == "mean":  # E = mu**2 + sigma**2
+    return (1 - b2) / num_micro_batches
+  return (1 - b2) / num_micro_batches**2  # E = (mu**2 + sigma**2) / N
+
+
+def _fold_leaf(grad, mu, nu, state: ScaleByAdamAState, b1, b2, nu_estimator, seeds):
   """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``."""
   # The guard is elementwise so it fuses into the fold. Gating the fold on a
   # reduction over the leaf (all-finite) makes XLA keep gradients alive
@@ -280,9 +296,33 @@ def _fold_leaf(grad, mu, nu, state: ScaleByAdamAState, b1, b2, seeds):
   is_finite = jnp.isfinite(grad)
   finite_grad = jnp.where(is_finite, grad, jnp.zeros_like(grad))
   starts, n = state.micro_step == 0, state.num_micro_batches
-  mu = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1, seeds[0])
-  nu = _fold_moment(nu, grad, finite_grad, jnp.where(starts, b2, 1.0), (1 - b2) / n, 2, seeds[1])
-  return mu, nu, jnp.all(is_finite)  # the flag is counted only, never gating: free.
+  m = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1)
+  v = _fold_moment(nu, grad, finite_grad, jnp.where(starts, b2, 1.0),
+                   _nu_weight(b2, n, nu_estimator), 2)
+  if nu_estimator == "momentum" and n > 1:
+    v = _add_squared_momentum(m, v, state, b1, b2)
+  return (_store(m.value, mu, 1, seeds[0], m.absmax),
+          _store(v.value, nu, 2, seeds[1], v.absmax),
+          jnp.all(is_finite))  # the flag is counted only, never gating: free.
+
+
+def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
+  """On a mini-batch's last call, ``v += (1 - b2)(1 - 1/N) m_hat**2``.
+
+  With the ``1/N**2`` fold this makes ``E[v]`` about Adam's ``mu**2 +
+  sigma**2 / N`` when the mean gradient is steady over ~1/(1-b1) steps: the
+  squared mean is estimated from the bias-corrected momentum, leaf by leaf,
+  from the fold's own value (no extra buffer).
+  """
+  n = state.num_micro_batches
+  completes = state.micro_step + 1 == n
+  dtype = v.value.dtype
+  t = (state.count + 1).astype(dtype)
+  weight = jnp.where(completes, (1 - b2) * (1 - 1 / n), 0.0).astype(dtype)
+  weight = weight / (1 - jnp.asarray(b1).astype(dtype) ** t) ** 2
+  value = v.value + weight * (m.value.astype(dtype) ** 2)
+  absmax = None if v.absmax is None else v.absmax + weight * m.absmax**2
+  return _Folded(value, absmax)
 
 
 def _completed(state: ScaleByAdamAState) -> jax.Array:
@@ -327,6 +367,7 @@ def scale_by_adama(
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
     rounding_seed: int = 0,
+    nu_estimator: str = "mean",
 ) -> optax.GradientTransformation:
   r"""Rescale micro-batch gradients with Adam Accumulation (AdamA).
 
@@ -399,6 +440,16 @@ def scale_by_adama(
       moments nothing is rounded either way.
     rounding_seed: seed of the rounding noise, drawn afresh on every call
       from the seed, the step count and the micro-batch index.
+    nu_estimator: how v sees the micro-batch gradients (each is exactly
+      Adam at ``N = 1``, and none costs memory beyond m and v). With
+      :math:`\mu` the mean gradient and :math:`\sigma^2` one micro-batch's
+      gradient variance, Adam's :math:`E[\bar g^2] = \mu^2 + \sigma^2/N`:
+      ``"mean"`` folds :math:`g_i^2 / N` (:math:`E = \mu^2 + \sigma^2`:
+      steps never larger than Adam's); ``"sum"`` folds :math:`g_i^2 / N^2`
+      (:math:`E = (\mu^2 + \sigma^2)/N`, a PyTorch loop dividing each
+      micro-batch loss by N); ``"momentum"`` is ``"sum"`` plus
+      :math:`(1-1/N)\hat m^2` once per mini-batch (:math:`E \approx \mu^2 +
+      \sigma^2/N` where the mean gradient is steady).
 
   Returns:
     A :class:`optax.GradientTransformation` with state
@@ -434,6 +485,9 @@ def scale_by_adama(
   if quantization is not None and not isinstance(quantization, BlockQuantization):
     raise TypeError(
         f"quantization must be a BlockQuantization or None, got {quantization!r}.")
+  if nu_estimator not in NU_ESTIMATORS:
+    raise ValueError(
+        f"nu_estimator must be one of {NU_ESTIMATORS}, got {nu_estimator!r}.")
   if not isinstance(stochastic_rounding, (bool, np.bool_)):
     raise TypeError(
         f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
@@ -471,7 +525,7 @@ def scale_by_adama(
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
     seeds = _leaf_seeds(rounding_seed, state, mus, nus, stochastic_rounding)
-    folded = [_fold_leaf(g, m, v, state, b1, b2, leaf_seeds)
+    folded = [_fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds)
               for g, m, v, leaf_seeds in zip(grads, mus, nus, seeds)]
     new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
     # Combines one boolean per leaf; no gradient waits on it.
@@ -569,6 +623,7 @@ def adama(
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
+    nu_estimator: str = "mean",
 ) -> optax.GradientTransformation:
   r"""Adam Accumulation: Adam fed one micro-batch gradient per ``update`` call.
 
@@ -597,6 +652,8 @@ def adama(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
+    nu_estimator: ``"mean"``, ``"sum"`` or ``"momentum"``; see
+      :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -625,7 +682,7 @@ def adama(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
           mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding),
+          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator),
       optax.scale_by_learning_rate(learning_rate),
   )
 
@@ -644,6 +701,7 @@ def adamaw(
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
+    nu_estimator: str = "mean",
 ) -> optax.GradientTransformation:
   r"""AdamA with decoupled weight decay, applied once per mini-batch.
 
@@ -670,6 +728,8 @@ def adamaw(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
+    nu_estimator: ``"mean"``, ``"sum"`` or ``"momentum"``; see
+      :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.
@@ -689,7 +749,7 @@ def adamaw(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
           mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding),
+          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -55,14 +55,16 @@ def _adama_state(state):
   return found
 
 
+@pytest.mark.parametrize("nu_estimator", ["mean", "sum", "momentum"])
 @pytest.mark.parametrize("make", ["adam", "adamw"])
-def test_one_micro_batch_matches_optax(make):
+def test_one_micro_batch_matches_optax(make, nu_estimator):
   params = _params()
   if make == "adam":
-    ours = optax_adama.adama(0.05, num_micro_batches=1)
+    ours = optax_adama.adama(0.05, num_micro_batches=1, nu_estimator=nu_estimator)
     ref = optax.adam(0.05)
   else:
-    ours = optax_adama.adamaw(0.05, weight_decay=0.1, num_micro_batches=1)
+    ours = optax_adama.adamaw(0.05, weight_decay=0.1, num_micro_batches=1,
+                              nu_estimator=nu_estimator)
     ref = optax.adamw(0.05, weight_decay=0.1)
   got, _ = _run_adama(ours, params, 25, 1)
   want = _run_optax(ref, params, 25, lambda p, s: _grads(p, s))
@@ -89,7 +91,7 @@ def test_adamaw_mask_and_weight_decay_once_per_mini_batch():
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
-def _reference_float64(params, grads, lrs, b1, b2, eps):
+def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
   """DESIGN.md's math in float64 numpy; grads[t][i] is micro-batch i of step t."""
   params = [np.asarray(p, np.float64) for p in params]
   m = [np.zeros_like(p) for p in params]
@@ -98,9 +100,12 @@ def _reference_float64(params, grads, lrs, b1, b2, eps):
     n = len(micro_grads)
     m = [b1 * mk for mk in m]
     v = [b2 * vk for vk in v]
+    nu_weight = (1 - b2) / (n if nu_estimator == "mean" else n**2)
     for g in micro_grads:
       m = [mk + (1 - b1) / n * gk for mk, gk in zip(m, g)]
-      v = [vk + (1 - b2) / n * gk**2 for vk, gk in zip(v, g)]
+      v = [vk + nu_weight * gk**2 for vk, gk in zip(v, g)]
+    if nu_estimator == "momentum":
+      v = [vk + (1 - b2) * (1 - 1 / n) * (mk / (1 - b1**t)) ** 2 for vk, mk in zip(v, m)]
     m_hat = [mk / (1 - b1**t) for mk in m]
     v_hat = [vk / (1 - b2**t) for vk in v]
     params = [
@@ -119,9 +124,10 @@ def _reference_float64(params, grads, lrs, b1, b2, eps):
     b1=st.floats(0.5, 0.95),
     b2=st.floats(0.9, 0.9999),
     seed=st.integers(0, 2**16),
+    nu_estimator=st.sampled_from(["mean", "sum", "momentum"]),
 )
 def test_moments_and_params_match_float64_reference(
-    shapes, num_micro_batches, b1, b2, seed):
+    shapes, num_micro_batches, b1, b2, seed, nu_estimator):
   rng = np.random.default_rng(seed)
   num_steps, eps = 4, 1e-8
   params = [rng.normal(size=s).astype(np.float32) for s in shapes]
@@ -131,11 +137,12 @@ def test_moments_and_params_match_float64_reference(
   schedule = lambda count: 0.01 * (1.0 + jnp.asarray(count, jnp.float32))
   lrs = [0.01 * (1.0 + t) for t in range(num_steps)]
   tx = optax_adama.adama(
-      schedule, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches)
+      schedule, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches,
+      nu_estimator=nu_estimator)
   got, state = _run_adama(
       tx, [jnp.asarray(p) for p in params], num_steps, num_micro_batches,
       lambda p, s, i: [jnp.asarray(g) for g in grads[s][i]])
-  want, m, v = _reference_float64(params, grads, lrs, b1, b2, eps)
+  want, m, v = _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator)
   adama_state = _adama_state(state)
   # Moments: a handful of float32 multiply-adds per element (relative 1e-6).
   chex.assert_trees_all_close(adama_state.mu, m, rtol=1e-5, atol=1e-7)
@@ -449,3 +456,33 @@ def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp
     want, state = tx.update(grads, state, params)
     got, restored["opt_state"] = tx.update(grads, restored["opt_state"], params)
     chex.assert_trees_all_equal(got, want)
+
+
+def test_nu_estimators_order_v_as_their_expectations_say():
+  # Noisy micro-batches around a steady mean: E[v] is mu^2 + sigma^2 ("mean"),
+  # (mu^2 + sigma^2) / N ("sum") and about mu^2 + sigma^2 / N ("momentum",
+  # Adam's), so mean > momentum > sum, and momentum is near Adam's v.
+  num_micro, mu, sigma, steps = 4, 1.0, 2.0, 300
+  params = {"w": jnp.zeros(4096)}
+  def v_after(nu_estimator):
+    tx = optax_adama.scale_by_adama(num_micro_batches=num_micro, nu_estimator=nu_estimator)
+    def mini_batch(state, step):
+      def micro(state, i):
+        key = jax.random.fold_in(jax.random.key(3), step * num_micro + i)
+        g = mu + sigma * jax.random.normal(key, (4096,))
+        return tx.update({"w": g}, state)[1], None
+      return jax.lax.scan(micro, state, jnp.arange(num_micro))[0], None
+    state = jax.jit(lambda: jax.lax.scan(mini_batch, tx.init(params), jnp.arange(steps))[0])()
+    t = steps
+    return float(jnp.mean(state.nu["w"]) / (1 - 0.999**t))
+  mean, total, momentum = (v_after(e) for e in ("mean", "sum", "momentum"))
+  adam = mu**2 + sigma**2 / num_micro  # 2.0
+  np.testing.assert_allclose(mean, mu**2 + sigma**2, rtol=0.05)  # 5.0
+  np.testing.assert_allclose(total, (mu**2 + sigma**2) / num_micro, rtol=0.05)  # 1.25
+  # m_hat averages ~10 mini-batches of noise: m_hat^2 is mu^2 plus its variance.
+  np.testing.assert_allclose(momentum, adam, rtol=0.1)
+
+
+def test_nu_estimator_is_checked():
+  with pytest.raises(ValueError, match="nu_estimator must be one of .* got 'median'"):
+    optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="median")
