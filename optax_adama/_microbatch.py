@@ -88,6 +88,7 @@ def microbatch_step(
     mesh: Optional[jax.sharding.Mesh] = None,
     shard_states: Optional[str] = None,
     data_axis: _sharding.AxisName = "data",
+    accumulation_dtype: Optional[jax.typing.DTypeLike] = None,
 ) -> Callable[[optax.Params, optax.OptState, Batch], tuple[optax.Params, optax.OptState, Metrics]]:
   """Builds a jitted training step that scans over ``N`` micro-batches.
 
@@ -142,6 +143,10 @@ def microbatch_step(
       gradient all-reduced), ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
     data_axis: the mesh axis (or axes) the batch is split over; the batch size
       divided by ``N`` must be a multiple of its size.
+    accumulation_dtype: gradient accumulation only: the dtype of the
+      gradient-sum carry (``jnp.bfloat16``: half the accumulator of float32
+      params, each micro-batch gradient rounded to nearest into it); ``None``
+      keeps each param's dtype.
 
   Returns:
     The jitted step, with ``.lower(params, opt_state, batch)`` available.
@@ -183,7 +188,8 @@ def microbatch_step(
   else:
     placement = _mesh_placement(
         value_and_grad, has_aux, _sharding.auto_mesh(mesh), shard_states, data_axis)
-  step = _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux)
+  step = _scan_step(tx, placement, num_micro_batches, update_every_micro_batch,
+                    has_aux, accumulation_dtype)
   if mesh is None:
     jitted = jax.jit(step, donate_argnums=(0, 1))
   else:
@@ -254,7 +260,8 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
   return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates)
 
 
-def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux):
+def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,
+               accumulation_dtype):
   """The step as a function of (params, opt_state, batch), before jit."""
 
   def step(params, opt_state, batch):
@@ -266,7 +273,8 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
     micro_batches = placement.place_micro_batches(split_micro_batches(batch, n))
     per_micro = (updates_every_micro_batch(opt_state)
                  if update_every_micro_batch is None else update_every_micro_batch)
-    run = _per_micro_batch_updates if per_micro else _accumulated_gradient_update
+    run = (_per_micro_batch_updates if per_micro else functools.partial(
+        _accumulated_gradient_update, accumulation_dtype=accumulation_dtype))
     dropped_before = _num_dropped(opt_state)
     params, opt_state, (losses, aux, dropped) = run(
         tx, placement, params, opt_state, micro_batches)
@@ -310,15 +318,16 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   return params, opt_state, outputs
 
 
-def _accumulated_gradient_update(tx, placement, params, opt_state, micro_batches):
+def _accumulated_gradient_update(
+    tx, placement, params, opt_state, micro_batches, *, accumulation_dtype=None):
   """A gradient-sum carry over the micro-batches, one ``tx.update`` on the mean."""
 
   def body(grad_sum, micro_batch):
     loss, aux, grads = placement.loss_and_grads(params, micro_batch)
     grads, dropped = _zero_nonfinite(loss, grads)
-    return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux, dropped)
+    return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), (loss, aux, dropped)
 
-  grad_sum = jax.tree.map(jnp.zeros_like, params)
+  grad_sum = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accumulation_dtype), params)
   shardings = placement.shardings(params, None)
   if shardings is not None:
     # Under ZeRO-2 / FSDP each device accumulates its slice only (as
@@ -326,7 +335,8 @@ def _accumulated_gradient_update(tx, placement, params, opt_state, micro_batches
     grad_sum = jax.lax.with_sharding_constraint(grad_sum, shardings.grads)
   grad_sum, outputs = jax.lax.scan(body, grad_sum, micro_batches)
   num_micro_batches = jax.tree.leaves(micro_batches)[0].shape[0]
-  grads = jax.tree.map(lambda g: g / num_micro_batches, grad_sum)
+  grads = jax.tree.map(
+      lambda s, p: s.astype(p.dtype) / num_micro_batches, grad_sum, params)
   updates, opt_state = tx.update(grads, opt_state, params)
   # Every micro-batch dropped: a zero-gradient step for the optimizer state,
   # none for params (AdamA's rule).

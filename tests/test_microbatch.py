@@ -324,3 +324,35 @@ def test_lower_is_available_for_compile_only_use():
   state = jax.eval_shape(tx.init, params)
   compiled = step.lower(params, state, MODEL.abstract_batch(BATCH)).compile()
   assert compiled.memory_analysis() is not None
+
+
+def test_bfloat16_accumulator_is_adam_up_to_its_rounding():
+  tx = optax.adam(1e-2)
+  params = _params()
+  steps = {dtype: optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=4, accumulation_dtype=dtype)
+      for dtype in (None, jnp.bfloat16)}
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam needs it
+    got32, _, _ = steps[None](_copy(params), tx.init(params), _batch(0))
+    got16, _, _ = steps[jnp.bfloat16](_copy(params), tx.init(params), _batch(0))
+  # One Adam step moves each entry by lr * m_hat / sqrt(v_hat) = lr * sign(g)
+  # exactly, whatever the gradient's rounding: equal except where rounding in
+  # bf16 (8 bits) flips a tiny gradient's sign.
+  diff = jax.tree.map(lambda a, b: jnp.mean((jnp.abs(a - b) > 1e-6).astype(jnp.float32)),
+                      got32, got16)
+  assert max(float(d) for d in jax.tree.leaves(diff)) < 0.05
+
+
+def test_bfloat16_accumulator_halves_the_accumulator():
+  model = MLP(num_layers=8, width=256)  # P = 2.1 MB; activations ~P/130
+  params, batch = model.abstract_params(), model.abstract_batch(32)
+  tx = optax.adam(1e-3)
+  state = jax.eval_shape(tx.init, params)
+  P = optax_adama.tree_bytes(params)
+  def total(dtype):
+    step = optax_adama.microbatch_step(
+        model.loss, tx, num_micro_batches=4, accumulation_dtype=dtype)
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam
+      return optax_adama.memory_report(step, params, state, batch).total_bytes
+  # A float32 accumulator is P, a bf16 one P / 2.
+  assert total(None) - total(jnp.bfloat16) >= 0.4 * P
