@@ -12,6 +12,8 @@ from optax_adama._adama import find_adama_state
 from optax_adama._adama import has_updated
 from optax_adama._adama import mini_batch_chain
 from optax_adama._adama import scale_by_adama
+from optax_adama._diagnose import SecondMomentDiagnosis
+from optax_adama._diagnose import diagnose_second_moment
 from optax_adama._memory import MemoryFloor
 from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_floor
@@ -43,11 +45,13 @@ __all__ = (
     "MiniBatchScheduleState",
     "QuantizedArray",
     "ScaleByAdamAState",
+    "SecondMomentDiagnosis",
     "StepShardings",
     "adama",
     "adamaw",
     "batch_sharding",
     "dequantize_blocks",
+    "diagnose_second_moment",
     "find_adama_state",
     "has_updated",
     "inject_hyperparams",

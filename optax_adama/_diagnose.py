@@ -1,0 +1,200 @@
+"""How far AdamA's second moment is from Adam's, on your model and data.
+
+AdamA cannot form the mini-batch mean gradient, so its v differs from Adam's
+(DESIGN.md, "The second-moment question"). Per coordinate, write
+rho = v_estimator / v_adam: AdamA's step is Adam's times 1/sqrt(rho). rho is 1
+where the mean gradient dominates and up to N (for ``"mean"``) where
+micro-batch noise does, and it drifts as training goes on.
+:func:`diagnose_second_moment` follows Adam's own path for a few mini-batches,
+keeping what AdamA never keeps (the mean gradient), and measures rho for every
+estimator of :func:`scale_by_adama`, so a user can pick one, and a learning
+rate, before a long run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_adama._adama import NU_ESTIMATORS
+from optax_adama._adama import _check_num_micro_batches
+from optax_adama._microbatch import split_micro_batches
+
+__all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
+
+QUANTILES = (0.25, 0.5, 0.75)
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondMomentDiagnosis:
+  """rho = v_estimator / v_adam along Adam's path, per mini-batch.
+
+  Attributes:
+    num_micro_batches: ``N``.
+    rho: estimator name -> float array ``[steps, 3]``: the 25th, 50th and
+      75th percentile of rho over all coordinates after each mini-batch.
+    losses: the mean loss of each mini-batch.
+  """
+
+  num_micro_batches: int
+  rho: dict[str, np.ndarray]
+  losses: np.ndarray
+
+  def median(self, estimator: str) -> float:
+    """Median rho over the second half of the run (rho drifts early on)."""
+    medians = self.rho[estimator][:, 1]
+    return float(np.median(medians[len(medians) // 2:]))
+
+  def suggested_estimator(self) -> str:
+    """The estimator whose rho is closest to 1 (Adam's v), on a log scale."""
+    return min(self.rho, key=lambda name: abs(np.log(self.median(name))))
+
+  def summary(self, learning_rate: float | None = None) -> str:
+    """What the measurement means, in sentences."""
+    steps = len(self.losses)
+    lines = [f"rho = v / v_adam after {steps} mini-batches of N = "
+             f"{self.num_micro_batches} (median over coordinates, second half):"]
+    for name in self.rho:
+      rho = self.median(name)
+      first, last = self.rho[name][0, 1], self.rho[name][-1, 1]
+      lines.append(
+          f"  {name:>8}: rho {rho:.2f} (from {first:.2f} to {last:.2f}): steps "
+          f"{1 / np.sqrt(rho):.2f}x Adam's")
+    best = self.suggested_estimator()
+    factor = np.sqrt(self.median(best))
+    lines.append(f"Suggested: nu_estimator={best!r}.")
+    if abs(np.log(factor)) > np.log(1.05):
+      rate = "" if learning_rate is None else f" ({learning_rate * factor:.3g})"
+      lines.append(
+          f"Its steps are {1 / factor:.2f}x Adam's: scale Adam's learning rate by "
+          f"{factor:.2f}{rate} to match them, or expect training like Adam's at a "
+          "learning rate that much smaller. rho drifts during training; measure "
+          "again later in the run.")
+    return "\n".join(lines)
+
+
+def diagnose_second_moment(
+    loss_fn: Callable[..., Any],
+    params: optax.Params,
+    batches: Iterable[Any],
+    *,
+    num_micro_batches: int,
+    learning_rate: float = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    has_aux: bool = False,
+) -> SecondMomentDiagnosis:
+  r"""Measures rho = v / v_Adam for every AdamA estimator along Adam's path.
+
+  For each mini-batch of ``batches`` (each split into ``N`` micro-batches as
+  :func:`microbatch_step` splits it), computes the micro-batch gradients,
+  takes one Adam step on their mean (so rho is measured where Adam would go),
+  and updates, beside Adam's :math:`v`, the :math:`v` of each estimator of
+  :func:`scale_by_adama` from the same gradients. It holds the mean gradient
+  and four second moments: a diagnostic, run it for tens to hundreds of
+  mini-batches, not as the optimizer.
+
+  Args:
+    loss_fn: ``loss_fn(params, micro_batch)``, the micro-batch mean loss (or
+      ``(loss, aux)`` with ``has_aux``).
+    params: the initial params.
+    batches: an iterable of mini-batches (pytrees with a leading batch axis).
+    num_micro_batches: ``N``.
+    learning_rate: Adam's learning rate along the path.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    A :class:`SecondMomentDiagnosis`; ``print(diagnosis.summary())``.
+
+  Raises:
+    ValueError: if ``batches`` is empty.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> keys = jax.random.split(jax.random.key(0), 20)
+    >>> batches = [{"x": jax.random.normal(k, (32, 4)), "y": jnp.ones((32,))}
+    ...            for k in keys]
+    >>> d = optax_adama.diagnose_second_moment(
+    ...     loss_fn, {"w": jnp.zeros(4)}, batches, num_micro_batches=4)
+    >>> d.median("mean") > d.median("sum")
+    True
+  """
+  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  step = jax.jit(lambda p, s, b: _adam_step_with_estimators(
+      value_and_grad, has_aux, p, s, b, num_micro_batches,
+      learning_rate, b1, b2, eps))
+  zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+  state = {"count": jnp.zeros([], jnp.int32), "m": zeros(), "adam": zeros(),
+           **{name: zeros() for name in NU_ESTIMATORS}}
+  losses, rho = [], {name: [] for name in NU_ESTIMATORS}
+  for batch in batches:
+    params, state, loss, quantiles = step(params, state, batch)
+    losses.append(float(loss))
+    for name in NU_ESTIMATORS:
+      rho[name].append(np.asarray(quantiles[name]))
+  if not losses:
+    raise ValueError("batches is empty: nothing to measure.")
+  return SecondMomentDiagnosis(
+      num_micro_batches=num_micro_batches,
+      rho={name: np.stack(values) for name, values in rho.items()},
+      losses=np.asarray(losses))
+
+
+def _adam_step_with_estimators(
+    value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps):
+  micro_batches = split_micro_batches(batch, n)
+
+  def body(sums, micro_batch):
+    out, grads = value_and_grad(params, micro_batch)
+    loss = out[0] if has_aux else out
+    grad_sum, square_sum = sums
+    return (jax.tree.map(jnp.add, grad_sum, grads),
+            jax.tree.map(lambda s, g: s + g * g, square_sum, grads)), loss
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grad_sum, square_sum), losses = jax.lax.scan(body, (zeros, zeros), micro_batches)
+  mean = jax.tree.map(lambda s: s / n, grad_sum)
+  mean_square = jax.tree.map(lambda s: s / n, square_sum)
+  ema = lambda v, x: jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b, v, x)
+  count = state["count"] + 1
+  t = count.astype(jnp.float32)
+  m = jax.tree.map(lambda a, g: b1 * a + (1 - b1) * g, state["m"], mean)
+  m_hat = jax.tree.map(lambda a: a / (1 - b1**t), m)
+  adam = ema(state["adam"], jax.tree.map(jnp.square, mean))
+  by_n = jax.tree.map(lambda x: x / n, mean_square)
+  new_state = {
+      "count": count, "m": m, "adam": adam,
+      "mean": ema(state["mean"], mean_square),
+      "sum": ema(state["sum"], by_n),
+      "momentum": ema(state["momentum"], jax.tree.map(
+          lambda x, mh: x + (1 - 1 / n) * mh * mh, by_n, m_hat)),
+  }
+  v_hat = jax.tree.map(lambda v: v / (1 - b2**t), adam)
+  params = jax.tree.map(
+      lambda p, mh, vh: p - learning_rate * mh / (jnp.sqrt(vh) + eps),
+      params, m_hat, v_hat)
+  return params, new_state, jnp.mean(losses), _rho_quantiles(new_state)
+
+
+def _rho_quantiles(state):
+  """Quantiles of v_estimator / v_adam over the coordinates where v_adam > 0."""
+  adam = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state["adam"])])
+  positive = adam > 0
+  out = {}
+  for name in NU_ESTIMATORS:
+    v = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state[name])])
+    ratio = jnp.where(positive, v / jnp.where(positive, adam, 1.0), jnp.nan)
+    out[name] = jnp.nanquantile(ratio, jnp.asarray(QUANTILES, ratio.dtype))
+  return out
