@@ -62,6 +62,8 @@ class TrainConfig:
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
   nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
   quantize_moments: bool = False  # 8-bit BlockQuantization(); adama only.
+  nu_estimator: str = "mean"  # AdamA's second-moment estimator; adama only.
+  accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
 
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
@@ -89,6 +91,21 @@ class TrainConfig:
         raise ValueError(
             "quantize_moments (8-bit moments) needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
+      if self.nu_estimator != "mean":
+        raise ValueError(
+            f"nu_estimator={self.nu_estimator!r} needs optimizer='adama', got "
+            f"optimizer={self.optimizer!r}.")
+    if self.nu_estimator not in optax_adama.NU_ESTIMATORS:
+      raise ValueError(f"nu_estimator must be one of {optax_adama.NU_ESTIMATORS}, "
+                       f"got {self.nu_estimator!r}.")
+    if self.accumulation_dtype is not None:
+      if self.accumulation_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"accumulation_dtype must be one of {MOMENT_DTYPES} or None, "
+                         f"got {self.accumulation_dtype!r}.")
+      if self.optimizer != "adam":
+        raise ValueError(
+            f"accumulation_dtype={self.accumulation_dtype!r} is for gradient "
+            f"accumulation (optimizer='adam'), got optimizer={self.optimizer!r}.")
 
   @property
   def preset_name(self) -> str:
@@ -126,7 +143,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax_adama.adamaw(
         schedule, weight_decay=config.weight_decay,
         num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
-        nu_dtype=config.nu_dtype, quantization=quantization)
+        nu_dtype=config.nu_dtype, quantization=quantization,
+        nu_estimator=config.nu_estimator)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
@@ -188,7 +206,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   tx = make_optimizer(config)
   opt_state = tx.init(params)
   step = optax_adama.microbatch_step(
-      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True)
+      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
+      accumulation_dtype=config.accumulation_dtype)
   train_batches, eval_batches = make_data(config, model_config)
 
   first = next(train_batches)
@@ -305,6 +324,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="second-moment dtype, adama only (default: the params' dtype)")
   parser.add_argument("--quantize-moments", action="store_true",
                       help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
+  parser.add_argument("--nu-estimator", choices=optax_adama.NU_ESTIMATORS,
+                      default=defaults.nu_estimator,
+                      help="AdamA's second-moment estimator, adama only")
+  parser.add_argument("--accumulation-dtype", choices=MOMENT_DTYPES, default=None,
+                      help="gradient accumulator dtype, adam only (default: the params')")
   parser.add_argument("--metrics-out", type=Path, default=None,
                       help="write the run(s) as JSON here")
   parser.add_argument("--compare", action="store_true",

@@ -2,6 +2,8 @@
 
     python -m models.validate                     # the committed experiment
     python -m models.validate --models vit --seeds 0 --steps 50   # a quick look
+    python -m models.validate study ...   # estimators x micro-batch size (models/study.py)
+    python -m models.validate rho ...     # v / v_adam along Adam's path
 
 For each model (GPT on the standard-library byte corpus, BERT masked-LM on the
 same corpus, ViT on scikit-learn's digits) and each seed, trains
@@ -172,7 +174,11 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> Non
   plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] in (["study"], ["rho"]):  # the estimator study (models/study.py)
+    from models import study
+    return study.main(argv)
   parser = argparse.ArgumentParser(prog="python -m models.validate",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", choices=train.MODEL_KINDS,

@@ -6,6 +6,7 @@ gradient accumulation needs no parameter-sized gradient buffer.
 
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import MiniBatchChainState
+from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import adama
 from optax_adama._adama import adamaw
 from optax_adama._adama import find_adama_state
@@ -43,6 +44,7 @@ __all__ = (
     "MemoryReport",
     "MiniBatchChainState",
     "MiniBatchScheduleState",
+    "NU_ESTIMATORS",
     "QuantizedArray",
     "ScaleByAdamAState",
     "SecondMomentDiagnosis",

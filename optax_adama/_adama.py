@@ -28,6 +28,7 @@ from optax_adama._quantize import BlockQuantization
 from optax_adama._quantize import QuantizedArray
 
 __all__ = [
+    "NU_ESTIMATORS",
     "ScaleByAdamAState",
     "MiniBatchChainState",
     "scale_by_adama",

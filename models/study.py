@@ -1,0 +1,324 @@
+"""When does AdamA train like Adam? The estimator and micro-batch-size study.
+
+    python -m models.validate study --models gpt --num-micro-batches 4 8 \
+        --micro-batch-sizes 4 --lr-factors 0.5 1 2 --steps 300
+    python -m models.validate rho --models gpt bert vit --num-micro-batches 8
+
+`study` trains, for each model, mini-batch split (N micro-batches of
+`micro-batch-size` examples) and learning rate of a grid (factors of the
+model's base rate), Adam on the whole mini-batch, gradient accumulation with a
+bf16 accumulator, and AdamA with each second-moment estimator. It compares
+held-out losses best learning rate against best, per model and split, and
+flags a best that sits on the edge of the grid. Every finished run is appended
+to a JSON-lines file and skipped when the command runs again, so the grid can
+be grown across sessions (`--seeds` at the best rates only: `--best-seeds`).
+
+`rho` runs `optax_adama.diagnose_second_moment` along Adam's path on each
+model and plots rho = v_estimator / v_adam over training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+import models
+import optax_adama
+from models import train
+
+# Each model's base learning rate and run length (models.validate's settings).
+BASE: dict[str, dict[str, Any]] = {
+    "gpt": {"learning_rate": 2e-3, "seq_len": 64},
+    "bert": {"learning_rate": 1e-3, "seq_len": 64},
+    "vit": {"learning_rate": 2e-3},
+}
+ARMS = ("adam", "adam_bf16acc", "mean", "sum", "momentum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run of the grid; `key` identifies it in the results file."""
+
+  model: str
+  arm: str
+  num_micro_batches: int
+  micro_batch_size: int
+  learning_rate: float
+  seed: int
+  steps: int
+
+  @property
+  def key(self) -> str:
+    # Adam does not see the split: one run serves every N of its batch size.
+    n = 1 if self.arm == "adam" else self.num_micro_batches
+    return (f"{self.model}/{self.arm}/N{n}/b{self.batch_size}/lr{self.learning_rate:.3g}"
+            f"/s{self.seed}/t{self.steps}")
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_micro_batches * self.micro_batch_size
+
+  def config(self) -> train.TrainConfig:
+    settings = {k: v for k, v in BASE[self.model].items() if k != "learning_rate"}
+    adam = self.arm in ("adam", "adam_bf16acc")
+    return train.TrainConfig(
+        model=self.model, optimizer="adam" if adam else "adama",
+        num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
+        batch_size=self.batch_size, steps=self.steps,
+        learning_rate=self.learning_rate, seed=self.seed,
+        nu_estimator="mean" if adam else self.arm,
+        accumulation_dtype="bfloat16" if self.arm == "adam_bf16acc" else None,
+        **settings)
+
+
+def grid(model_kinds, arms, num_micro_batches, micro_batch_sizes, lr_factors, seeds,
+         steps) -> list[Run]:
+  runs = {}
+  for model in model_kinds:
+    for n in num_micro_batches:
+      for size in micro_batch_sizes:
+        for arm in arms:
+          for factor in lr_factors:
+            for seed in seeds:
+              run = Run(model, arm, n, size, BASE[model]["learning_rate"] * factor,
+                        seed, steps)
+              runs.setdefault(run.key, run)
+  return list(runs.values())
+
+
+def load_results(path: Path) -> dict[str, dict[str, Any]]:
+  """The finished runs of a results file, by key (later lines win)."""
+  if not path.exists():
+    return {}
+  results = {}
+  for line in path.read_text().splitlines():
+    if line.strip():
+      record = json.loads(line)
+      results[record["key"]] = record
+  return results
+
+
+def run_grid(runs: Sequence[Run], results_path: Path, *, progress: bool = True) -> None:
+  """Trains every run not yet in the results file, appending each as it ends."""
+  done = load_results(results_path)
+  todo = [r for r in runs if r.key not in done]
+  results_path.parent.mkdir(parents=True, exist_ok=True)
+  for run in tqdm(todo, desc="study", disable=not progress, file=sys.stderr):
+    result = train.train(run.config(), progress=False)
+    record = {
+        "key": run.key, **dataclasses.asdict(run),
+        "tokens_per_micro_batch": run.micro_batch_size * _tokens_per_example(run.model),
+        "eval_loss": result["eval_loss"],
+        "final_train_loss": result["final_train_loss"],
+        "train_loss": result["train_loss"][::5],
+        "median_step_s": result["median_step_s"],
+        "machine": result["machine"],
+    }
+    with results_path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def _tokens_per_example(model: str) -> int:
+  if model == "vit":
+    return models.get_config("vit_tiny").num_patches + 1
+  return BASE[model]["seq_len"]  # positions (a GPT batch's extra token is a target)
+
+
+def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per (model, N, micro-batch size, arm): the best rate and its loss vs Adam's best."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in results.values():
+    groups.setdefault((r["model"], r["num_micro_batches"], r["micro_batch_size"],
+                       r["steps"], r["arm"]), []).append(r)
+  rows = []
+  for (model, n, size, steps, arm), group in sorted(groups.items()):
+    by_lr: dict[float, list[float]] = {}
+    for r in group:
+      by_lr.setdefault(r["learning_rate"], []).append(r["eval_loss"])
+    # Best by seed 0's grid (every rate has it), then all seeds at that rate.
+    seed0 = {r["learning_rate"]: r["eval_loss"] for r in group if r["seed"] == 0}
+    best_lr = min(seed0 or {lr: np.mean(v) for lr, v in by_lr.items()},
+                  key=lambda lr: (seed0 or {}).get(lr, np.mean(by_lr[lr])))
+    rates = sorted(by_lr)
+    losses = by_lr[best_lr]
+    rows.append({
+        "model": model, "num_micro_batches": n, "micro_batch_size": size,
+        "tokens_per_micro_batch": group[0]["tokens_per_micro_batch"], "steps": steps,
+        "arm": arm, "best_lr": best_lr,
+        "best_on_edge": len(rates) > 1 and best_lr in (rates[0], rates[-1]),
+        "rates": rates, "seeds": len(losses),
+        "eval_loss": float(np.mean(losses)),
+        "eval_loss_std": float(np.std(losses, ddof=1)) if len(losses) > 1 else 0.0,
+    })
+  adam = {(r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]): r
+          for r in rows if r["arm"] == "adam"}
+  for r in rows:
+    ref = adam.get((r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]))
+    r["gap_to_adam"] = float(r["eval_loss"] / ref["eval_loss"] - 1) if ref else float("nan")
+  return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
+  lines = [
+      "# When AdamA trains like Adam: estimators and micro-batch size",
+      "",
+      f"Command: `{command}`",
+      "",
+      "Held-out loss at each arm's best learning rate (grid: the rates listed), "
+      "against Adam's best at the same mini-batch. *edge*: the best rate is at the "
+      "edge of the grid, so the true best may lie outside it.",
+      "",
+      "| model | N | tokens / micro-batch | steps | arm | best lr | rates | seeds "
+      "| eval loss | gap to Adam | edge |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    tokens = r["tokens_per_micro_batch"]
+    if r["arm"] == "adam":
+      n, gap = "1", ""
+      tokens = f"{tokens * r['num_micro_batches']} (whole batch)"
+    else:
+      n, gap = r["num_micro_batches"], f"{100 * r['gap_to_adam']:+.2f}%"
+    rates = ", ".join(f"{x:.2g}" for x in r["rates"])
+    std = f" ± {r['eval_loss_std']:.4f}" if r["seeds"] > 1 else ""
+    lines.append(
+        f"| {r['model']} | {n} | {tokens} | {r['steps']} "
+        f"| {r['arm']} | {r['best_lr']:.2g} | {rates} | {r['seeds']} "
+        f"| {r['eval_loss']:.4f}{std} | {gap} | {'yes' if r['best_on_edge'] else ''} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
+  """Gap to Adam (best vs best) against tokens per micro-batch, per model and arm."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  kinds = list(dict.fromkeys(r["model"] for r in rows))
+  fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
+  for ax, kind in zip(axes[0], kinds):
+    for arm in [a for a in ARMS if a != "adam"]:
+      for n in sorted({r["num_micro_batches"] for r in rows if r["model"] == kind}):
+        points = sorted((r["tokens_per_micro_batch"], 100 * r["gap_to_adam"])
+                        for r in rows if r["model"] == kind and r["arm"] == arm
+                        and r["num_micro_batches"] == n)
+        if points:
+          ax.plot(*zip(*points), marker="o", label=f"{arm}, N={n}")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{kind}: held-out loss gap to Adam, best lr vs best")
+    ax.set_xlabel("tokens (or image patches) per micro-batch")
+    ax.set_ylabel("gap to Adam (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
+                steps: int, seed: int = 0) -> optax_adama.SecondMomentDiagnosis:
+  """rho along Adam's path on one of our tiny models."""
+  config = Run(model_kind, "adam", num_micro_batches, micro_batch_size,
+               BASE[model_kind]["learning_rate"], seed, steps).config()
+  model_config = models.get_config(config.preset_name)
+  loss_fn, params = models.split_loss_fn(
+      models.create(model_config, rngs=nnx.Rngs(seed)), has_aux=True)
+  stream, _ = train.make_data(config, model_config)
+  batches: Iterator[Any] = (next(stream) for _ in range(steps))
+  with jax.numpy_dtype_promotion("standard"):
+    return optax_adama.diagnose_second_moment(
+        loss_fn, params, batches, num_micro_batches=num_micro_batches,
+        learning_rate=config.learning_rate, has_aux=True)
+
+
+def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path) -> None:
+  """Median rho (and its interquartile band) over training, per model and estimator."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(diagnoses), figsize=(5 * len(diagnoses), 4),
+                           squeeze=False)
+  for ax, (name, diagnosis) in zip(axes[0], diagnoses.items()):
+    for estimator, quantiles in diagnosis.rho.items():
+      x = np.arange(1, len(quantiles) + 1)
+      line, = ax.plot(x, quantiles[:, 1], label=estimator)
+      ax.fill_between(x, quantiles[:, 0], quantiles[:, 2], alpha=0.15,
+                      color=line.get_color())
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: rho = v / v_adam (N={diagnosis.num_micro_batches})")
+    ax.set_xlabel("mini-batch step (Adam's path)")
+    ax.set_ylabel("rho, median and quartiles")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> None:
+  parser = argparse.ArgumentParser(prog="python -m models.validate study|rho",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("command", choices=("study", "rho"))
+  parser.add_argument("--models", nargs="+", choices=train.MODEL_KINDS, default=["gpt"])
+  parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
+  parser.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[4],
+                      help="examples per micro-batch")
+  parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
+                      help="extra seeds, run at each arm's best rate only")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--results", type=Path, default=Path("benchmarks/raw/study.jsonl"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--no-progress", action="store_true")
+  args = parser.parse_args(argv)
+  command = "python -m models.validate " + " ".join(argv)
+  if args.command == "rho":
+    diagnoses = {}
+    for kind in args.models:
+      for n in args.num_micro_batches:
+        d = measure_rho(kind, n, args.micro_batch_sizes[0], args.steps)
+        diagnoses[f"{kind} N={n}"] = d
+        print(f"{kind}, N={n}:\n{d.summary()}\n")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot_rho(diagnoses, args.out_dir / "rho.png")
+    (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "raw" / "rho.json").write_text(json.dumps({
+        "command": command,
+        **{name: {e: q.tolist() for e, q in d.rho.items()} for name, d in diagnoses.items()},
+    }))
+    return
+  runs = grid(args.models, args.arms, args.num_micro_batches, args.micro_batch_sizes,
+              args.lr_factors, args.seeds, args.steps)
+  run_grid(runs, args.results, progress=not args.no_progress)
+  if args.best_seeds:
+    best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["arm"]):
+            r["best_lr"] for r in best_rows(load_results(args.results))}
+    extra = [dataclasses.replace(run, seed=seed) for run in runs
+             for seed in args.best_seeds
+             if best.get((run.model, run.num_micro_batches, run.micro_batch_size,
+                          run.arm)) == run.learning_rate]
+    run_grid(extra, args.results, progress=not args.no_progress)
+  rows = best_rows(load_results(args.results))
+  text = markdown(rows, command)
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  (args.out_dir / "study.md").write_text(text)
+  plot_gaps(rows, args.out_dir / "study.png")
+  print(text)
