@@ -26,8 +26,8 @@ import importlib.util, os, subprocess, sys
 
 REPO = os.environ.get("OPTAX_ADAMA_REPO", "..")
 if not all(importlib.util.find_spec(m) for m in ("optax_adama", "models", "flax")):
-    spec = f"optax_adama[models] @ git+{REPO}" if "://" in REPO else f"{REPO}[models]"
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", spec])
+  spec = f"optax_adama[models] @ git+{REPO}" if "://" in REPO else f"{REPO}[models]"
+  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", spec])
 SMOKE = os.environ.get("NOTEBOOK_SMOKE") == "1"  # CI runs the smallest setting'''
 
 QUICKSTART = [
@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt
 from flax import nnx
 import models, optax_adama
 from models import data
+from models.train import warmup_cosine_schedule
 
 NUM_MICRO_BATCHES, BATCH_SIZE, SEQ_LEN = 4, 32, 64
 STEPS = 20 if SMOKE else 300
@@ -59,28 +60,28 @@ print(f"{len(text.train):,} training bytes, {len(text.valid):,} held out; jax {j
 The baseline is what many Flax users write today; the AdamA version changes one
 line, the optimizer. Both see the same initial weights and the same micro-batches."""),
     ("code", '''\
-def schedule():
-    return optax.warmup_cosine_decay_schedule(0.0, 2e-3, STEPS // 10, STEPS, 2e-4)
+# Warm-up over the first tenth of the steps, then cosine decay to 2e-4.
+schedule = warmup_cosine_schedule(2e-3, STEPS, warmup_steps=STEPS // 10)
 
 def train_per_micro_batch(tx, steps=STEPS):
-    model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    @nnx.jit
-    def train_micro_batch(model, optimizer, micro_batch):
-        loss, grads = nnx.value_and_grad(lambda m: m.loss(micro_batch)[0])(model)
-        optimizer.update(model, grads)
-        return loss
+  @nnx.jit
+  def train_micro_batch(model, optimizer, micro_batch):
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(micro_batch)[0])(model)
+    optimizer.update(model, grads)
+    return loss
 
-    losses = []
-    batches = data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0)
-    for _, batch in zip(range(steps), batches):
-        micro = [jax.tree.map(lambda x: x[i::NUM_MICRO_BATCHES], batch) for i in range(NUM_MICRO_BATCHES)]
-        losses.append(np.mean([float(train_micro_batch(model, optimizer, mb)) for mb in micro]))
-    return model, losses
+  losses = []
+  batches = data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0)
+  for _, batch in zip(range(steps), batches):
+    micro = [jax.tree.map(lambda x: x[i::NUM_MICRO_BATCHES], batch) for i in range(NUM_MICRO_BATCHES)]
+    losses.append(np.mean([float(train_micro_batch(model, optimizer, mb)) for mb in micro]))
+  return model, losses
 
-baseline_tx = optax.MultiSteps(optax.adamw(schedule(), weight_decay=1e-4), every_k_schedule=NUM_MICRO_BATCHES)
-adama_tx = optax_adama.adamaw(schedule(), weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES)  # the swap
+baseline_tx = optax.MultiSteps(optax.adamw(schedule, weight_decay=1e-4), every_k_schedule=NUM_MICRO_BATCHES)
+adama_tx = optax_adama.adamaw(schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES)  # the swap
 
 start = time.perf_counter()
 _, adam_losses = train_per_micro_batch(baseline_tx)
@@ -96,15 +97,15 @@ ordinary gradient accumulation, the baseline."""),
     ("code", '''\
 model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
 loss_fn, params = models.split_loss_fn(model)
-tx = optax_adama.adamaw(schedule(), weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES)
+tx = optax_adama.adamaw(schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES)
 opt_state = tx.init(params)
 step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES)
 
 fused_losses = []
 batches = data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0)
 for _, batch in zip(range(STEPS), batches):
-    params, opt_state, metrics = step(params, opt_state, batch)
-    fused_losses.append(float(metrics["loss"]))
+  params, opt_state, metrics = step(params, opt_state, batch)
+  fused_losses.append(float(metrics["loss"]))
 nnx.update(model, params)  # write the trained weights back into the module
 print(f"fused AdamA final loss {np.mean(fused_losses[-20:]):.3f}")'''),
     ("code", '''\
@@ -132,10 +133,10 @@ bytes and in P, the bytes of one copy of the parameters:"""),
 batch = next(data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0))
 for name, tx in [("AdamA", optax_adama.adamaw(1e-3, num_micro_batches=NUM_MICRO_BATCHES)),
                  ("Adam + scan accumulation", optax.adamw(1e-3))]:
-    state = jax.eval_shape(tx.init, params)
-    fused = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES)
-    report = optax_adama.memory_report(fused, params, state, batch)
-    print(f"{name:>26}: {report.total_bytes / 2**20:6.2f} MiB = {report.in_p(report.total_bytes):5.2f} P")'''),
+  state = jax.eval_shape(tx.init, params)
+  fused = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES)
+  report = optax_adama.memory_report(fused, params, state, batch)
+  print(f"{name:>26}: {report.total_bytes / 2**20:6.2f} MiB = {report.in_p(report.total_bytes):5.2f} P")'''),
     ("markdown", """\
 On this tiny model activations dominate, so one P is a small share. The
 `memory_anatomy` notebook shows where the bytes go on GPT-2-sized models."""),
@@ -167,7 +168,7 @@ rows = bench.measure_memory(PRESET, bench.METHODS, NUM_MICRO_BATCHES,
 floor = rows[0].floor
 P = floor["param_bytes"]
 for r in rows:
-    print(f"{r.method:>20}: {r.report['total_bytes'] / 2**30:6.3f} GiB = {r.report['total_p']:5.2f} P")
+  print(f"{r.method:>20}: {r.report['total_bytes'] / 2**30:6.3f} GiB = {r.report['total_p']:5.2f} P")
 print(f"{'AdamA floor':>20}: {floor['total_bytes'] / 2**30:6.3f} GiB = {floor['total_p']:5.2f} P")'''),
     ("markdown", """\
 ## The anatomy
@@ -188,23 +189,23 @@ state_bytes = {  # each method's optimizer state, from its abstract init
     for m in bench.METHODS}
 
 def anatomy(row):
-    r, f = row.report, row.floor
-    moments = 2 * P  # Adam's m and v, for every method here
-    state_extra = max(state_bytes[row.method] - moments, 0)  # MultiSteps' accumulator
-    activations = min(f["activation_bytes"], r["temp_bytes"])
-    other = r["total_bytes"] - P - f["batch_bytes"] - moments - state_extra - activations
-    return {"params": P, "m + v": moments, "batch": f["batch_bytes"],
-            "gradient buffers (state)": state_extra, "activations (1 micro-batch)": activations,
-            "gradients and other temp": max(other, 0)}
+  r, f = row.report, row.floor
+  moments = 2 * P  # Adam's m and v, for every method here
+  state_extra = max(state_bytes[row.method] - moments, 0)  # MultiSteps' accumulator
+  activations = min(f["activation_bytes"], r["temp_bytes"])
+  other = r["total_bytes"] - P - f["batch_bytes"] - moments - state_extra - activations
+  return {"params": P, "m + v": moments, "batch": f["batch_bytes"],
+          "gradient buffers (state)": state_extra, "activations (1 micro-batch)": activations,
+          "gradients and other temp": max(other, 0)}
 
 parts = [anatomy(r) for r in rows]
 names = list(parts[0])
 fig, ax = plt.subplots(figsize=(9, 4.5))
 bottom = np.zeros(len(rows))
 for name in names:
-    values = np.array([p[name] for p in parts]) / P
-    ax.bar([r.method for r in rows], values, bottom=bottom, label=name)
-    bottom += values
+  values = np.array([p[name] for p in parts]) / P
+  ax.bar([r.method for r in rows], values, bottom=bottom, label=name)
+  bottom += values
 ax.axhline(floor["total_p"], color="black", linestyle="--", label="AdamA analytic floor")
 ax.set_ylabel("compiled step memory (P)")
 ax.set_title(f"{PRESET}, N = {NUM_MICRO_BATCHES}, micro-batch {MICRO_BATCH_SIZE} x {SEQ_LEN}")
@@ -219,11 +220,11 @@ floor has no accumulator."""),
     ("code", '''\
 sweep = []
 for n in ([1, 2, 4] if SMOKE else [1, 2, 4, 8]):
-    sweep += bench.measure_memory(PRESET, ["scan_accumulation", "multisteps", "adama"], n,
-                                  micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
+  sweep += bench.measure_memory(PRESET, ["scan_accumulation", "multisteps", "adama"], n,
+                                micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
 for method in ["scan_accumulation", "multisteps", "adama"]:
-    pts = sorted((r.num_micro_batches, r.report["total_p"]) for r in sweep if r.method == method)
-    plt.plot(*zip(*pts), marker="o", label=method)
+  pts = sorted((r.num_micro_batches, r.report["total_p"]) for r in sweep if r.method == method)
+  plt.plot(*zip(*pts), marker="o", label=method)
 plt.xscale("log", base=2); plt.xlabel("N"); plt.ylabel("compiled step memory (P)")
 plt.title(f"{PRESET}: the same micro-batch, N of them per step"); plt.grid(alpha=0.3); plt.legend(); plt.show()'''),
     ("markdown", """\
@@ -271,21 +272,21 @@ Single device, ZeRO-2 on 8 devices, and ZeRO-2 with 8-bit moments. Params and st
 are placed with `step_shardings` once; the step donates them."""),
     ("code", '''\
 def run(shard_states=None, quantization=None):
-    tx = optax_adama.adamaw(1e-3, num_micro_batches=NUM_MICRO_BATCHES, quantization=quantization)
-    params = jax.tree.map(jnp.array, params0)
-    opt_state = tx.init(params)
-    kwargs = {} if shard_states is None else {"mesh": mesh, "shard_states": shard_states}
-    step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES, **kwargs)
-    if shard_states is not None:
-        shardings = optax_adama.step_shardings(params, opt_state, mesh, shard_states=shard_states)
-        params = jax.device_put(params, shardings.params)
-        opt_state = jax.device_put(opt_state, shardings.opt_state)
-    report = optax_adama.memory_report(step, params, opt_state, batches[0])
-    losses = []
-    for batch in batches:
-        params, opt_state, metrics = step(params, opt_state, batch)
-        losses.append(float(metrics["loss"]))
-    return params, losses, report
+  tx = optax_adama.adamaw(1e-3, num_micro_batches=NUM_MICRO_BATCHES, quantization=quantization)
+  params = jax.tree.map(jnp.array, params0)
+  opt_state = tx.init(params)
+  kwargs = {} if shard_states is None else {"mesh": mesh, "shard_states": shard_states}
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES, **kwargs)
+  if shard_states is not None:
+    shardings = optax_adama.step_shardings(params, opt_state, mesh, shard_states=shard_states)
+    params = jax.device_put(params, shardings.params)
+    opt_state = jax.device_put(opt_state, shardings.opt_state)
+  report = optax_adama.memory_report(step, params, opt_state, batches[0])
+  losses = []
+  for batch in batches:
+    params, opt_state, metrics = step(params, opt_state, batch)
+    losses.append(float(metrics["loss"]))
+  return params, losses, report
 
 single, single_losses, single_report = run()
 zero2, zero2_losses, zero2_report = run("zero2")
@@ -303,7 +304,7 @@ rows = [("one device, float32 moments", single_report),
         ("ZeRO-2 on 8, float32 moments", zero2_report),
         ("ZeRO-2 on 8, 8-bit moments", q_report)]
 for name, r in rows:
-    print(f"{name:>30}: arguments {r.in_p(r.argument_bytes):5.2f} P, temp {r.in_p(r.temp_bytes):5.2f} P, total {r.in_p(r.total_bytes):5.2f} P")
+  print(f"{name:>30}: arguments {r.in_p(r.argument_bytes):5.2f} P, temp {r.in_p(r.temp_bytes):5.2f} P, total {r.in_p(r.total_bytes):5.2f} P")
 
 import matplotlib.pyplot as plt
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -331,8 +332,8 @@ the budget is per device). The committed results, from a clone of the repository
     ("code", '''\
 from pathlib import Path
 for name in ("capacity.md", "capacity_24gb.md", "capacity_8_devices_4gb.md"):
-    table = Path("..") / "benchmarks" / "raw" / name
-    print(f"{name}:\\n{table.read_text()}" if table.exists() else f"{name}: not in this checkout")'''),
+  table = Path("..") / "benchmarks" / "raw" / name
+  print(f"{name}:\\n{table.read_text()}" if table.exists() else f"{name}: not in this checkout")'''),
 ]
 
 
