@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine with Python 3.10+:
+# Two entry points for a fresh machine with Python 3.11+:
 #   make demo   trains the tiny GPT with AdamA and with Adam + gradient
 #               accumulation on the offline corpus, prints memory and loss.
 #   make test   the test suite (heavy runs marked `slow` are left out).
@@ -8,8 +8,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+VENV_MIN  := .venv-min
+STAMP_MIN := $(VENV_MIN)/.installed
+CONSTRAINTS_MIN := .ci/constraints-min.txt
 
-.PHONY: demo test test-all validate notebooks clean
+.PHONY: demo test test-all test-min validate notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +29,17 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -n 2
 
+# The fast suite against the dependency floors: pyproject.toml's `>=` versions,
+# pinned exactly in $(CONSTRAINTS_MIN). Not part of the default CI run.
+$(STAMP_MIN): pyproject.toml $(CONSTRAINTS_MIN)
+	test -x $(VENV_MIN)/bin/python || $(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_MIN)/bin/python -m pip install --quiet -c $(CONSTRAINTS_MIN) -e ".[test]"
+	touch $(STAMP_MIN)
+
+test-min: $(STAMP_MIN)
+	$(VENV_MIN)/bin/python -m pytest -m "not slow" -n 2
+
 validate: $(STAMP)
 	$(BIN)/python -m models.validate
 
@@ -33,4 +47,4 @@ notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VENV_MIN) build dist *.egg-info
