@@ -122,7 +122,7 @@ def inject_hyperparams(
     >>> state = tx.init(params)
     >>> for _ in range(4):  # two mini-batches
     ...   _, state = tx.update({"w": jnp.ones(2)}, state, params)
-    >>> print(float(state.hyperparams["learning_rate"]))  # mini-batch 1's
+    >>> print(round(float(state.hyperparams["learning_rate"]), 4))  # mini-batch 1's
     0.9
   """
   signature = inspect.signature(inner_factory)
