@@ -165,7 +165,10 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
   for r in rows:
     ref = adam.get((r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]))
     r["gap_to_adam"] = float(r["eval_loss"] / ref["eval_loss"] - 1) if ref else float("nan")
-  return rows
+  # Per model: Adam first, then by split and arm.
+  return sorted(rows, key=lambda r: (
+      r["model"], r["arm"] != "adam", r["num_micro_batches"] * r["micro_batch_size"],
+      r["num_micro_batches"], r["steps"], ARMS.index(r["arm"])))
 
 
 def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
