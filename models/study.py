@@ -108,7 +108,8 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
   return results
 
 
-def run_grid(runs: Sequence[Run], results_path: Path, *, progress: bool = True) -> None:
+def run_grid(runs: Sequence[Run], results_path: Path, *, command: str = "",
+             progress: bool = True) -> None:
   """Trains every run not yet in the results file, appending each as it ends."""
   done = load_results(results_path)
   todo = [r for r in runs if r.key not in done]
@@ -116,7 +117,7 @@ def run_grid(runs: Sequence[Run], results_path: Path, *, progress: bool = True) 
   for run in tqdm(todo, desc="study", disable=not progress, file=sys.stderr):
     result = train.train(run.config(), progress=False)
     record = {
-        "key": run.key, **dataclasses.asdict(run),
+        "key": run.key, **dataclasses.asdict(run), "command": command,
         "tokens_per_micro_batch": run.micro_batch_size * _tokens_per_example(run.model),
         "eval_loss": result["eval_loss"],
         "final_train_loss": result["final_train_loss"],
@@ -171,11 +172,13 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
       r["num_micro_batches"], r["steps"], ARMS.index(r["arm"])))
 
 
-def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
+def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
   lines = [
       "# When AdamA trains like Adam: estimators and micro-batch size",
       "",
-      f"Command: `{command}`",
+      "Made by these commands (each appends its new runs to the same results file):",
+      "",
+      *[f"    {c}" for c in commands],
       "",
       "Held-out loss at each arm's best learning rate (grid: the rates listed), "
       "against Adam's best at the same mini-batch. *edge*: the best rate is at the "
@@ -310,7 +313,7 @@ def main(argv: Sequence[str]) -> None:
     return
   runs = grid(args.models, args.arms, args.num_micro_batches, args.micro_batch_sizes,
               args.lr_factors, args.seeds, args.steps)
-  run_grid(runs, args.results, progress=not args.no_progress)
+  run_grid(runs, args.results, command=command, progress=not args.no_progress)
   if args.best_seeds:
     best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["arm"]):
             r["best_lr"] for r in best_rows(load_results(args.results))}
@@ -318,9 +321,11 @@ def main(argv: Sequence[str]) -> None:
              for seed in args.best_seeds
              if best.get((run.model, run.num_micro_batches, run.micro_batch_size,
                           run.arm)) == run.learning_rate]
-    run_grid(extra, args.results, progress=not args.no_progress)
-  rows = best_rows(load_results(args.results))
-  text = markdown(rows, command)
+    run_grid(extra, args.results, command=command, progress=not args.no_progress)
+  results = load_results(args.results)
+  rows = best_rows(results)
+  text = markdown(rows, list(dict.fromkeys(
+      r.get("command", "") for r in results.values() if r.get("command"))))
   args.out_dir.mkdir(parents=True, exist_ok=True)
   (args.out_dir / "study.md").write_text(text)
   plot_gaps(rows, args.out_dir / "study.png")
