@@ -105,14 +105,14 @@ class BERT(nnx.Module):
         dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
     )
     self.embed_norm = layers.LayerNorm(config.hidden, **norm)
-    self.blocks = nnx.List([
-        layers.Block(
+    self.blocks = layers.make_blocks(
+        lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=False,
             layer_norm_eps=config.layer_norm_eps, gelu_approximate=False,
             dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-        )
-        for _ in range(config.num_layers)
-    ])
+        ),
+        config.num_layers, scan_layers=config.scan_layers,
+    )
     self.pooler = nnx.Linear(config.hidden, config.hidden, **dense)
     self.mlm_dense = nnx.Linear(config.hidden, config.hidden, **dense)
     self.mlm_norm = layers.LayerNorm(config.hidden, **norm)
@@ -134,6 +134,12 @@ class BERT(nnx.Module):
     Returns:
       [batch, length, hidden] final hidden states.
     """
+    x = self.embed(tokens, token_types)
+    mask = None if attention_mask is None else attention_mask[:, None, None, :]
+    return layers.apply_blocks(self.blocks, x, mask, remat=self.config.remat)
+
+  def embed(self, tokens: Array, token_types: Array | None = None) -> Array:
+    """The normalised embeddings [batch, length, hidden]: the blocks' input."""
     length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f"sequence length {length} > max_len {self.config.max_len}")
@@ -141,9 +147,7 @@ class BERT(nnx.Module):
       token_types = jnp.zeros_like(tokens)
     positions = self.position_embed[...][:length].astype(self.config.dtype)
     x = self.token_embed(tokens) + positions[None, :, :] + self.type_embed(token_types)
-    x = self.embed_norm(x)
-    mask = None if attention_mask is None else attention_mask[:, None, None, :]
-    return layers.apply_blocks(self.blocks, x, mask, remat=self.config.remat)
+    return self.embed_norm(x)
 
   def pool(self, hidden_states: Array) -> Array:
     """BERT's pooled output: dense + tanh on the first token's hidden state."""
@@ -174,6 +178,21 @@ class BERT(nnx.Module):
     Returns:
       (loss, {"accuracy": accuracy at the masked positions}), float32 scalars.
     """
-    logits = self(batch["tokens"], batch.get("token_types"), batch.get("attention_mask"))
+    x = self.stage_embed(batch)
+    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
+    return self.stage_head(x, batch)
+
+  # The loss in three stages (see `models.staged_loss`), from a batch.
+
+  def stage_embed(self, batch: dict[str, Array]) -> Array:
+    return self.embed(batch["tokens"], batch.get("token_types"))
+
+  def stage_mask(self, x: Array, batch: dict[str, Array]) -> Array | None:
+    del x
+    attention_mask = batch.get("attention_mask")
+    return None if attention_mask is None else attention_mask[:, None, None, :]
+
+  def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    logits = self.mlm_logits(x)
     loss, accuracy = layers.cross_entropy(logits, batch["targets"], batch["mask_weights"])
     return loss, {"accuracy": accuracy}

@@ -97,15 +97,15 @@ class GPT(nnx.Module):
     # GPT-2 scales the init of the projections that write into the residual
     # stream by 1/sqrt(2 * num_layers), so its variance stays O(1) with depth.
     out_init = nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * config.num_layers))
-    self.blocks = nnx.List([
-        layers.Block(
+    self.blocks = layers.make_blocks(
+        lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
             layer_norm_eps=config.layer_norm_eps, gelu_approximate=True,
             dtype=config.dtype, param_dtype=config.param_dtype,
             out_init=out_init, rngs=rngs,
-        )
-        for _ in range(config.num_layers)
-    ])
+        ),
+        config.num_layers, scan_layers=config.scan_layers,
+    )
     self.final_norm = layers.LayerNorm(
         config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
         param_dtype=config.param_dtype, rngs=rngs,
@@ -120,13 +120,25 @@ class GPT(nnx.Module):
     Returns:
       [batch, length, vocab_size] logits in the compute dtype.
     """
+    x = self.embed(tokens)
+    x = layers.apply_blocks(self.blocks, x, self.attention_mask(x), remat=self.config.remat)
+    return self.logits(x)
+
+  def embed(self, tokens: Array) -> Array:
+    """Token plus position embeddings [batch, length, hidden]: the blocks' input."""
     length = tokens.shape[1]
     if length > self.config.max_len:
       raise ValueError(f"sequence length {length} > max_len {self.config.max_len}")
     positions = self.position_embed[...][:length].astype(self.config.dtype)
-    x = self.token_embed(tokens) + positions[None, :, :]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
-    x = layers.apply_blocks(self.blocks, x, causal, remat=self.config.remat)
+    return self.token_embed(tokens) + positions[None, :, :]
+
+  def attention_mask(self, x: Array) -> Array:
+    """The causal mask of the blocks' input `x` ([batch, length, hidden])."""
+    length = x.shape[1]
+    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
+
+  def logits(self, x: Array) -> Array:
+    """Next-token logits from the last block's output."""
     # Tied head: logits are inner products with the token embedding.
     return self.token_embed.attend(self.final_norm(x))
 
@@ -139,7 +151,19 @@ class GPT(nnx.Module):
     Returns:
       (loss, {"accuracy": next-token accuracy}), float32 scalars.
     """
-    tokens = batch["tokens"]
-    logits = self(tokens[:, :-1])
-    loss, accuracy = layers.cross_entropy(logits, tokens[:, 1:])
+    x = self.stage_embed(batch)
+    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
+    return self.stage_head(x, batch)
+
+  # The loss in three stages (see `models.staged_loss`), from a batch.
+
+  def stage_embed(self, batch: dict[str, Array]) -> Array:
+    return self.embed(batch["tokens"][:, :-1])
+
+  def stage_mask(self, x: Array, batch: dict[str, Array]) -> Array:
+    del batch
+    return self.attention_mask(x)
+
+  def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    loss, accuracy = layers.cross_entropy(self.logits(x), batch["tokens"][:, 1:])
     return loss, {"accuracy": accuracy}

@@ -58,6 +58,9 @@ class TransformerConfig:
     mlp_dim: MLP inner width; None means 4 * hidden.
     layer_norm_eps: LayerNorm epsilon.
     remat: block remat policy, a key of `REMAT_POLICIES`.
+    scan_layers: keep the blocks' params stacked on a leading layer axis and
+      run them under one `jax.lax.scan` (one block compiled, not
+      `num_layers`); same params and outputs as the unrolled stack.
     dtype: compute dtype.
     param_dtype: parameter dtype.
   """
@@ -68,6 +71,7 @@ class TransformerConfig:
   mlp_dim: int | None = None
   layer_norm_eps: float = 1e-5
   remat: str = "none"
+  scan_layers: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
@@ -292,13 +296,46 @@ def _apply_block(block: Block, x: Array, mask: Array | None) -> Array:
   return block(x, mask)
 
 
-def apply_blocks(
-    blocks: nnx.List, x: Array, mask: Array | None, *, remat: str
+def make_blocks(
+    make_block: Callable[[], Block], num_layers: int, *, scan_layers: bool
+) -> nnx.List | Block:
+  """`num_layers` blocks: an `nnx.List`, or one `Block` with stacked params.
+
+  The stacked block is built from the same blocks as the list (same random
+  draws, in the same order), so both layouts start from the same weights.
+  """
+  blocks = [make_block() for _ in range(num_layers)]
+  if not scan_layers:
+    return nnx.List(blocks)
+  graphdef, _ = nnx.split(blocks[0])
+  states = [nnx.split(block)[1] for block in blocks]
+  return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def apply_layer(
+    graphdef: nnx.GraphDef, layer_params: nnx.State, x: Array, mask: Array | None,
+    *, remat: str,
 ) -> Array:
-  """Runs `x` through `blocks` in order (unrolled), each under the remat policy.
+  """One layer of a stacked block: the pure function `jax.lax.scan` runs."""
+  def apply(layer_params, x):
+    return nnx.merge(graphdef, layer_params)(x, mask)
+
+  policy = REMAT_POLICIES[remat]
+  if policy is not None:
+    # prevent_cse=False: under scan, CSE cannot undo the recomputation.
+    apply = jax.checkpoint(apply, policy=policy, prevent_cse=False)
+  return apply(layer_params, x)
+
+
+def apply_blocks(
+    blocks: nnx.List | Block, x: Array, mask: Array | None, *, remat: str
+) -> Array:
+  """Runs `x` through `blocks` in order, each under the remat policy.
 
   Args:
-    blocks: the model's `nnx.List` of `Block`s.
+    blocks: the model's `nnx.List` of `Block`s (unrolled), or one `Block`
+      whose params are stacked on a leading layer axis (`scan_layers`), run
+      under `jax.lax.scan`.
     x: [batch, length, hidden] activations.
     mask: attention mask passed to every block, or None.
     remat: a key of `REMAT_POLICIES`.
@@ -306,6 +343,13 @@ def apply_blocks(
   Returns:
     The activations after the last block.
   """
+  if isinstance(blocks, Block):
+    graphdef, stacked = nnx.split(blocks)
+
+    def body(x, layer_params):
+      return apply_layer(graphdef, layer_params, x, mask, remat=remat), None
+
+    return jax.lax.scan(body, x, stacked)[0]
   policy = REMAT_POLICIES[remat]
   if policy is None:
     apply = _apply_block

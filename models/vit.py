@@ -105,14 +105,14 @@ class ViT(nnx.Module):
             rngs.params(), (config.num_patches + 1, config.hidden), config.param_dtype
         )
     )
-    self.blocks = nnx.List([
-        layers.Block(
+    self.blocks = layers.make_blocks(
+        lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
             layer_norm_eps=config.layer_norm_eps, gelu_approximate=False,
             dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-        )
-        for _ in range(config.num_layers)
-    ])
+        ),
+        config.num_layers, scan_layers=config.scan_layers,
+    )
     self.final_norm = layers.LayerNorm(
         config.hidden, epsilon=config.layer_norm_eps, dtype=config.dtype,
         param_dtype=config.param_dtype, rngs=rngs,
@@ -147,14 +147,21 @@ class ViT(nnx.Module):
     Args:
       images: float[batch, H, W, C], or float[batch, H, W] for one channel.
     """
+    x = layers.apply_blocks(self.blocks, self.embed(images), None, remat=self.config.remat)
+    return self.logits(x)
+
+  def embed(self, images: Array) -> Array:
+    """CLS token and patch embeddings plus positions: the blocks' input."""
     x = self.patch_embed(self.patchify(images).astype(self.config.dtype))
     batch, _, hidden = x.shape
     cls = jnp.broadcast_to(
         self.cls_token[...].astype(x.dtype)[None, None, :], (batch, 1, hidden)
     )
     x = jnp.concatenate([cls, x], axis=1)
-    x = x + self.position_embed[...].astype(x.dtype)[None, :, :]
-    x = layers.apply_blocks(self.blocks, x, None, remat=self.config.remat)
+    return x + self.position_embed[...].astype(x.dtype)[None, :, :]
+
+  def logits(self, x: Array) -> Array:
+    """Class logits from the last block's output (its CLS token)."""
     return self.head(self.final_norm(x[:, 0]))
 
   def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
@@ -167,6 +174,18 @@ class ViT(nnx.Module):
     Returns:
       (loss, {"accuracy": top-1 accuracy}), float32 scalars.
     """
-    logits = self(batch["images"])
-    loss, accuracy = layers.cross_entropy(logits, batch["labels"])
+    x = self.stage_embed(batch)
+    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
+    return self.stage_head(x, batch)
+
+  # The loss in three stages (see `models.staged_loss`), from a batch.
+
+  def stage_embed(self, batch: dict[str, Array]) -> Array:
+    return self.embed(batch["images"])
+
+  def stage_mask(self, x: Array, batch: dict[str, Array]) -> None:
+    del x, batch
+
+  def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    loss, accuracy = layers.cross_entropy(self.logits(x), batch["labels"])
     return loss, {"accuracy": accuracy}

@@ -495,3 +495,57 @@ def test_vit_tiny_learns_digits():
   loss_fn, params, _ = train("vit_tiny", batches, steps=200, learning_rate=1e-3)
   _, metrics = loss_fn(params, {"images": digits.valid_images, "labels": digits.valid_labels})
   assert float(metrics["accuracy"]) > 0.8
+
+
+def unstacked_params(scanned: nnx.State, num_layers: int) -> nnx.State:
+  """The params of a `scan_layers` model laid out as the unrolled model's."""
+  blocks = scanned["blocks"]
+  layers_list = {i: jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(num_layers)}
+  return nnx.State({**scanned, "blocks": nnx.State(layers_list)})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scan_layers_equals_unrolled(kind):
+  config = smoke_config(kind, num_layers=3)
+  batch = make_batch(config)
+  scanned = models.create(config, scan_layers=True, rngs=nnx.Rngs(0))
+  # A different seed: the unrolled model gets the scanned model's weights below.
+  unrolled = models.create(config, rngs=nnx.Rngs(1))
+  assert models.param_count(scanned) == models.param_count(unrolled)
+  block_shapes = {x.shape for x in jax.tree.leaves(nnx.state(scanned.blocks, nnx.Param))}
+  assert all(shape[0] == 3 for shape in block_shapes)
+  nnx.update(unrolled, unstacked_params(nnx.state(scanned, nnx.Param), 3))
+  (loss, _), (ref_loss, _) = module_loss(scanned, batch), module_loss(unrolled, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  inputs = batch["images"] if kind == "vit" else batch["tokens"]
+  inputs = inputs[:, :-1] if kind == "gpt" else inputs
+  np.testing.assert_allclose(
+      module_call(scanned, inputs), module_call(unrolled, inputs), rtol=1e-5, atol=1e-6)
+  # The same seed gives the same weights in both layouts.
+  same_seed = models.create(config, rngs=nnx.Rngs(0))
+  jax.tree.map(np.testing.assert_array_equal,
+               nnx.state(same_seed, nnx.Param), nnx.state(unrolled, nnx.Param))
+
+
+def test_scan_layers_remat_applies_inside_the_scanned_block():
+  batch = make_batch(smoke_config("gpt", num_layers=2))
+
+  def run(remat: str):
+    model = models.create(
+        smoke_config("gpt", num_layers=2), scan_layers=True, remat=remat, rngs=nnx.Rngs(0))
+    loss_fn, params = models.split_loss_fn(model)
+    grad_fn = jax.value_and_grad(loss_fn)
+    return str(jax.make_jaxpr(grad_fn)(params, batch)), jax.jit(grad_fn)(params, batch)
+
+  (full_jaxpr, (loss, grads)), (none_jaxpr, (ref_loss, ref_grads)) = run("full"), run("none")
+  assert "checkpoint" in full_jaxpr or "remat" in full_jaxpr
+  assert "checkpoint" not in none_jaxpr and "remat" not in none_jaxpr
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+               grads, ref_grads)
+
+
+def test_scan_layers_preset_param_counts():
+  for name in ("gpt2_small", "bert_base", "vit_base"):
+    assert models.param_count(models.get_config(name, scan_layers=True)) == closed_form_count(
+        models.PRESETS[name])
