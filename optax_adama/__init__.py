@@ -35,6 +35,8 @@ from optax_adama._sharding import step_shardings
 from optax_adama._microbatch import microbatch_step
 from optax_adama._microbatch import split_micro_batches
 from optax_adama._microbatch import updates_every_micro_batch
+from optax_adama._release import StagedLoss
+from optax_adama._release import release_step
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,7 @@ __all__ = (
     "QuantizedArray",
     "ScaleByAdamAState",
     "SecondMomentDiagnosis",
+    "StagedLoss",
     "StepShardings",
     "adama",
     "adamaw",
@@ -63,6 +66,7 @@ __all__ = (
     "mini_batch_chain",
     "mini_batch_schedule",
     "quantize_blocks",
+    "release_step",
     "scale_by_adama",
     "sharded_tree_shardings",
     "split_micro_batches",

@@ -539,6 +539,10 @@ def scale_by_adama(
         _gated_direction(m, v, g, emit, **hyperparams)
         for m, v, g in zip(new_mus, new_nus, grads)]), new_state
 
+  # Read by optax_adama.release_step, which folds layer slices itself.
+  update_fn.adama_hyperparams = dict(
+      b1=b1, b2=b2, eps=eps, eps_root=eps_root, nu_estimator=nu_estimator,
+      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -609,6 +613,7 @@ def mini_batch_chain(
     inner_state = optax.tree.where(_completed(adama_state), inner_state, state.inner)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
+  update_fn.mini_batch_chain = (head, inner)  # read by optax_adama.release_step.
   return optax.GradientTransformation(init_fn, update_fn)
 
 

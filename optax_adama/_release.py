@@ -1,0 +1,349 @@
+"""Gradient release for a scanned layer stack: AdamA folds one layer at a time.
+
+With the layers' params stacked on a leading axis and applied under one
+`jax.lax.scan`, the backward scan of autodiff emits the whole stack's gradient
+as one array, and AdamA has to keep a stack-sized gradient alive to fold it.
+`release_step` owns the backward instead: a reverse scan over the layers that,
+from each layer's saved input, takes the `jax.vjp` of that layer, folds its
+parameter cotangent into the layer's slice of m and v (in place, in the scan
+carry) and passes the input cotangent on. One layer's gradient is alive at a
+time. The math is `scale_by_adama`'s, leaf by leaf (`_fold_leaf`), and so are
+the counters and the emitted direction.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import operator
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_adama import _adama
+from optax_adama import _quantize
+from optax_adama._adama import MiniBatchChainState
+from optax_adama._adama import ScaleByAdamAState
+from optax_adama._microbatch import _poison_if_loss_nonfinite
+from optax_adama._microbatch import _with_distinct_buffers
+from optax_adama._microbatch import split_micro_batches
+
+__all__ = ["StagedLoss", "release_step"]
+
+Batch = Any
+Metrics = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedLoss:
+  """A loss in three stages around a stack of layers with stacked params.
+
+  ``params[layers]`` (a key, or a tuple of keys into nested mappings: dicts,
+  ``flax.nnx.State``, ``FrozenDict``) holds the stack: every leaf has a leading
+  layer axis of the same length. The other params, ``outer`` (the same tree
+  with that entry removed), belong to the embedding and the head; a leaf both
+  use (a tied embedding) gets the sum of both gradients, as in autodiff.
+
+  Attributes:
+    embed: ``embed(outer, micro_batch) -> x``, the first layer's input.
+    block: ``block(layer_params, x, micro_batch) -> x``: one layer, given its
+      slice of the stack; ``x`` is an array or a pytree of arrays that keeps
+      its shapes from layer to layer. ``micro_batch`` is a side input (e.g.
+      for an attention mask) and gets no gradient.
+    head: ``head(outer, x, micro_batch) -> loss`` (the micro-batch *mean*
+      loss), or ``-> (loss, aux)``.
+    layers: where the stack is in params.
+
+  Called as ``staged(params, micro_batch)`` it is the plain loss (the blocks
+  under one ``jax.lax.scan``): the ``loss_fn`` of :func:`microbatch_step`.
+  """
+
+  embed: Callable[[Any, Batch], Any]
+  block: Callable[[Any, Any, Batch], Any]
+  head: Callable[[Any, Any, Batch], Any]
+  layers: Union[str, tuple[str, ...]] = "layers"
+
+  @property
+  def path(self) -> tuple[Any, ...]:
+    return self.layers if isinstance(self.layers, tuple) else (self.layers,)
+
+  def split(self, params: Any) -> tuple[Any, Any]:
+    """``(outer, stacked)``: the params without the stack, and the stack."""
+    return _split(params, self.path, self.path)
+
+  def merge(self, outer: Any, stacked: Any) -> Any:
+    """The inverse of :meth:`split`."""
+    return _merge(outer, stacked, self.path)
+
+  def __call__(self, params: Any, micro_batch: Batch) -> Any:
+    outer, stacked = self.split(params)
+    x = self.embed(outer, micro_batch)
+    x, _ = jax.lax.scan(
+        lambda x, layer_params: (self.block(layer_params, x, micro_batch), None),
+        x, stacked)
+    return self.head(outer, x, micro_batch)
+
+
+def _split(tree, path, full_path):
+  key, rest = path[0], path[1:]
+  if not isinstance(tree, collections.abc.Mapping) or key not in tree:
+    raise ValueError(
+        f"StagedLoss(layers={full_path!r}): no key {key!r} in a "
+        f"{type(tree).__name__} of params.")
+  if not rest:
+    return type(tree)({k: v for k, v in tree.items() if k != key}), tree[key]
+  inner, stacked = _split(tree[key], rest, full_path)
+  return type(tree)({**tree, key: inner}), stacked
+
+
+def _merge(outer, stacked, path):
+  key, rest = path[0], path[1:]
+  value = stacked if not rest else _merge(outer[key], stacked, rest)
+  return type(outer)({**outer, key: value})
+
+
+def _adama_parts(tx: optax.GradientTransformation):
+  """``(hyperparams, inner)`` of an AdamA transformation; raises for any other."""
+  head, inner = getattr(tx.update, "mini_batch_chain", (tx, None))
+  hyperparams = getattr(head.update, "adama_hyperparams", None)
+  if hyperparams is None:
+    raise TypeError(
+        "release_step folds into AdamA's moments itself, so it needs an AdamA "
+        "transformation as made by adama, adamaw, scale_by_adama or "
+        "mini_batch_chain(scale_by_adama(...), ...), not wrapped in optax.chain "
+        "or inject_hyperparams. Pass transforms that must see AdamA's direction "
+        "to mini_batch_chain.")
+  return hyperparams, inner
+
+
+def release_step(
+    staged: StagedLoss,
+    tx: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    shard_states: Optional[str] = None,
+) -> Callable[[optax.Params, optax.OptState, Batch], tuple[optax.Params, optax.OptState, Metrics]]:
+  r"""A :func:`microbatch_step` for a scanned layer stack, with gradient release.
+
+  ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted
+  with ``params`` and ``opt_state`` donated, splits ``batch`` into the ``N``
+  micro-batches of the AdamA state and, for each, runs the forward pass (the
+  blocks under a ``jax.lax.scan`` that saves each layer's input), then owns
+  the backward: a reverse scan over the layers that recomputes layer
+  :math:`l` from its input, takes its ``jax.vjp``, folds the parameter
+  cotangent into rows :math:`l` of m and v and passes the input cotangent on.
+  The head's and the embedding's gradients are folded once, summed. So one
+  layer's gradient is alive at a time instead of the whole stack's.
+
+  Params, state and metrics equal :func:`microbatch_step` on ``staged``
+  (float rounding aside) with the same ``tx``: the same fold, non-finite
+  guard, ``nu_estimator``, counters, direction, and the transforms of
+  :func:`mini_batch_chain` (learning rate, weight decay) on the emitted
+  direction. Each layer's forward is computed twice (as with
+  ``remat="full"``): the price of keeping only its input.
+
+  What it asks of the model: a :class:`StagedLoss`, i.e. the loss written
+  as embed, one block, head, with the block's params stacked. Flax NNX models
+  built with ``nnx.vmap`` / ``nnx.scan`` over layers and MaxText's
+  ``scan_layers`` already keep them so (``models.staged_loss`` does it for
+  this project's models).
+
+  Args:
+    staged: the model's loss in stages.
+    tx: an AdamA transformation: :func:`adama`, :func:`adamaw`,
+      :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
+      of the stack dense (float32 or bfloat16).
+    has_aux: whether ``staged.head`` returns ``(loss, aux)``.
+    mesh: not supported yet (raises).
+    shard_states: not supported yet (raises).
+
+  Returns:
+    The jitted step, with ``.lower(params, opt_state, batch)``. Metrics as
+    :func:`microbatch_step`'s: ``loss``, ``num_nonfinite_losses``,
+    ``num_dropped`` and, with ``has_aux``, ``aux``.
+
+  Raises:
+    TypeError: if ``tx`` is not an AdamA transformation.
+    NotImplementedError: with a mesh, or (at the first call) if the stack's
+      moments are 8-bit blocks (:class:`QuantizedArray`), whose blocks do
+      not align with the layer slices.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> staged = optax_adama.StagedLoss(
+    ...     embed=lambda outer, b: b["x"] @ outer["w_in"],
+    ...     block=lambda layer, x, b: jnp.tanh(x @ layer["w"]),
+    ...     head=lambda outer, x, b: jnp.mean((x @ outer["w_out"] - b["y"]) ** 2),
+    ...     layers="stack")
+    >>> keys = jax.random.split(jax.random.key(0), 3)
+    >>> params = {"w_in": jax.random.normal(keys[0], (2, 4)),
+    ...           "stack": {"w": jax.random.normal(keys[1], (8, 4, 4)) / 2},
+    ...           "w_out": jax.random.normal(keys[2], (4, 1))}
+    >>> tx = optax_adama.adamaw(1e-2, num_micro_batches=2)
+    >>> step = optax_adama.release_step(staged, tx)
+    >>> state = tx.init(params)
+    >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.zeros((4, 1))}
+    >>> params, state, metrics = step(params, state, batch)
+    >>> int(state.adama.count), int(metrics["num_dropped"])
+    (1, 0)
+
+  References:
+    Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_,
+    section 3 ("gradient release").
+  """
+  if mesh is not None or shard_states is not None:
+    raise NotImplementedError(
+        "release_step runs on one device; for data parallel and ZeRO use "
+        "microbatch_step(mesh=..., shard_states=...), which folds whole leaves.")
+  hyperparams, inner = _adama_parts(tx)
+
+  def step(params, opt_state, batch):
+    chained = isinstance(opt_state, MiniBatchChainState)
+    state = opt_state.adama if chained else opt_state
+    if not isinstance(state, ScaleByAdamAState) or chained != (inner is not None):
+      raise TypeError(
+          f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
+          "pass tx.init(params).")
+    _check_dense_stack(staged, state)
+    n = state.num_micro_batches
+    micro_batches = split_micro_batches(batch, n)
+    dropped_before = state.num_dropped
+
+    def body(state, micro_batch):
+      state, loss, aux = _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch)
+      return state, (loss, aux)
+
+    state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
+    updates, emit = _emitted_direction(state, params, hyperparams)
+    if chained:
+      inner_updates, inner_state = inner.update(updates, opt_state.inner, params)
+      updates = jax.tree.map(
+          lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
+          inner_updates, updates)
+      inner_state = optax.tree.where(_adama._completed(state), inner_state, opt_state.inner)
+      opt_state = MiniBatchChainState(adama=state, inner=inner_state)
+    else:
+      opt_state = state
+    params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(losses)
+    num_finite = jnp.sum(finite.astype(jnp.int32))
+    metrics: Metrics = {
+        "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
+        / num_finite.astype(losses.dtype),
+        "num_nonfinite_losses": n - num_finite,
+        "num_dropped": state.num_dropped - dropped_before,
+    }
+    if has_aux:
+      metrics["aux"] = aux
+    return params, opt_state, metrics
+
+  return _with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
+
+
+def _check_dense_stack(staged: StagedLoss, state: ScaleByAdamAState) -> None:
+  is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+  for moment in (state.mu, state.nu):
+    _, stacked = staged.split(moment)
+    if any(map(is_quantized, jax.tree.leaves(stacked, is_leaf=is_quantized))):
+      raise NotImplementedError(
+          "release_step folds the stack's moments one layer slice at a time; "
+          "8-bit block moments (quantization=BlockQuantization(...)) have "
+          "blocks that do not align with the slices. Use dense moments "
+          "(mu_dtype / nu_dtype float32 or bfloat16) for the stack, or "
+          "microbatch_step.")
+
+
+def _leaf_seeds(hyperparams, state, mus, nus):
+  return _adama._leaf_seeds(
+      hyperparams["rounding_seed"], state, mus, nus, hyperparams["stochastic_rounding"])
+
+
+def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch):
+  """One micro-batch: forward, then a backward that folds layer by layer."""
+  b1, b2, nu_estimator = hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"]
+  outer, stacked = staged.split(params)
+  x, embed_vjp = jax.vjp(lambda outer: staged.embed(outer, micro_batch), outer)
+  x, layer_inputs = jax.lax.scan(
+      lambda x, layer_params: (staged.block(layer_params, x, micro_batch), x), x, stacked)
+  head = lambda outer, x: staged.head(outer, x, micro_batch)
+  if has_aux:
+    loss, head_vjp, aux = jax.vjp(head, outer, x, has_aux=True)
+  else:
+    (loss, head_vjp), aux = jax.vjp(head, outer, x), None
+  outer_grads, x_grad = head_vjp(jnp.ones_like(loss))
+
+  mu_outer, mu_stacked = staged.split(state.mu)
+  nu_outer, nu_stacked = staged.split(state.nu)
+  stacked_def = jax.tree.structure(stacked)
+  mu_leaves = stacked_def.flatten_up_to(mu_stacked)
+  nu_leaves = stacked_def.flatten_up_to(nu_stacked)
+  # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
+  # mixes in its index so no two layers share rounding noise.
+  seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves)
+
+  def release_layer(carry, xs):
+    x_grad, mus, nus, all_finite = carry
+    layer, layer_params, layer_input = xs
+    _, layer_vjp = jax.vjp(
+        lambda p, x: staged.block(p, x, micro_batch), layer_params, layer_input)
+    layer_grads, x_grad = layer_vjp(x_grad)
+    layer_grads = stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads))
+    new_mus, new_nus = [], []
+    for grad, mu, nu, leaf_seeds in zip(layer_grads, mus, nus, seeds):
+      layer_seeds = tuple(
+          None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
+      m, v, finite = _adama._fold_leaf(
+          grad, jax.lax.dynamic_index_in_dim(mu, layer, keepdims=False),
+          jax.lax.dynamic_index_in_dim(nu, layer, keepdims=False),
+          state, b1, b2, nu_estimator, layer_seeds)
+      new_mus.append(jax.lax.dynamic_update_index_in_dim(mu, m, layer, 0))
+      new_nus.append(jax.lax.dynamic_update_index_in_dim(nu, v, layer, 0))
+      all_finite = all_finite & finite
+    return (x_grad, new_mus, new_nus, all_finite), None
+
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  (x_grad, mu_leaves, nu_leaves, stack_finite), _ = jax.lax.scan(
+      release_layer, (x_grad, mu_leaves, nu_leaves, jnp.array(True)),
+      (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
+
+  (embed_grads,) = embed_vjp(x_grad)
+  outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
+  outer_grads = _poison_if_loss_nonfinite(loss, outer_grads)
+  grads, outer_def = jax.tree.flatten(outer_grads)
+  mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
+  # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
+  outer_seeds = _leaf_seeds(hyperparams, state, mu_leaves + mus, nu_leaves + nus)
+  folded = [
+      _adama._fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds)
+      for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[len(mu_leaves):])]
+  new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
+  all_finite = functools.reduce(operator.and_, finite, stack_finite)
+  mu = staged.merge(outer_def.unflatten(new_mus), stacked_def.unflatten(mu_leaves))
+  nu = staged.merge(outer_def.unflatten(new_nus), stacked_def.unflatten(nu_leaves))
+  mu, nu = _like(state.mu, mu), _like(state.nu, nu)
+  return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
+
+
+def _like(reference: Any, tree: Any) -> Any:
+  """``tree``, checked to have ``reference``'s tree structure."""
+  if jax.tree.structure(tree) != jax.tree.structure(reference):
+    raise ValueError(
+        "StagedLoss.merge did not rebuild the params' tree structure: "
+        f"{jax.tree.structure(tree)} != {jax.tree.structure(reference)}.")
+  return tree
+
+
+def _emitted_direction(state, params, hyperparams):
+  """AdamA's direction for every leaf (zeros unless the mini-batch emits)."""
+  emit = _adama._emitted(state)
+  leaves, treedef = jax.tree.flatten(params)
+  mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+  direction = dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
+                   eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
+  return treedef.unflatten([
+      _adama._gated_direction(m, v, p, emit, **direction)
+      for m, v, p in zip(mus, nus, leaves)]), emit
