@@ -23,8 +23,11 @@ from typing import Any, Union
 import jax
 from flax import nnx
 
+import optax_adama
+
 from models.bert import BERT, BERTConfig
 from models.gpt import GPT, GPTConfig
+from models import layers
 from models.layers import REMAT_POLICIES
 from models.vit import ViT, ViTConfig
 
@@ -153,6 +156,40 @@ def split_loss_fn(
   return make_loss_fn(graphdef, rest, has_aux=has_aux), params
 
 
+def staged_loss(model: nnx.Module) -> tuple[optax_adama.StagedLoss, nnx.State]:
+  """Splits a `scan_layers` model into `(staged loss, params)` for `release_step`.
+
+  The stages are the model's own `stage_embed`, one block (under the model's
+  remat policy) and `stage_head`; the stacked block params are
+  `params["blocks"]`. Called as `staged(params, batch)` it is the model's mean
+  loss, so `optax_adama.microbatch_step(staged, tx)` runs the same model.
+
+      staged, params = models.staged_loss(models.create(config, rngs=rngs))
+      step = optax_adama.release_step(staged, optax_adama.adama(lr, num_micro_batches=4))
+  """
+  if not model.config.scan_layers:
+    raise ValueError("staged_loss needs a model built with scan_layers=True.")
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  block_graphdef, _ = nnx.split(model.blocks)
+  # embed and head never read the blocks: shapes stand in for them.
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  template = nnx.merge(graphdef, shapes, rest)
+
+  def merged(outer: nnx.State) -> nnx.Module:
+    return nnx.merge(graphdef, nnx.State({**outer, "blocks": shapes["blocks"]}), rest)
+
+  def block(layer_params: nnx.State, x: jax.Array, batch: Batch) -> jax.Array:
+    mask = template.stage_mask(x, batch)
+    return layers.apply_layer(block_graphdef, layer_params, x, mask, remat=model.config.remat)
+
+  staged = optax_adama.StagedLoss(
+      embed=lambda outer, batch: merged(outer).stage_embed(batch),
+      block=block,
+      head=lambda outer, x, batch: merged(outer).stage_head(x, batch)[0],
+      layers="blocks")
+  return staged, params
+
+
 __all__ = [
     "BERT",
     "BERTConfig",
@@ -171,4 +208,5 @@ __all__ = [
     "make_loss_fn",
     "param_count",
     "split_loss_fn",
+    "staged_loss",
 ]

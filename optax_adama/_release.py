@@ -329,12 +329,18 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch):
 
 
 def _like(reference: Any, tree: Any) -> Any:
-  """``tree``, checked to have ``reference``'s tree structure."""
-  if jax.tree.structure(tree) != jax.tree.structure(reference):
+  """``tree``'s leaves in ``reference``'s tree structure.
+
+  Splitting and merging may change container types along the way (indexing an
+  ``nnx.State`` wraps nested dicts in ``State``); mappings flatten in key
+  order either way, so the leaves line up.
+  """
+  treedef, leaves = jax.tree.structure(reference), jax.tree.leaves(tree)
+  if treedef.num_leaves != len(leaves):
     raise ValueError(
-        "StagedLoss.merge did not rebuild the params' tree structure: "
-        f"{jax.tree.structure(tree)} != {jax.tree.structure(reference)}.")
-  return tree
+        f"StagedLoss.merge rebuilt {len(leaves)} leaves, the params have "
+        f"{treedef.num_leaves}.")
+  return treedef.unflatten(leaves)
 
 
 def _emitted_direction(state, params, hyperparams):
