@@ -17,7 +17,17 @@ donated:
   micro-batch inside the scan,
 - ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN accumulator)
   over ``jax.value_and_grad``, then one ``optax.adam`` update,
-- ``adama``: ``optax_adama.adama`` through ``optax_adama.microbatch_step``.
+- ``adama``: ``optax_adama.adama`` through ``optax_adama.microbatch_step``,
+- ``adama_release`` (``memory --scan-layers``): ``optax_adama.adama`` through
+  ``optax_adama.release_step`` on the model's stages (``models.staged_loss``),
+  folding one layer's gradient at a time.
+
+With ``--scan-layers`` the models keep their blocks' params stacked and run
+them under one ``lax.scan`` (every method sees that model); the floor is the
+unrolled model's, whose largest gradient is one layer's leaf or an outer leaf:
+
+    python -m models.bench memory --scan-layers --presets gpt2_small \
+        --num-micro-batches 4 --methods scan_accumulation adama adama_release
 
 Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
 laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
@@ -53,6 +63,8 @@ METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching
 # gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
 SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
                    "zero2_adama", "zero2_adama_8bit")
+# Needs the model in stages, so only with --scan-layers.
+RELEASE_METHODS = ("adama_release",)
 Step = Callable[..., Any]
 
 
@@ -123,6 +135,11 @@ def make_step(
   if method == "adama":
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
     return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
+  if method == "adama_release":
+    if not isinstance(loss_fn, optax_adama.StagedLoss):
+      raise ValueError("adama_release needs a scanned model (memory --scan-layers).")
+    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
+    return optax_adama.release_step(loss_fn, tx), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
 
@@ -143,7 +160,12 @@ def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
 
 
 def split_model(config: models.Config) -> tuple[Callable, Any]:
-  """(pure loss_fn, abstract params) of a config, nothing allocated."""
+  """(pure loss_fn, abstract params) of a config, nothing allocated.
+
+  With ``scan_layers`` the loss is a ``StagedLoss`` (also a plain loss_fn).
+  """
+  if config.scan_layers:
+    return models.staged_loss(models.create_abstract(config))
   graphdef, params, rest = nnx.split(models.create_abstract(config), nnx.Param, ...)
   return models.make_loss_fn(graphdef, rest), params
 
@@ -168,17 +190,24 @@ def measure_memory(
     micro_batch_size: int,
     seq_len: int | None = None,
     remat: str = "none",
+    scan_layers: bool = False,
 ) -> list[MemoryRow]:
-  """Compile-only memory of each method's step, and AdamA's floor."""
-  config = models.get_config(preset, remat=remat)
-  name = preset if isinstance(preset, str) else "custom"
+  """Compile-only memory of each method's step, and AdamA's floor.
+
+  With ``scan_layers`` the steps run the scanned model and the floor is the
+  unrolled model's (the same params; its largest gradient is one layer's).
+  """
+  config = models.get_config(preset, remat=remat, scan_layers=scan_layers)
+  name = (preset if isinstance(preset, str) else "custom") + (" (scanned)" if scan_layers else "")
   loss_fn, params = split_model(config)
   rows = []
   batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
+  floor_loss_fn, floor_params = split_model(dataclasses.replace(config, scan_layers=False))
   adama_state = jax.eval_shape(
-      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, floor_params)
   floor = optax_adama.memory_floor(
-      loss_fn, params, adama_state, batch, num_micro_batches=num_micro_batches).to_dict()
+      floor_loss_fn, floor_params, adama_state, batch,
+      num_micro_batches=num_micro_batches).to_dict()
   for method in methods:
     step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     opt_state = jax.eval_shape(tx.init, params)
@@ -442,7 +471,7 @@ def capacity_table(results: Sequence[dict[str, Any]]) -> str:
 
 def memory_table(rows: Sequence[MemoryRow]) -> str:
   """Markdown: one row per (preset, N), one column per method, in GiB and P."""
-  methods = [m for m in METHODS if any(r.method == m for r in rows)]
+  methods = [m for m in METHODS + RELEASE_METHODS if any(r.method == m for r in rows)]
   head = ("| preset | params | N | floor | " + " | ".join(methods)
           + " | AdamA vs floor |\n|" + "---|" * (len(methods) + 5))
   lines = [head]
@@ -459,8 +488,9 @@ def memory_table(rows: Sequence[MemoryRow]) -> str:
       cells.append("" if r is None else
                    f"{r.report['total_bytes'] / 2**30:.2f} GiB ({r.report['total_p']:.2f} P)")
     vs_floor = ""
-    if "adama" in group:
-      vs_floor = f"{100 * (group['adama'].report['total_bytes'] / floor['total_bytes'] - 1):+.1f}%"
+    best = "adama_release" if "adama_release" in group else "adama"
+    if best in group:
+      vs_floor = f"{100 * (group[best].report['total_bytes'] / floor['total_bytes'] - 1):+.1f}%"
     lines.append(
         f"| {preset} | {any_row.param_count / 1e6:.1f}M | {n} "
         f"| {floor['total_bytes'] / 2**30:.2f} GiB ({floor['total_p']:.2f} P) | "
@@ -506,7 +536,7 @@ def _parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--methods", nargs="+", choices=METHODS + SHARDED_METHODS,
+  common.add_argument("--methods", nargs="+", choices=METHODS + SHARDED_METHODS + RELEASE_METHODS,
                       default=list(METHODS))
   common.add_argument("--micro-batch-size", type=int, default=1)
   common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
@@ -518,6 +548,8 @@ def _parse_args(argv):
   mem.add_argument("--num-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
   mem.add_argument("--remat", default="none", choices=sorted(models.REMAT_POLICIES))
   mem.add_argument("--plot", type=Path, default=None, help="PNG of memory vs N")
+  mem.add_argument("--scan-layers", action="store_true",
+                   help="stacked block params under one lax.scan; adds adama_release")
   thr = sub.add_parser("throughput", parents=[common], help="interleaved step timing")
   thr.add_argument("--presets", nargs="+", default=["gpt_tiny", "bert_tiny", "vit_tiny"])
   thr.add_argument("--num-micro-batches", type=int, default=4)
@@ -568,8 +600,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows: list[MemoryRow] = []
     jobs = [(p, n) for p in args.presets for n in args.num_micro_batches]
     for preset, n in tqdm(jobs, desc="memory", disable=not progress, file=sys.stderr):
-      rows += measure_memory(preset, args.methods, n, micro_batch_size=args.micro_batch_size,
-                             seq_len=args.seq_len, remat=args.remat)
+      methods = list(args.methods)
+      if args.scan_layers and "adama_release" not in methods:
+        methods.append("adama_release")
+      rows += measure_memory(preset, methods, n, micro_batch_size=args.micro_batch_size,
+                             seq_len=args.seq_len, remat=args.remat,
+                             scan_layers=args.scan_layers)
       # Written as it goes: a sweep of the big presets takes hours on a CPU.
       result["rows"] = [dataclasses.asdict(r) for r in rows]
       _write_outputs(args, result, memory_table(rows))

@@ -182,3 +182,17 @@ def test_release_memory_is_well_below_the_fused_step():
   # fused step holds the whole stack's gradient (1 P) instead.
   assert release.in_p(release.total_bytes) < 3.5
   assert fused.in_p(fused.total_bytes) - release.in_p(release.total_bytes) > 0.75
+
+
+def test_bench_memory_scan_layers_smoke():
+  from models import bench  # pylint: disable=g-import-not-at-top
+
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam, the baseline
+    result = bench.main([
+        "memory", "--scan-layers", "--presets", "gpt_test", "--num-micro-batches", "2",
+        "--methods", "scan_accumulation", "--no-progress"])
+  rows = {r["method"]: r for r in result["rows"]}
+  assert set(rows) == {"scan_accumulation", "adama_release"}
+  assert rows["adama_release"]["preset"] == "gpt_test (scanned)"
+  totals = {m: r["report"]["total_bytes"] for m, r in rows.items()}
+  assert totals["adama_release"] < totals["scan_accumulation"]
