@@ -280,16 +280,7 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
         tx, placement, params, opt_state, micro_batches)
     if dropped_before is not None:  # AdamA counted them in its state.
       dropped = _num_dropped(opt_state) - dropped_before
-    finite = jnp.isfinite(losses)
-    num_finite = jnp.sum(finite.astype(jnp.int32))
-    metrics: Metrics = {
-        "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
-        / num_finite.astype(losses.dtype),
-        "num_nonfinite_losses": n - num_finite,
-        "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
-    }
-    if has_aux:
-      metrics["aux"] = aux
+    metrics = _step_metrics(losses, dropped, aux if has_aux else None)
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
           (params, opt_state), (shardings.params, shardings.opt_state))
@@ -343,6 +334,25 @@ def _accumulated_gradient_update(
   any_kept = ~jnp.all(outputs[2])
   updates = jax.tree.map(lambda u: jnp.where(any_kept, u, jnp.zeros_like(u)), updates)
   return optax.apply_updates(params, updates), opt_state, outputs
+
+
+def _step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metrics:
+  """A step's metrics from its ``[N]`` micro-batch losses and drop counts.
+
+  ``loss`` averages the finite losses only; ``dropped`` is a count or ``[N]``
+  flags; ``aux`` (stacked per micro-batch) is passed through when given.
+  """
+  finite = jnp.isfinite(losses)
+  num_finite = jnp.sum(finite.astype(jnp.int32))
+  metrics: Metrics = {
+      "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
+      / num_finite.astype(losses.dtype),
+      "num_nonfinite_losses": losses.shape[0] - num_finite,
+      "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
+  }
+  if aux is not None:
+    metrics["aux"] = aux
+  return metrics
 
 
 def _resolve_num_micro_batches(given: Optional[int], opt_state: optax.OptState) -> int:

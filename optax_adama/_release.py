@@ -30,6 +30,7 @@ from optax_adama._adama import ScaleByAdamAState
 from optax_adama._microbatch import _poison_if_loss_nonfinite
 from optax_adama._microbatch import _with_distinct_buffers
 from optax_adama._microbatch import split_micro_batches
+from optax_adama._microbatch import _step_metrics
 
 __all__ = ["StagedLoss", "release_step"]
 
@@ -229,16 +230,8 @@ def release_step(
     else:
       opt_state = state
     params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(losses)
-    num_finite = jnp.sum(finite.astype(jnp.int32))
-    metrics: Metrics = {
-        "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
-        / num_finite.astype(losses.dtype),
-        "num_nonfinite_losses": n - num_finite,
-        "num_dropped": state.num_dropped - dropped_before,
-    }
-    if has_aux:
-      metrics["aux"] = aux
+    metrics = _step_metrics(
+        losses, state.num_dropped - dropped_before, aux if has_aux else None)
     return params, opt_state, metrics
 
   return _with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
