@@ -191,18 +191,24 @@ def test_nonfinite_loss_micro_batch_is_dropped_whole():
   chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
 
 
-def test_all_micro_batches_dropped_leaves_params_unchanged():
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=2)
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=2),
+    lambda: optax.adamw(1e-2, weight_decay=0.5),
+], ids=["adama", "accumulation"])
+def test_all_micro_batches_dropped_leaves_params_unchanged(make_tx):
+  tx = make_tx()
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
   params = _params()
-  params, state, _ = step(params, tx.init(params), _batch(0))
-  before = _copy(params)
-  nan_batch = {**_batch(1), "x": jnp.full((BATCH, WIDTH), jnp.nan)}
-  params, state, metrics = step(params, state, nan_batch)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adamw needs it
+    params, state, _ = step(params, tx.init(params), _batch(0))
+    before = _copy(params)
+    nan_batch = {**_batch(1), "x": jnp.full((BATCH, WIDTH), jnp.nan)}
+    params, state, metrics = step(params, state, nan_batch)
   chex.assert_trees_all_equal(params, before)
   assert int(metrics["num_dropped"]) == 2
   assert np.isnan(float(metrics["loss"]))  # no finite loss to average
-  assert not bool(optax_adama.has_updated(state))
+  if optax_adama.find_adama_state(state) is not None:
+    assert not bool(optax_adama.has_updated(state))
 
 
 def test_has_aux_returns_stacked_aux():
@@ -287,19 +293,6 @@ def test_baselines_never_turn_params_nonfinite(make_tx):
   assert int(metrics["num_dropped"]) == 1
   for leaf in jax.tree.leaves((params, state)):
     assert bool(jnp.all(jnp.isfinite(leaf)))
-
-
-def test_accumulation_leaves_params_unchanged_when_every_micro_batch_drops():
-  tx = optax.adamw(1e-2, weight_decay=0.5)
-  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
-  params = _params()
-  with jax.numpy_dtype_promotion("standard"):
-    params, state, _ = step(params, tx.init(params), _batch(0))
-    before = _copy(params)
-    nan_batch = {**_batch(1), "x": jnp.full((BATCH, WIDTH), jnp.nan)}
-    params, state, metrics = step(params, state, nan_batch)
-  chex.assert_trees_all_equal(params, before)
-  assert int(metrics["num_dropped"]) == 2
 
 
 def test_params_sharing_one_buffer_raise_a_clear_error():
