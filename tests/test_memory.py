@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import optax_adama
+from conftest import MLP
 
 # Eight unrolled 256x256 layers: P = 2.1 MB, the largest leaf P/8, and a
 # micro-batch of 8 rows keeps activations small (about P/130), so the floor
@@ -13,33 +14,14 @@ import optax_adama
 NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 8, 256, 32, 4
 
 
-def _params():
-  keys = jax.random.split(jax.random.key(0), NUM_LAYERS)
-  return {
-      f"layer{i}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5,
-                    "b": jnp.zeros(WIDTH)}
-      for i, k in enumerate(keys)
-  }
-
-
-def loss_fn(params, batch):
-  x = batch["x"]
-  for i in range(NUM_LAYERS):
-    layer = params[f"layer{i}"]
-    x = jnp.tanh(x @ layer["w"] + layer["b"][None, :])
-  return jnp.mean((x - batch["y"]) ** 2)
-
-
-def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+MODEL = MLP(num_layers=NUM_LAYERS, width=WIDTH)
+loss_fn = MODEL.loss
 
 
 @pytest.fixture(scope="module")
 def setup():
-  params = _abstract(_params())  # compile only: nothing is allocated
-  batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
-           "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)}
-  return params, batch
+  # Compile only: nothing is allocated.
+  return MODEL.abstract_params(), MODEL.abstract_batch(BATCH)
 
 
 def _report(tx, params, batch):
