@@ -602,19 +602,26 @@ def mini_batch_chain(
 
   def update_fn(updates, state, params=None):
     direction, adama_state = head.update(updates, state.adama, params)
-    emit = _emitted(adama_state)
-    # The transforms run on every call (elementwise work that fuses with the
-    # fold), but only a completing call keeps their state, and only an
-    # emitting one their output.
-    inner_updates, inner_state = inner.update(direction, state.inner, params)
-    new_updates = jax.tree.map(
-        lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
-        inner_updates, direction)
-    inner_state = optax.tree.where(_completed(adama_state), inner_state, state.inner)
+    new_updates, inner_state = _per_mini_batch_update(
+        inner, direction, adama_state, state.inner, params)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
   update_fn.mini_batch_chain = (head, inner)  # read by optax_adama.release_step.
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _per_mini_batch_update(inner, direction, adama_state, inner_state, params):
+  """``inner`` on AdamA's direction, advanced once per completed mini-batch."""
+  # The transforms run on every call (elementwise work that fuses with the
+  # fold), but only a completing call keeps their state, and only an
+  # emitting one their output.
+  emit = _emitted(adama_state)
+  inner_updates, new_inner_state = inner.update(direction, inner_state, params)
+  updates = jax.tree.map(
+      lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
+      inner_updates, direction)
+  new_inner_state = optax.tree.where(_completed(adama_state), new_inner_state, inner_state)
+  return updates, new_inner_state
 
 
 def adama(

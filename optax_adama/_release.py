@@ -219,13 +219,10 @@ def release_step(
       return state, (loss, aux)
 
     state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
-    updates, emit = _emitted_direction(state, params, hyperparams)
+    updates = _emitted_direction(state, params, hyperparams)
     if chained:
-      inner_updates, inner_state = inner.update(updates, opt_state.inner, params)
-      updates = jax.tree.map(
-          lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
-          inner_updates, updates)
-      inner_state = optax.tree.where(_adama._completed(state), inner_state, opt_state.inner)
+      updates, inner_state = _adama._per_mini_batch_update(
+          inner, updates, state, opt_state.inner, params)
       opt_state = MiniBatchChainState(adama=state, inner=inner_state)
     else:
       opt_state = state
@@ -345,4 +342,4 @@ def _emitted_direction(state, params, hyperparams):
                    eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
   return treedef.unflatten([
       _adama._gated_direction(m, v, p, emit, **direction)
-      for m, v, p in zip(mus, nus, leaves)]), emit
+      for m, v, p in zip(mus, nus, leaves)])
