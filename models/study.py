@@ -35,6 +35,7 @@ from tqdm import tqdm
 import models
 import optax_adama
 from models import train
+from models.validate import save_figure
 
 # Each model's base learning rate and run length (models.validate's settings).
 BASE: dict[str, dict[str, Any]] = {
@@ -228,10 +229,7 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("gap to Adam (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
@@ -271,10 +269,7 @@ def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path
     ax.set_ylabel("rho, median and quartiles")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv: Sequence[str]) -> None:

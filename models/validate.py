@@ -144,6 +144,16 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, machine: dict[str, An
   return "\n".join(lines) + "\n"
 
 
+def save_figure(fig: Any, path: Path) -> None:
+  """Lays out, writes (creating the folder) and closes a matplotlib figure."""
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> None:
   """Training-loss curves, mean over seeds, one panel per model."""
   import matplotlib
@@ -168,10 +178,7 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> Non
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:

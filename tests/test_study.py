@@ -1,0 +1,61 @@
+"""The estimator study's bookkeeping: keys, resumable runs, best rate against best."""
+
+import json
+
+import pytest
+
+from models import study
+
+
+def _record(arm, lr, loss, *, n=4, size=8, seed=0):
+  run = study.Run("gpt", arm, n, size, lr, seed, 300)
+  return {"key": run.key, **vars(run), "tokens_per_micro_batch": size * 64,
+          "eval_loss": loss, "command": "cmd"}
+
+
+def test_adam_runs_are_shared_by_every_split_of_one_batch():
+  a = study.Run("gpt", "adam", 4, 8, 2e-3, 0, 300)
+  b = study.Run("gpt", "adam", 8, 4, 2e-3, 0, 300)
+  c = study.Run("gpt", "mean", 4, 8, 2e-3, 0, 300)
+  d = study.Run("gpt", "mean", 8, 4, 2e-3, 0, 300)
+  assert a.key == b.key and c.key != d.key
+  assert a.config().num_micro_batches == 1 and c.config().num_micro_batches == 4
+  assert b.config().batch_size == 32
+  assert study.Run("gpt", "adam_bf16acc", 4, 8, 2e-3, 0, 300).config().accumulation_dtype == "bfloat16"
+
+
+def test_best_rate_against_best_with_edges_flagged():
+  records = [
+      _record("adam", 1e-3, 2.10), _record("adam", 2e-3, 2.00), _record("adam", 4e-3, 2.20),
+      _record("mean", 1e-3, 2.05), _record("mean", 2e-3, 2.10), _record("mean", 4e-3, 2.30),
+      _record("mean", 1e-3, 2.07, seed=1),  # an extra seed at the best rate
+  ]
+  rows = {r["arm"]: r for r in study.best_rows({r["key"]: r for r in records})}
+  assert rows["adam"]["best_lr"] == 2e-3 and not rows["adam"]["best_on_edge"]
+  assert rows["mean"]["best_lr"] == 1e-3 and rows["mean"]["best_on_edge"]
+  assert rows["mean"]["seeds"] == 2
+  assert rows["mean"]["eval_loss"] == pytest.approx(2.06)
+  assert rows["mean"]["gap_to_adam"] == pytest.approx(2.06 / 2.00 - 1)
+  table = study.markdown(list(rows.values()), ["cmd"])
+  assert "| gpt | 4 | 512 | 300 | mean | 0.001 |" in table and "+3.00%" in table
+
+
+def test_run_grid_appends_and_skips_finished_runs(tmp_path, monkeypatch):
+  calls = []
+
+  def fake_train(config, progress):
+    calls.append(config)
+    return {"eval_loss": 1.0 + config.learning_rate, "final_train_loss": 1.0,
+            "train_loss": [1.0] * 10, "median_step_s": 0.1, "machine": {}}
+
+  monkeypatch.setattr(study.train, "train", fake_train)
+  results = tmp_path / "study.jsonl"
+  # N = 2 and 4 at 4 examples per micro-batch: batches of 8 and 16.
+  runs = study.grid(["gpt"], ["adam", "mean"], [2, 4], [4], [1.0], [0], 5)
+  assert len(runs) == 4
+  study.run_grid(runs[:2], results, command="first", progress=False)
+  study.run_grid(runs, results, command="second", progress=False)
+  assert len(calls) == 4  # the first two were not run again
+  lines = [json.loads(line) for line in results.read_text().splitlines()]
+  assert [r["command"] for r in lines] == ["first", "first", "second", "second"]
+  assert set(study.load_results(results)) == {r.key for r in runs}
