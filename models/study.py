@@ -11,7 +11,7 @@ bf16 accumulator, and AdamA with each second-moment estimator. It compares
 held-out losses best learning rate against best, per model and split, and
 flags a best that sits on the edge of the grid. Every finished run is appended
 to a JSON-lines file and skipped when the command runs again, so the grid can
-be grown across sessions (`--seeds` at the best rates only: `--best-seeds`).
+be grown over several invocations (`--seeds` at the best rates only: `--best-seeds`).
 
 `rho` runs `optax_adama.diagnose_second_moment` along Adam's path on each
 model and plots rho = v_estimator / v_adam over training.
