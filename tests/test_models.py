@@ -129,15 +129,7 @@ def test_loss_fn_matches_module_and_adam_step_lowers_loss(kind):
 
   tx = optax.adam(1e-3)
   state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    # optax.adam computes b1**count (python float ** int32), which strict
-    # dtype promotion rejects; that is optax's business, not the model's.
-    with jax.numpy_dtype_promotion("standard"):
-      updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss, grads
+  step = adam_step(loss_fn, tx)
 
   new_params, state, loss, grads = step(params, state, batch)
   np.testing.assert_allclose(loss, loss0, rtol=1e-6)
@@ -433,6 +425,21 @@ def test_loss_fn_scans_over_micro_batches():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), accumulated, full)
 
 
+def adam_step(loss_fn, tx):
+  """A jitted optax step: (params, state, batch) -> (params, state, loss, grads)."""
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    # optax.adam computes b1**count (python float ** int32), which strict
+    # dtype promotion rejects; that is optax's business, not the model's.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, grads
+
+  return step
+
+
 def train(name: str, batches, *, steps: int, learning_rate: float = 3e-3):
   """Trains a preset with Adam on a batch stream.
 
@@ -443,17 +450,11 @@ def train(name: str, batches, *, steps: int, learning_rate: float = 3e-3):
   loss_fn = lambda params, batch: aux_fn(params, batch)[0]
   tx = optax.adam(learning_rate)
   state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    with jax.numpy_dtype_promotion("standard"):
-      updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+  step = adam_step(loss_fn, tx)
 
   losses = []
   for batch in itertools.islice(batches, steps):
-    params, state, loss = step(params, state, batch)
+    params, state, loss, _ = step(params, state, batch)
     losses.append(float(loss))
   return jax.jit(aux_fn), params, losses
 
