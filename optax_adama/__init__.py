@@ -37,6 +37,11 @@ from optax_adama._microbatch import split_micro_batches
 from optax_adama._microbatch import updates_every_micro_batch
 from optax_adama._release import StagedLoss
 from optax_adama._release import release_step
+from optax_adama._low_rank import low_rank
+from optax_adama._low_rank import low_rank_mask
+from optax_adama._offload import host_state_bytes
+from optax_adama._offload import offload_moments
+from optax_adama._offload import offloaded_state_shapes
 
 __version__ = "0.1.0"
 
@@ -59,12 +64,17 @@ __all__ = (
     "diagnose_second_moment",
     "find_adama_state",
     "has_updated",
+    "host_state_bytes",
     "inject_hyperparams",
+    "low_rank",
+    "low_rank_mask",
     "memory_floor",
     "memory_report",
     "microbatch_step",
     "mini_batch_chain",
     "mini_batch_schedule",
+    "offload_moments",
+    "offloaded_state_shapes",
     "quantize_blocks",
     "release_step",
     "scale_by_adama",

@@ -1,0 +1,175 @@
+"""Low-rank (GaLore) moments for AdamA: optax's GaLore, refreshed per mini-batch.
+
+GaLore keeps, for a 2-D leaf G (m x n, m >= n), a projector P (m x r) and the
+optimizer's moments in r x n; the update is ``P @ inner(P^T g)``. AdamA only
+ever sees ``P^T g_i``, one micro-batch gradient at a time, so the two compose
+leaf by leaf: this module wraps :func:`optax.contrib.scale_by_galore` around
+any AdamA transformation and adds the three things AdamA needs from it:
+
+* the refresh period counts mini-batches: optax's counts ``update`` calls,
+  one per micro-batch here, so it is given ``refresh_period * N`` calls, and a
+  refresh then always falls on the first micro-batch of a mini-batch (the
+  projector is the SVD of that micro-batch gradient of the leaf alone; no
+  mini-batch gradient exists to take it from);
+* a refresh from a non-finite micro-batch gradient keeps the old projector
+  (optax's would store NaNs, and every later update would be NaN; AdamA drops
+  such a micro-batch and must not be poisoned by it);
+* the projector can be stored narrower than the gradient (``bfloat16``): in
+  float32 an m x r projector costs more than the r x n moments it serves once
+  those are 8-bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import GaLoreDimensionNumbers
+from optax.contrib import GaLoreState
+
+from optax_adama._adama import find_adama_state
+
+__all__ = ["low_rank", "low_rank_mask"]
+
+
+def low_rank_mask(params: optax.Params, rank: int, min_size: int = 4096) -> Any:
+  """Which leaves :func:`low_rank` projects by default: a tree of bools.
+
+  A leaf is projected when it is 2-D, both its dimensions exceed ``rank``
+  (a projection that keeps a whole side saves nothing) and it has at least
+  ``min_size`` elements. 1-D leaves (biases, norm scales) and small matrices
+  keep full moments.
+
+  Args:
+    params: the params (arrays or ``jax.ShapeDtypeStruct``).
+    rank: the projection rank.
+    min_size: the fewest elements a projected leaf has.
+
+  Returns:
+    A tree of Python bools shaped like ``params``.
+  """
+  return jax.tree.map(
+      lambda p: (len(jnp.shape(p)) == 2 and min(jnp.shape(p)) > rank
+                 and math.prod(jnp.shape(p)) >= min_size), params)
+
+
+def low_rank(
+    inner: optax.GradientTransformation,
+    *,
+    rank: int,
+    refresh_period: int,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    min_size: int = 4096,
+    projector_dtype: Optional[jax.typing.DTypeLike] = None,
+) -> optax.GradientTransformation:
+  r"""Runs ``inner`` (e.g. :func:`adama`) on low-rank projected gradients (GaLore).
+
+  For each projected leaf (m x n; the smaller side is projected when
+  ``n > m``) a projector :math:`P` (m x r) is the top-``r`` left singular
+  vectors of the leaf's gradient at the first micro-batch of every
+  ``refresh_period``-th mini-batch; between refreshes it is fixed. Every
+  micro-batch gradient is projected before ``inner`` folds it, so AdamA's
+  moments are r x n:
+
+  .. math::
+
+    g_i' = P^\top g_i, \qquad
+    u = P \, \mathrm{AdamA}(g_1', \dots, g_N')
+
+  As in GaLore, the moments are kept (not rotated) when :math:`P` is
+  refreshed. Leaves not projected (see :func:`low_rank_mask`) pass through to
+  ``inner`` whole. With a signed permutation as :math:`P` (e.g. full rank and
+  a diagonal refresh gradient) this is ``inner`` exactly, since Adam is
+  elementwise and even in the sign of the gradient.
+
+  ``inner`` sees no params (they have the full shape, the moments the
+  projected one): use :func:`adama` or :func:`scale_by_adama`, not
+  :func:`adamaw`. It works inside :func:`microbatch_step` (the state holds the
+  AdamA state, which the step finds), with 8-bit moments
+  (``quantization=BlockQuantization()``, applied to the r x n moments) and
+  under :func:`offload_moments`.
+
+  Args:
+    inner: the transformation run in the projected space; AdamA (its state
+      gives ``N``), or any gradient-only transformation (then ``N = 1`` and
+      this is :func:`optax.contrib.scale_by_galore`).
+    rank: ``r``, the projection rank (at most the leaf's smaller side).
+    refresh_period: ``T``, mini-batches between projector refreshes.
+    mask: a tree of bools like params, or a callable returning one: which
+      leaves to project. ``None``: :func:`low_rank_mask` with ``rank`` and
+      ``min_size``.
+    min_size: with ``mask=None``, the fewest elements a projected leaf has.
+    projector_dtype: the projector's storage dtype; ``None`` keeps the
+      gradient's. ``jnp.bfloat16`` halves it; it is computed (SVD) and
+      applied in the gradient's dtype.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with state
+    :class:`optax.contrib.GaLoreState` (``base_optimizer_state`` is
+    ``inner``'s, on the projected shapes).
+
+  Raises:
+    ValueError: if ``rank`` or ``refresh_period`` is not positive.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.low_rank(
+    ...     optax_adama.adama(1e-3, num_micro_batches=2), rank=4,
+    ...     refresh_period=100, min_size=0)
+    >>> state = tx.init({"w": jnp.ones((32, 16)), "b": jnp.ones(16)})
+    >>> adama_state = optax_adama.find_adama_state(state)
+    >>> print(adama_state.mu["w"].shape, adama_state.mu["b"].shape)
+    (4, 16) (16,)
+
+  References:
+    Zhao et al., `GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
+    Projection <https://arxiv.org/abs/2403.03507>`_, 2024;
+    Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_,
+    2023.
+  """
+  for name, value in (("rank", rank), ("refresh_period", refresh_period)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+  def dimension_numbers(params):
+    projected = mask(params) if callable(mask) else mask
+    if projected is None:
+      projected = low_rank_mask(params, rank, min_size)
+    # Each side of the matrix is one axis: GaLoreDimensionNumbers' default.
+    return jax.tree.map(
+        lambda p, on: GaLoreDimensionNumbers() if on and jnp.ndim(p) == 2 else None,
+        params, projected)
+
+  def galore(num_micro_batches: int) -> optax.GradientTransformation:
+    return optax.contrib.scale_by_galore(
+        rank=rank, update_proj_gap=refresh_period * num_micro_batches,
+        base_optimizer=inner, weight_dimension_numbers=dimension_numbers)
+
+  def store(projector):
+    return projector if projector_dtype is None else projector.astype(projector_dtype)
+
+  def init_fn(params):
+    state = galore(1).init(params)  # the period does not enter init.
+    return state._replace(projector=jax.tree.map(store, state.projector))
+
+  def update_fn(updates, state, params=None):
+    del params  # the moments have the projected shapes; see the docstring.
+    adama_state = find_adama_state(state.base_optimizer_state)
+    num_micro_batches = 1 if adama_state is None else adama_state.num_micro_batches
+    # optax computes the SVD in float32 and casts it to the gradient's dtype;
+    # its cond needs the kept projector in that dtype too (exact from bf16).
+    wide = jax.tree.map(lambda p, g: p.astype(g.dtype), state.projector, updates)
+    new_updates, new_state = galore(num_micro_batches).update(
+        updates, state._replace(projector=wide))
+    # A projector must be finite; only a refresh from a non-finite gradient
+    # makes one that is not. The check reads the small m x r projector, not
+    # the gradient, so it holds no gradient alive.
+    kept = jax.tree.map(
+        lambda new, old: store(jnp.where(jnp.all(jnp.isfinite(new)), new, old)),
+        new_state.projector, wide)
+    return new_updates, new_state._replace(projector=kept)
+
+  return optax.GradientTransformation(init_fn, update_fn)

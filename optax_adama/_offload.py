@@ -1,0 +1,127 @@
+"""Host-offloaded optimizer state: m and v live in host memory between steps.
+
+AdamA folds one micro-batch gradient leaf by leaf, so each moment leaf is
+needed on the device only for its own fold: bring it in, fold, send it back
+(ZeRO-Offload's and SSDTrain's idea, here with JAX memory kinds). On a GPU
+this trades PCIe traffic for device memory; on the CPU backend host and
+device are the same RAM, the transfers are no-ops and ``memory_analysis()``
+counts host arrays as device arrays (its ``host_*`` fields are zero there), so
+:func:`host_state_bytes` gives the bytes to take off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import SingleDeviceSharding
+
+__all__ = ["offload_moments", "offloaded_state_shapes", "host_state_bytes"]
+
+HOST_MEMORY_KIND = "pinned_host"
+
+
+def _offloads(leaf: Any, min_size: int) -> bool:
+  # Counters and other small leaves stay on the device: a transfer per call
+  # would cost more than the bytes it frees.
+  return math.prod(jax.numpy.shape(leaf)) >= max(min_size, 1)
+
+
+def _put(tree: Any, space: Any, min_size: int) -> Any:
+  return jax.tree.map(
+      lambda x: jax.device_put(x, space) if _offloads(x, min_size) else x, tree)
+
+
+def offload_moments(
+    inner: optax.GradientTransformation, *, min_size: int = 4096,
+) -> optax.GradientTransformation:
+  r"""Keeps ``inner``'s state (AdamA's m and v) in host memory between calls.
+
+  Every state leaf with at least ``min_size`` elements (moments, 8-bit codes,
+  low-rank projectors) is placed in host memory (``memory_kind="pinned_host"``)
+  by ``init``; ``update`` brings each to the device, runs ``inner`` and sends
+  the new state back. Inside a jitted step (:func:`microbatch_step`) the state
+  argument and output stay in host memory and alias each other when donated;
+  each leaf is on the device only around its own fold. The math is
+  ``inner``'s, unchanged:
+
+  .. math::
+
+    (u, s_{t+1}) = \mathrm{inner.update}(g, \mathrm{device}(s_t)),\qquad
+    s_{t+1} \to \mathrm{host}
+
+  Args:
+    inner: any transformation, e.g. :func:`adama`, or
+      :func:`low_rank` around it.
+    min_size: the fewest elements an offloaded state leaf has.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with ``inner``'s state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.offload_moments(
+    ...     optax_adama.adama(1e-3, num_micro_batches=2), min_size=4)
+    >>> state = tx.init({"w": jnp.ones((4, 4))})
+    >>> print(optax_adama.find_adama_state(state).mu["w"].sharding.memory_kind)
+    pinned_host
+
+  References:
+    Ren et al., `ZeRO-Offload: Democratizing Billion-Scale Model Training
+    <https://arxiv.org/abs/2101.06840>`_, 2021;
+    Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_,
+    2023.
+  """
+
+  def init_fn(params):
+    return _put(inner.init(params), jax.memory.Space.Host, min_size)
+
+  def update_fn(updates, state, params=None):
+    on_device = _put(state, jax.memory.Space.Device, min_size)
+    new_updates, new_state = inner.update(updates, on_device, params)
+    return new_updates, _put(new_state, jax.memory.Space.Host, min_size)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def offloaded_state_shapes(
+    state_shapes: Any, *, min_size: int = 4096,
+    device: jax.Device | None = None,
+) -> Any:
+  """The abstract state of :func:`offload_moments`, placed in host memory.
+
+  ``jax.eval_shape(tx.init, params)`` drops memory kinds; lower a step with
+  these instead to measure it compile-only (nothing is allocated).
+
+  Args:
+    state_shapes: ``jax.eval_shape(tx.init, params)`` of the offloaded
+      transformation.
+    min_size: as given to :func:`offload_moments`.
+    device: the device of the step; ``None``: the default device.
+
+  Returns:
+    ``state_shapes`` with each offloaded leaf a ``jax.ShapeDtypeStruct`` with a
+    ``pinned_host`` sharding.
+  """
+  device = device or jax.devices()[0]
+  host = SingleDeviceSharding(device, memory_kind=HOST_MEMORY_KIND)
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host)
+      if _offloads(s, min_size) else s, state_shapes)
+
+
+def host_state_bytes(state: Any, *, min_size: int = 4096) -> int:
+  """Bytes of the state leaves :func:`offload_moments` keeps in host memory.
+
+  Args:
+    state: the state (arrays or ``jax.ShapeDtypeStruct``).
+    min_size: as given to :func:`offload_moments`.
+
+  Returns:
+    The bytes, as an int.
+  """
+  return int(sum(
+      math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize
+      for x in jax.tree.leaves(state) if _offloads(x, min_size)))

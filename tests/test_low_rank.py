@@ -1,0 +1,170 @@
+"""Low-rank (GaLore) moments around AdamA: references, refresh timing, guards."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adama
+from conftest import MLP
+
+MODEL = MLP(num_layers=3, width=8)
+SQUARE = 8
+
+
+def _random_grads(rng, diagonal=False):
+  """A gradient for {"w": 8 x 8, "b": 8}; ``diagonal``: w is diagonal, distinct."""
+  w = rng.normal(size=(SQUARE, SQUARE))
+  if diagonal:  # distinct magnitudes, mixed signs: the SVD is a signed permutation
+    w = np.diag(np.arange(SQUARE, 0, -1.0) * np.where(np.arange(SQUARE) % 3, 1.0, -1.0))
+  return {"w": jnp.asarray(w, jnp.float32), "b": jnp.asarray(rng.normal(size=SQUARE), jnp.float32)}
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
+def test_full_rank_signed_permutation_projector_is_adama(quantized):
+  # Full rank and a diagonal refresh gradient: P is a signed permutation, and
+  # Adam, elementwise and even in the gradient's sign, gives P Adam(P^T g) =
+  # Adam(g). Refreshed every mini-batch, so every refresh is checked.
+  quantization = (optax_adama.BlockQuantization(block_size=16, min_size=16)
+                  if quantized else None)
+  num_micro_batches = 3
+  make = lambda: optax_adama.adama(
+      0.1, num_micro_batches=num_micro_batches, quantization=quantization)
+  tx = optax_adama.low_rank(make(), rank=SQUARE, refresh_period=1,
+                            mask={"w": True, "b": False})
+  reference = make()
+  params = {"w": jnp.ones((SQUARE, SQUARE)), "b": jnp.zeros(SQUARE)}
+  state, ref_state = tx.init(params), reference.init(params)
+  assert isinstance(optax_adama.find_adama_state(state).mu["w"],
+                    optax_adama.QuantizedArray) == quantized
+  low, ref = params, params
+  rng = np.random.default_rng(0)
+  update, ref_update = jax.jit(tx.update), jax.jit(reference.update)
+  for call in range(4 * num_micro_batches):
+    grads = _random_grads(rng, diagonal=call % num_micro_batches == 0)
+    updates, state = update(grads, state)
+    ref_updates, ref_state = ref_update(grads, ref_state)
+    low, ref = optax.apply_updates(low, updates), optax.apply_updates(ref, ref_updates)
+  # P's entries are 0 and +-1 (within LAPACK's rounding of a diagonal SVD), so
+  # each product is one term: equal to a few float32 ulps. Quantized, the same
+  # seeds round the same values the same way.
+  chex.assert_trees_all_close(low, ref, rtol=1e-6, atol=1e-7)
+  assert float(jnp.max(jnp.abs(low["w"] - params["w"]))) > 0.1  # it trained
+
+
+def test_one_micro_batch_matches_optax_galore():
+  # N = 1: AdamA is Adam, so this is optax's GaLore with the same period.
+  params = MODEL.params()
+  tx = optax_adama.low_rank(
+      optax_adama.adama(1e-2, num_micro_batches=1), rank=3, refresh_period=2,
+      min_size=0)
+  reference = optax.contrib.galore(
+      1e-2, rank=3, update_proj_gap=2, base_optimizer=optax.scale_by_adam())
+  state, ref_state = tx.init(params), reference.init(params)
+  low, ref = params, params
+  update, ref_update = jax.jit(tx.update), jax.jit(reference.update)
+  grad = jax.jit(jax.grad(MODEL.loss))
+  for step in range(5):
+    batch = MODEL.batch(step, 4)
+    updates, state = update(grad(low, batch), state)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+      ref_updates, ref_state = ref_update(grad(ref, batch), ref_state, ref)
+    low, ref = optax.apply_updates(low, updates), optax.apply_updates(ref, ref_updates)
+  assert optax_adama.find_adama_state(state).mu["layer0"]["w"].shape == (3, 8)
+  # AdamA at N = 1 equals optax.adam up to float32 rounding (test_adama); the
+  # projections are the same ops. 5 steps of lr 1e-2: rounding of ~1e-7 each.
+  chex.assert_trees_all_close(low, ref, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(state.projector, ref_state[0].projector, atol=1e-6)
+
+
+def test_refresh_falls_on_the_first_micro_batch_every_period():
+  num_micro_batches, period = 2, 2
+  tx = optax_adama.low_rank(
+      optax_adama.adama(1e-2, num_micro_batches=num_micro_batches), rank=2,
+      refresh_period=period, min_size=0)
+  params = {"w": jnp.zeros((6, 4))}
+  state = tx.init(params)
+  rng = np.random.default_rng(1)
+  update = jax.jit(tx.update)
+  for call in range(3 * period * num_micro_batches):
+    grad = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    before = state.projector["w"]
+    _, state = update({"w": grad}, state)
+    after = state.projector["w"]
+    if call % (period * num_micro_batches) == 0:
+      # The top-2 left singular vectors of this micro-batch gradient (signs free).
+      u = np.linalg.svd(np.asarray(grad), full_matrices=False)[0][:, :2]
+      np.testing.assert_allclose(np.abs(u.T @ np.asarray(after)), np.eye(2), atol=1e-5)
+    else:
+      np.testing.assert_array_equal(after, before)
+
+
+def test_nonfinite_refresh_gradient_keeps_the_projector_and_params_finite():
+  tx = optax_adama.low_rank(
+      optax_adama.adama(1e-2, num_micro_batches=2), rank=2, refresh_period=1,
+      min_size=0)
+  params = {"w": jnp.ones((6, 4))}
+  state = tx.init(params)
+  rng = np.random.default_rng(2)
+  good = lambda: {"w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+  for _ in range(2):  # one mini-batch: a finite projector
+    updates, state = tx.update(good(), state)
+  params = optax.apply_updates(params, updates)
+  kept = state.projector["w"]
+  bad = good()
+  bad["w"] = bad["w"].at[0, 0].set(jnp.nan)
+  for grads in (bad, good()):  # the refresh sees the NaN
+    updates, state = tx.update(grads, state)
+  np.testing.assert_array_equal(state.projector["w"], kept)
+  assert int(optax_adama.find_adama_state(state).num_dropped) == 1
+  assert bool(jnp.all(jnp.isfinite(optax.apply_updates(params, updates)["w"])))
+
+
+def test_fused_step_equals_update_calls_with_8bit_bf16_projector():
+  quantization = optax_adama.BlockQuantization(block_size=16, min_size=16)
+  tx = optax_adama.low_rank(
+      optax_adama.adama(1e-2, num_micro_batches=2, quantization=quantization),
+      rank=4, refresh_period=2, min_size=0, projector_dtype=jnp.bfloat16)
+  params = MODEL.params()
+  step = optax_adama.microbatch_step(MODEL.loss, tx)
+  fused, fused_state = jax.tree.map(jnp.array, params), tx.init(params)
+  ref, ref_state = params, tx.init(params)
+  update, grad = jax.jit(tx.update), jax.jit(jax.grad(MODEL.loss))
+  assert fused_state.projector["layer0"]["w"].dtype == jnp.bfloat16
+  for seed in range(3):
+    batch = MODEL.batch(seed, 8)
+    fused, fused_state, metrics = step(fused, fused_state, batch)
+    for i in range(2):
+      micro = jax.tree.map(lambda x: x[i::2], batch)
+      updates, ref_state = update(grad(ref, micro), ref_state)
+      ref = optax.apply_updates(ref, updates)
+  # The same ops; XLA fuses them differently inside the scan (float32 rounding,
+  # which can flip a stochastic rounding of an 8-bit code: one code step,
+  # 2**-4 relative of a moment, is a 1e-2 * 2**-4 move at most).
+  chex.assert_trees_all_close(fused, ref, atol=1e-3)
+  assert int(metrics["num_dropped"]) == 0
+  assert fused_state.projector["layer0"]["w"].dtype == jnp.bfloat16
+
+
+def test_state_is_low_rank_and_small_leaves_stay_full():
+  params = {"w": jnp.zeros((256, 64)), "wide": jnp.zeros((64, 256)),
+            "small": jnp.zeros((16, 16)), "b": jnp.zeros(256)}
+  tx = optax_adama.low_rank(
+      optax_adama.adama(1e-3, num_micro_batches=4), rank=8, refresh_period=10)
+  state = tx.init(params)
+  mu = optax_adama.find_adama_state(state).mu
+  assert {k: v.shape for k, v in mu.items()} == {
+      "w": (8, 64), "wide": (64, 8), "small": (16, 16), "b": (256,)}
+  assert state.projector["w"].shape == (256, 8)
+  assert state.projector["wide"].shape == (256, 8)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_rank_and_period_must_be_positive_ints(bad):
+  inner = optax_adama.adama(1e-3, num_micro_batches=2)
+  with pytest.raises(ValueError, match="rank"):
+    optax_adama.low_rank(inner, rank=bad, refresh_period=1)
+  with pytest.raises(ValueError, match="refresh_period"):
+    optax_adama.low_rank(inner, rank=1, refresh_period=bad)
