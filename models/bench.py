@@ -18,6 +18,14 @@ donated:
 - ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN accumulator)
   over ``jax.value_and_grad``, then one ``optax.adam`` update,
 - ``adama``: ``optax_adama.adama`` through ``optax_adama.microbatch_step``,
+- ``scan_accumulation_bf16_8bit``: the careful user's baseline, a bfloat16
+  gradient-sum carry and Adam with 8-bit moments (AdamA at N = 1, which is
+  Adam, with ``BlockQuantization``),
+- ``adama_8bit``: AdamA with 8-bit moments,
+- ``adama_8bit_lowrank``: ``optax_adama.low_rank`` (GaLore, rank = width / 4,
+  bfloat16 projectors) around AdamA with 8-bit moments,
+- ``adama_8bit_lowrank_offload``: the same under ``optax_adama.offload_moments``
+  (state in host memory); capacity counts device bytes only,
 - ``adama_release`` (``memory --scan-layers``): ``optax_adama.adama`` through
   ``optax_adama.release_step`` on the model's stages (``models.staged_loss``),
   folding one layer's gradient at a time.
@@ -58,6 +66,11 @@ import optax_adama
 from models.train import machine_info, tokens_per_example
 
 METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
+# Capacity: smaller optimizer state. The careful user's accumulation baseline,
+# then AdamA with 8-bit, low-rank (GaLore) and host-offloaded moments.
+STATE_METHODS = ("scan_accumulation_bf16_8bit", "adama_8bit", "adama_8bit_lowrank",
+                 "adama_8bit_lowrank_offload")
+LOW_RANK_REFRESH_PERIOD = 200  # mini-batches, GaLore's default
 # Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
 # accumulation and AdamA (params, m, v replicated), AdamA with ZeRO-2 (m, v split,
 # gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
@@ -103,14 +116,17 @@ def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
 
 def make_step(
     method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | None = None, rank: int | None = None,
 ) -> tuple[Step, optax.GradientTransformation]:
   """(jitted donating step, its optimizer) of a method.
 
   ``full_batch`` runs the whole mini-batch as one micro-batch; every other
-  method scans ``num_micro_batches`` of them.
+  method scans ``num_micro_batches`` of them. ``rank``: the low-rank methods'
+  projection rank.
   """
   adam = optax.adam(learning_rate)
+  if method in STATE_METHODS:
+    return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
   if method in SHARDED_METHODS:
     if mesh is None:
       raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
@@ -141,6 +157,44 @@ def make_step(
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
     return optax_adama.release_step(loss_fn, tx), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank):
+  """The steps of STATE_METHODS: 8-bit, low-rank and offloaded moments."""
+  quantization = optax_adama.BlockQuantization()
+  if method == "scan_accumulation_bf16_8bit":
+    adam_8bit = _without_adama_state(optax_adama.adama(
+        learning_rate, num_micro_batches=1, quantization=quantization))
+    step = optax_adama.microbatch_step(
+        loss_fn, adam_8bit, num_micro_batches=num_micro_batches,
+        update_every_micro_batch=False, accumulation_dtype=jnp.bfloat16)
+    return step, adam_8bit
+  tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
+                         quantization=quantization)
+  if "lowrank" in method:
+    if rank is None:
+      raise ValueError(f"method {method!r} needs a rank.")
+    tx = optax_adama.low_rank(tx, rank=rank, refresh_period=LOW_RANK_REFRESH_PERIOD,
+                              projector_dtype=jnp.bfloat16)
+  if method.endswith("_offload"):
+    tx = optax_adama.offload_moments(tx)
+  return optax_adama.microbatch_step(loss_fn, tx), tx
+
+
+def _without_adama_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` with its state as a flat tuple of arrays.
+
+  AdamA at N = 1 is Adam; with its state flattened, ``microbatch_step`` finds
+  no AdamA state and runs it as any optax optimizer, after a gradient-sum
+  carry: Adam with 8-bit moments for the accumulation baseline.
+  """
+
+  def update_fn(updates, state, params=None):
+    treedef = jax.tree.structure(jax.eval_shape(tx.init, params))
+    new_updates, new_state = tx.update(updates, treedef.unflatten(state), params)
+    return new_updates, tuple(jax.tree.leaves(new_state))
+
+  return optax.GradientTransformation(lambda p: tuple(jax.tree.leaves(tx.init(p))), update_fn)
 
 
 def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
@@ -300,11 +354,32 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden)
   loss_fn, params = split_model(config)
-  step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh)
+  step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
+                       rank=config.hidden // 4)
   devices = 1 if mesh is None else mesh.size
   batch = abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
-  report = optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params), batch)
-  return report.total_bytes, models.param_count(config)
+  return device_bytes(step, params, jax.eval_shape(tx.init, params), batch,
+                      offloaded=method.endswith("_offload")), models.param_count(config)
+
+
+def device_bytes(step: Step, params: Any, opt_state: Any, batch: Any, *,
+                 offloaded: bool = False) -> int:
+  """Compiled device bytes of a step (compile only).
+
+  ``offloaded``: the state is placed in host memory (``offload_moments``) and
+  its bytes are not counted. The CPU backend's ``memory_analysis()`` counts
+  host-memory arguments with the device ones (its ``host_*`` fields are 0);
+  there the host state's bytes are taken off the total. Caveat: on CPU the
+  transfers are no-ops, so the one leaf's moments in flight on a GPU are not
+  in the count.
+  """
+  if offloaded:
+    opt_state = optax_adama.offloaded_state_shapes(opt_state)
+  compiled = step.lower(params, opt_state, batch).compile()
+  total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
+  if offloaded and compiled.memory_analysis().host_argument_size_in_bytes == 0:
+    total -= optax_adama.host_state_bytes(opt_state)
+  return total
 
 
 def largest_fitting(fits: Callable[[int], bool], low: int, high: int,
@@ -425,12 +500,17 @@ def measure_capacity(
           lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale, guess=guess)
       total, count = measure(method, scale) if scale >= 1 else (0, 0)
       hidden = gpt_family(scale).hidden if scale >= 1 else 0
-      while refine_width and scale >= 1:
-        wider = measure(method, scale, hidden + 64)
-        if wider[0] > budget_bytes:
-          break
-        hidden += 64
-        total, count = wider
+      if refine_width and scale >= 1:
+        # Bytes grow about linearly in the width at a fixed depth: one step of
+        # 64 gives the slope, and the gallop starts where it points.
+        wider = lambda steps: measure(method, scale, hidden + 64 * steps)
+        if wider(1)[0] <= budget_bytes:
+          per_step = max(wider(1)[0] - total, 1)
+          steps = largest_fitting(
+              lambda k: wider(k)[0] <= budget_bytes, 1, 4 * hidden // 64,
+              guess=int((budget_bytes - total) // per_step))
+          hidden += 64 * steps
+          total, count = measure(method, scale, hidden)
       results.append({"budget_gb": budget, "method": method, "scale": scale,
                       "hidden": hidden, "param_count": count, "total_bytes": total,
                       "compiles": len(cache)})
@@ -536,7 +616,8 @@ def _parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--methods", nargs="+", choices=METHODS + SHARDED_METHODS + RELEASE_METHODS,
+  common.add_argument("--methods", nargs="+",
+                      choices=METHODS + SHARDED_METHODS + RELEASE_METHODS + STATE_METHODS,
                       default=list(METHODS))
   common.add_argument("--micro-batch-size", type=int, default=1)
   common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")

@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import SingleDeviceSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["offload_moments", "offloaded_state_shapes", "host_state_bytes"]
 
@@ -106,7 +107,10 @@ def offloaded_state_shapes(
     ``pinned_host`` sharding.
   """
   device = device or jax.devices()[0]
-  host = SingleDeviceSharding(device, memory_kind=HOST_MEMORY_KIND)
+  # A NamedSharding: jit reads a ShapeDtypeStruct's memory space from that
+  # kind of sharding only (a SingleDeviceSharding's memory kind is dropped).
+  host = NamedSharding(Mesh(np.array([device]), ("device",)), PartitionSpec(),
+                       memory_kind=HOST_MEMORY_KIND)
   return jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=host)
       if _offloads(s, min_size) else s, state_shapes)
