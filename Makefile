@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m models.train --compare
+	$(BIN)/python -m models.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -n 2

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models import data
+from models import data, savers
 
 MODEL_KINDS = ("gpt", "bert", "vit")
 OPTIMIZERS = ("adama", "adam", "multisteps")
@@ -58,6 +58,8 @@ class TrainConfig:
   data_path: str | None = None  # a user text file or directory (text models).
   max_bytes: int = 2_000_000  # corpus cap for the standard-library text.
   remat: str = "none"
+  gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
+  scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
   # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
   nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
@@ -110,6 +112,22 @@ class TrainConfig:
   @property
   def preset_name(self) -> str:
     return self.preset or f"{self.model}_tiny"
+
+
+# Options only one side of `--compare` takes; the other side keeps its default.
+ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator")
+ACCUMULATION_ONLY = ("accumulation_dtype",)
+
+
+def config_for(options: dict[str, Any], optimizer: str) -> TrainConfig:
+  """The run of `optimizer` from `options`, less what only the other optimizer takes.
+
+  `--compare --nu-estimator momentum --accumulation-dtype bfloat16` then means
+  AdamA with the momentum estimator against Adam with a bf16 accumulator.
+  """
+  dropped = ACCUMULATION_ONLY if optimizer == "adama" else ADAMA_ONLY
+  return TrainConfig(**{**{k: v for k, v in options.items() if k not in dropped},
+                        "optimizer": optimizer})
 
 
 def warmup_cosine_schedule(
@@ -199,7 +217,8 @@ def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
 
 def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   """Trains one model and returns its metrics (see the module docstring)."""
-  model_config = models.get_config(config.preset_name, remat=config.remat)
+  model_config = models.get_config(config.preset_name, remat=config.remat,
+                                   gelu_bits=config.gelu_bits, scan_layers=config.scan_layers)
   model = models.create(model_config, rngs=nnx.Rngs(config.seed))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   del model  # the loss merges params back into a fresh module each call
@@ -318,6 +337,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="your own text file or directory (gpt/bert)")
   parser.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
   parser.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
+  parser.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
+                      help="GELU backward from a code of this many bits (models.savers); "
+                           "default: exact")
+  parser.add_argument("--scan-layers", action="store_true",
+                      help="blocks' params stacked and run under one lax.scan")
+  parser.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",
+                      help="models.plan chooses N, remat, savers and moment storage to fit "
+                           "this many GB at the best predicted step time (overrides them)")
   parser.add_argument("--mu-dtype", choices=MOMENT_DTYPES, default=None,
                       help="first-moment dtype (default: the params' dtype)")
   parser.add_argument("--nu-dtype", choices=MOMENT_DTYPES, default=None,
@@ -337,13 +364,29 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def _planned(config: TrainConfig, budget_gb: float, *, progress: bool) -> dict[str, Any]:
+  """The TrainConfig fields `models.plan` chooses for `config` under `budget_gb`."""
+  from models import plan  # models.plan imports this module.
+  chosen = plan.plan(config.preset_name, budget_gb * 1e9, batch_size=config.batch_size,
+                     seq_len=config.seq_len, progress=progress)
+  print(chosen.table())
+  print(f"plan: {chosen.choice.describe()}, verified "
+        f"{chosen.verified.device_bytes / 1e9:.3f} GB of {budget_gb:g} GB")
+  return chosen.choice.train_overrides()
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse_args(argv)
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-  optimizers = ("adama", "adam") if args.compare else (config.optimizer,)
+  options = {k: v for k, v in vars(args).items() if k in fields}
+  if args.plan is not None:
+    options.update(_planned(TrainConfig(**options), args.plan, progress=not args.no_progress))
   # All configs first: a bad combination fails before any training.
-  run_configs = [dataclasses.replace(config, optimizer=o) for o in optimizers]
+  if args.compare:
+    run_configs = [config_for(options, o) for o in ("adama", "adam")]
+  else:
+    run_configs = [TrainConfig(**options)]
+  config = run_configs[0]
   runs = [train(run_config, progress=not args.no_progress) for run_config in run_configs]
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "
         f"batch {config.batch_size} = {config.num_micro_batches} micro-batches, "
