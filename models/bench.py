@@ -612,6 +612,28 @@ def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
   plt.close(fig)
 
 
+def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
+  """Parameters that fit against the budget, one line per method."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from models.validate import save_figure
+
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for method in dict.fromkeys(r["method"] for r in results):
+    points = sorted((r["budget_gb"], r["param_count"] / 1e9)
+                    for r in results if r["method"] == method)
+    ax.plot(*zip(*points), marker="o", label=method)
+  ax.set_xlabel("device memory budget (GB, compile-only memory_analysis)")
+  ax.set_ylabel("parameters that fit (billions)")
+  ax.set_title("Largest GPT-family model per budget (N = 4, 1 sequence / micro-batch)",
+               fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  save_figure(fig, path)
+
+
 def _parse_args(argv):
   parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -645,6 +667,8 @@ def _parse_args(argv):
   tab.add_argument("json_in", type=Path, nargs="+")
   tab.add_argument("--json", type=Path, default=None, help="write the merged JSON here")
   tab.add_argument("--markdown", type=Path, default=None, help="write the table here")
+  tab.add_argument("--plot", type=Path, default=None,
+                   help="capacity runs: PNG of parameters that fit against the budget")
   cap = sub.add_parser("capacity", parents=[common], help="largest GPT under a budget")
   cap.add_argument("--budgets-gb", type=float, nargs="+", default=[16, 24, 40, 80])
   cap.add_argument("--num-micro-batches", type=int, default=4)
@@ -746,6 +770,8 @@ def merge_tables(args: argparse.Namespace) -> dict[str, Any]:
     merged["capacity"] = sorted((r for run in runs for r in run["capacity"]),
                                 key=lambda r: r["budget_gb"])
     table = capacity_table(merged["capacity"])
+    if args.plot:
+      plot_capacity(merged["capacity"], args.plot)
   print(table)
   _write_outputs(args, merged, table)
   return merged

@@ -1,0 +1,106 @@
+"""Convergence of AdamA with 8-bit, low-rank and offloaded moments against Adam.
+
+    python benchmarks/low_rank_convergence.py --seeds 0 1 \
+        --out benchmarks/raw/low_rank_convergence.json \
+        --markdown benchmarks/low_rank_convergence.md
+
+The protocol of ``models.validate`` for gpt_tiny (same settings, same data
+order and initial weights per seed, held-out loss at the end): Adam with
+gradient accumulation against AdamA at N = 4 with full float32 moments, 8-bit
+moments, rank-32 (width / 4) GaLore moments refreshed every 50 mini-batches
+(8-bit, bf16 projectors) and the same with the state offloaded to host memory.
+The optimizer of each arm replaces ``models.train.make_optimizer``'s for its
+run; everything else is ``models.train.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+import optax_adama
+from models import train, validate
+
+NUM_MICRO_BATCHES = 4
+RANK, REFRESH_PERIOD = 32, 50
+ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload")
+
+
+def arm_optimizer(arm: str, config: train.TrainConfig):
+  """The optimizer of an AdamA arm, with the run's schedule."""
+  schedule = train.warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
+  quantization = optax_adama.BlockQuantization() if "8bit" in arm else None
+  tx = optax_adama.adama(schedule, num_micro_batches=config.num_micro_batches,
+                         quantization=quantization)
+  if "lowrank" in arm:
+    tx = optax_adama.low_rank(tx, rank=RANK, refresh_period=REFRESH_PERIOD,
+                              projector_dtype=jnp.bfloat16)
+  if arm.endswith("_offload"):
+    tx = optax_adama.offload_moments(tx)
+  return tx
+
+
+def run(arm: str, seed: int, steps: int) -> dict:
+  settings = {**validate.SETTINGS["gpt"], "steps": steps}
+  config = train.TrainConfig(
+      model="gpt", optimizer="adam" if arm == "adam" else "adama",
+      num_micro_batches=NUM_MICRO_BATCHES, seed=seed, **settings)
+  make_optimizer = train.make_optimizer
+  if arm != "adam":
+    train.make_optimizer = lambda c: arm_optimizer(arm, c)
+  try:
+    result = train.train(config, progress=False)
+  finally:
+    train.make_optimizer = make_optimizer
+  return {"arm": arm, "seed": seed, "eval_loss": result["eval_loss"],
+          "eval_metrics": result["eval_metrics"], "train_loss": result["train_loss"],
+          "memory": result["memory"], "machine": result["machine"]}
+
+
+def table(runs: list[dict], command: str) -> str:
+  adam = {r["seed"]: r["eval_loss"] for r in runs if r["arm"] == "adam"}
+  lines = [f"Command: `{command}`", "",
+           "| arm (gpt_tiny, N = 4) | seeds | held-out loss | rel. diff to Adam "
+           "| max paired | compiled step memory |", "|---|---|---|---|---|---|"]
+  for arm in ARMS:
+    mine = [r for r in runs if r["arm"] == arm]
+    if not mine:
+      continue
+    losses = np.array([r["eval_loss"] for r in mine])
+    paired = [r["eval_loss"] / adam[r["seed"]] - 1 for r in mine if r["seed"] in adam]
+    rel = f"{100 * (losses.mean() / np.mean(list(adam.values())) - 1):+.2f}%" if adam else ""
+    worst = f"{100 * max(paired, key=abs):+.2f}%" if paired and arm != "adam" else ""
+    memory = mine[0]["memory"]
+    lines.append(f"| {arm} | {len(mine)} | {losses.mean():.4f} ± {losses.std():.4f} | "
+                 f"{'' if arm == 'adam' else rel} | {worst} | "
+                 f"{memory['total_bytes'] / 2**20:.1f} MiB ({memory['total_p']:.2f} P) |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+  parser.add_argument("--steps", type=int, default=validate.SETTINGS["gpt"]["steps"])
+  parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+  parser.add_argument("--out", type=Path, required=True)
+  parser.add_argument("--markdown", type=Path, required=True)
+  args = parser.parse_args(argv)
+  command = "python benchmarks/low_rank_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  runs = []
+  for seed in args.seeds:
+    for arm in args.arms:
+      runs.append(run(arm, seed, args.steps))
+      print(arm, seed, runs[-1]["eval_loss"], flush=True)
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      args.out.write_text(json.dumps({"command": command, "runs": runs}, indent=1))
+      args.markdown.write_text(table(runs, command) + "\n")
+  print(table(runs, command))
+
+
+if __name__ == "__main__":
+  main()
