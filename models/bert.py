@@ -108,7 +108,8 @@ class BERT(nnx.Module):
     self.blocks = layers.make_blocks(
         lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=False,
-            layer_norm_eps=config.layer_norm_eps, gelu_approximate=False,
+            layer_norm_eps=config.layer_norm_eps,
+            gelu_approximate=False, gelu_bits=config.gelu_bits,
             dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
         ),
         config.num_layers, scan_layers=config.scan_layers,

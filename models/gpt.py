@@ -100,7 +100,8 @@ class GPT(nnx.Module):
     self.blocks = layers.make_blocks(
         lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
-            layer_norm_eps=config.layer_norm_eps, gelu_approximate=True,
+            layer_norm_eps=config.layer_norm_eps,
+            gelu_approximate=True, gelu_bits=config.gelu_bits,
             dtype=config.dtype, param_dtype=config.param_dtype,
             out_init=out_init, rngs=rngs,
         ),

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models import savers
+
 Array = jax.Array
 DType = Any
 
@@ -35,12 +37,19 @@ CHECKPOINT_NAMES = ("qkv", "attention_context", "attention_out", "mlp_hidden", "
 #   dots          keep matmul outputs, recompute elementwise ops (GELU, LN, ...)
 #   dots_no_batch keep only weight matmuls; attention scores (T x T, batched
 #                 dots) are recomputed, which is what saves memory at long T
+#   offload       the "minimal" tensors, moved to host memory (pinned_host)
+#                 after the forward and back for the backward: device memory
+#                 of "full", without its recompute of the matmuls, for
+#                 host-link traffic (the idea of SSDTrain, which offloads to SSDs)
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "minimal": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=CHECKPOINT_NAMES,
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -61,6 +70,9 @@ class TransformerConfig:
     scan_layers: keep the blocks' params stacked on a leading layer axis and
       run them under one `jax.lax.scan` (one block compiled, not
       `num_layers`); same params and outputs as the unrolled stack.
+    gelu_bits: None for autodiff's GELU; 1 to 4 for `savers.few_bit_gelu` in
+      the blocks' MLPs (same forward; the backward keeps a packed code of
+      that many bits per element instead of the float input).
     dtype: compute dtype.
     param_dtype: parameter dtype.
   """
@@ -72,12 +84,16 @@ class TransformerConfig:
   layer_norm_eps: float = 1e-5
   remat: str = "none"
   scan_layers: bool = False
+  gelu_bits: int | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.gelu_bits is not None and self.gelu_bits not in savers.CODE_BITS:
+      raise ValueError(f"gelu_bits must be None or one of {savers.CODE_BITS}, "
+                       f"got {self.gelu_bits!r}")
 
   @property
   def mlp_width(self) -> int:
@@ -211,6 +227,7 @@ class MLP(nnx.Module):
       mlp_dim: int,
       *,
       gelu_approximate: bool,
+      gelu_bits: int | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
       out_init: nnx.Initializer = DEFAULT_INIT,
@@ -223,12 +240,14 @@ class MLP(nnx.Module):
       mlp_dim: inner width (4 * hidden in GPT-2, BERT and ViT).
       gelu_approximate: tanh GELU (GPT-2) instead of the exact erf GELU
         (BERT, ViT).
+      gelu_bits: None, or 1 to 4: `savers.few_bit_gelu` with that many bits.
       dtype: compute dtype.
       param_dtype: parameter dtype.
       out_init: init of the output projection.
       rngs: random streams for initialisation.
     """
     self.gelu_approximate = gelu_approximate
+    self.gelu_bits = gelu_bits
     self.fc = nnx.Linear(
         hidden, mlp_dim, kernel_init=DEFAULT_INIT,
         dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -241,7 +260,10 @@ class MLP(nnx.Module):
   def __call__(self, x: Array) -> Array:
     """Applies fc -> GELU -> proj to [..., hidden] inputs."""
     h = checkpoint_name(self.fc(x), "mlp_hidden")
-    h = jax.nn.gelu(h, approximate=self.gelu_approximate)
+    if self.gelu_bits is None:
+      h = jax.nn.gelu(h, approximate=self.gelu_approximate)
+    else:
+      h = savers.few_bit_gelu(h, self.gelu_bits, self.gelu_approximate)
     return checkpoint_name(self.proj(h), "mlp_out")
 
 
@@ -261,6 +283,7 @@ class Block(nnx.Module):
       pre_norm: bool,
       layer_norm_eps: float,
       gelu_approximate: bool,
+      gelu_bits: int | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
       out_init: nnx.Initializer = DEFAULT_INIT,
@@ -279,7 +302,8 @@ class Block(nnx.Module):
         hidden, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )
     self.mlp = MLP(
-        hidden, mlp_dim, gelu_approximate=gelu_approximate, dtype=dtype,
+        hidden, mlp_dim, gelu_approximate=gelu_approximate, gelu_bits=gelu_bits,
+        dtype=dtype,
         param_dtype=param_dtype, out_init=out_init, rngs=rngs,
     )
 

@@ -396,7 +396,8 @@ def test_presets_are_frozen_and_hashable():
 
 
 def test_remat_policy_names():
-  assert set(layers.REMAT_POLICIES) == {"none", "minimal", "full", "dots", "dots_no_batch"}
+  assert set(layers.REMAT_POLICIES) == {"none", "minimal", "full", "dots", "dots_no_batch",
+                                       "offload"}
 
 
 def test_loss_fn_scans_over_micro_batches():

@@ -1,0 +1,446 @@
+"""Plan a training step that fits a memory budget: N, remat, savers and moments.
+
+    python -m models.plan --preset gpt2_large --budget-gb 24
+    python -m models.train --preset gpt2_large --plan 24      # trains with the plan
+    python -m models.plan --preset gpt2_small --survey --num-micro-batches 4
+
+`plan` searches the settings this project can switch without changing the
+model's forward pass: the number of micro-batches N (the mini-batch is fixed),
+the remat policy, the few-bit GELU backward (`models.savers`) and the storage
+of AdamA's moments (float32, bfloat16, 8-bit blocks). Every number comes from
+compiling the real AdamA step (`optax_adama.microbatch_step` with the optimizer
+`models.train` builds) for abstract inputs: nothing is allocated or run.
+
+- Memory: `memory_analysis()` of the compiled step; device bytes are argument +
+  output + temp - alias, host bytes (what "offload" moves to pinned host
+  memory) the same over the host_* fields.
+- Time: a roofline sum over XLA's `cost_analysis()`,
+  `N * (flops / peak_flops + bytes_accessed / memory_bandwidth)` plus
+  `N * 2 * host_bytes / host_bandwidth` for offloaded activations (out on the
+  forward, back on the backward). XLA counts a loop body once, so the step's
+  counts are taken per micro-batch and multiplied by N, and the layer scan's
+  body (the model is planned with `scan_layers`) is completed with the cost of
+  one more layer's forward and backward, compiled alone, times L - 1.
+
+The model is planned with `scan_layers=True`: one block compiled, so a plan of
+gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
+shows in the compiled memory only under a scan (XLA's CPU scheduler keeps an
+unrolled model's activations alive whatever the policy saves).
+
+Search, per activation setting (remat policy, GELU bits): the smallest N that
+fits with float32 moments, by bisection over the divisors of the batch size
+(memory falls as N grows, predicted time grows with N: each micro-batch pays
+AdamA's fold over all moments); then bfloat16 and 8-bit moments, only where
+they let a smaller N fit. Narrower moments change the optimizer's numerics, so
+they are a memory lever, not a speed one. The fastest predicted candidate wins
+and is compiled once more, uncached, to verify it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax_adama
+
+import models
+from models import bench, train
+
+# Activation settings: (remat policy, few-bit GELU bits). Few-bit GELU only
+# changes what is saved where the GELU input would be saved: with no remat.
+# Every other policy saves the matmul outputs (the GELU input among them) or
+# recomputes the block.
+ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
+    ("none", None), ("none", 4), ("none", 2), ("dots_no_batch", None), ("dots", None),
+    ("minimal", None), ("offload", None), ("full", None),
+)
+# Moment storage, most precise first: the planner narrows only to fit.
+MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
+
+  Attributes:
+    peak_flops: float32 flop/s.
+    memory_bandwidth: device memory bytes/s.
+    host_bandwidth: bytes/s each way between device and pinned host memory.
+  """
+
+  peak_flops: float = 80e12
+  memory_bandwidth: float = 1.0e12
+  host_bandwidth: float = 25e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One setting of the step: what `models.train` takes as flags."""
+
+  num_micro_batches: int
+  remat: str = "none"
+  gelu_bits: int | None = None
+  moments: str = "float32"  # one of MOMENT_STORAGES
+
+  def describe(self) -> str:
+    saver = f"gelu {self.gelu_bits}-bit" if self.gelu_bits else "-"
+    return f"N={self.num_micro_batches} remat={self.remat} savers={saver} moments={self.moments}"
+
+  def train_overrides(self) -> dict[str, Any]:
+    """The `models.train.TrainConfig` fields of this setting."""
+    narrow = "bfloat16" if self.moments == "bfloat16" else None
+    return {"num_micro_batches": self.num_micro_batches, "remat": self.remat,
+            "gelu_bits": self.gelu_bits, "mu_dtype": narrow, "nu_dtype": narrow,
+            "quantize_moments": self.moments == "8bit", "scan_layers": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """Compile-only numbers of one candidate's step.
+
+  Attributes:
+    device_bytes: argument + output + temp - alias bytes on the device.
+    host_bytes: the same over the host_* fields (offloaded activations).
+    param_bytes: P, bytes of one float32 copy of the params.
+    flops: predicted flops of the whole step (all micro-batches and layers).
+    bytes_accessed: predicted memory traffic of the whole step, bytes.
+    compile_s: seconds spent compiling.
+  """
+
+  device_bytes: int
+  host_bytes: int
+  param_bytes: int
+  flops: float
+  bytes_accessed: float
+  compile_s: float
+
+  def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
+    """The roofline step time (see the module docstring), seconds."""
+    return (self.flops / machine.peak_flops + self.bytes_accessed / machine.memory_bandwidth
+            + num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Considered:
+  """A candidate the planner compiled, and whether it fits."""
+
+  candidate: Candidate
+  measurement: Measurement
+  predicted_s: float
+  fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The planner's answer and why: every candidate it compiled."""
+
+  preset: str
+  budget_bytes: int
+  batch_size: int
+  seq_len: int | None
+  choice: Candidate
+  verified: Measurement  # the choice compiled again, uncached
+  predicted_s: float
+  considered: tuple[Considered, ...]
+
+  def table(self) -> str:
+    """Markdown: every candidate compiled, best predicted first; the choice marked."""
+    p = self.verified.param_bytes
+    lines = ["| candidate | device memory | host memory | predicted step | fits |",
+             "|---|---|---|---|---|"]
+    for row in sorted(self.considered, key=lambda r: (not r.fits, r.predicted_s)):
+      mark = " **(chosen)**" if row.candidate == self.choice else ""
+      m = row.measurement
+      lines.append(
+          f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.2f} GB "
+          f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.2f} GB "
+          f"| {row.predicted_s * 1e3:.1f} ms | {'yes' if row.fits else 'no'} |")
+    return "\n".join(lines)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def model_kind(config: models.Config) -> str:
+  """"gpt", "bert" or "vit": the `models.train --model` of a config."""
+  kinds = {models.GPTConfig: "gpt", models.BERTConfig: "bert", models.ViTConfig: "vit"}
+  return kinds[type(config)]
+
+
+def train_config(preset: str, candidate: Candidate, *, batch_size: int,
+                 seq_len: int | None) -> train.TrainConfig:
+  """The `models.train` run of a candidate (so the plan compiles what train runs)."""
+  kind = model_kind(models.get_config(preset))
+  extra = {} if seq_len is None else {"seq_len": seq_len}
+  return train.TrainConfig(model=kind, preset=preset, batch_size=batch_size,
+                           **extra, **candidate.train_overrides())
+
+
+def _cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
+  analysis = compiled.cost_analysis()
+  return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+
+
+def measure(preset: str, candidate: Candidate, *, batch_size: int,
+            seq_len: int | None) -> Measurement:
+  """Compiles a candidate's AdamA step (compile only) and measures it.
+
+  Args:
+    preset: a key of `models.PRESETS`.
+    candidate: the setting to compile.
+    batch_size: the mini-batch (sequences or images); split into N micro-batches.
+    seq_len: tokens per sequence (text models); None: the preset's context.
+
+  Returns:
+    Its `Measurement`.
+  """
+  run = train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+  config = models.get_config(preset, remat=candidate.remat, gelu_bits=candidate.gelu_bits,
+                             scan_layers=True)
+  model = models.create_abstract(config)
+  loss_fn, params = models.split_loss_fn(model, has_aux=True)
+  tx = train.make_optimizer(run)
+  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=run.num_micro_batches,
+                                     has_aux=True)
+  batch = bench.abstract_batch(config, batch_size, seq_len)
+  start = time.perf_counter()
+  compiled = step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
+  step_flops, step_bytes = _cost(compiled)
+  layer_flops, layer_bytes = _layer_cost(
+      preset, candidate.remat, candidate.gelu_bits, batch_size // run.num_micro_batches, seq_len)
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  extra_layers = config.num_layers - 1
+  n = run.num_micro_batches
+  return Measurement(
+      device_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                       + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
+      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
+      param_bytes=optax_adama.tree_bytes(params),
+      flops=n * (step_flops + extra_layers * layer_flops),
+      bytes_accessed=n * (step_bytes + extra_layers * layer_bytes),
+      compile_s=compile_s)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size: int,
+                seq_len: int | None) -> tuple[float, float]:
+  """(flops, bytes) of one block's forward and backward under `remat`, compiled alone."""
+  config = models.get_config(preset, remat=remat, gelu_bits=gelu_bits, scan_layers=True)
+  staged, params = models.staged_loss(models.create_abstract(config))
+  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                              params["blocks"])
+  micro_batch = bench.abstract_batch(config, micro_batch_size, seq_len)
+  x = jax.eval_shape(staged.embed, params, micro_batch)
+
+  def block_loss(layer_params, x, micro_batch):
+    return jnp.sum(staged.block(layer_params, x, micro_batch).astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(block_loss, argnums=(0, 1)))
+  return _cost(grad.lower(layer_params, x, micro_batch).compile())
+
+
+def divisors(n: int) -> list[int]:
+  """The divisors of n, increasing: the N that split a batch of n evenly."""
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    preset: str,
+    budget_bytes: float,
+    *,
+    batch_size: int,
+    seq_len: int | None = None,
+    machine: Machine = Machine(),
+    activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
+    moment_storages: Sequence[str] = MOMENT_STORAGES,
+    measure_fn: Callable[[Candidate], Measurement] | None = None,
+    verify_fn: Callable[[Candidate], Measurement] | None = None,
+    progress: bool = False,
+) -> Plan:
+  """The fastest predicted AdamA step of `preset` that fits `budget_bytes`.
+
+  See the module docstring for the predictor and the search. Compiles are
+  cached per candidate in `measure_fn` (default: a fresh cache per call).
+
+  Args:
+    preset: a key of `models.PRESETS`.
+    budget_bytes: device memory budget, bytes.
+    batch_size: the mini-batch; N ranges over its divisors.
+    seq_len: tokens per sequence (text models); None: the preset's context.
+    machine: the rates of the time predictor.
+    activation_settings: (remat, gelu_bits) pairs to consider.
+    moment_storages: moment storages to consider, most precise first.
+    measure_fn: `measure_fn(candidate) -> Measurement`; pass a cached one to
+      share compiles between calls (tests do).
+    verify_fn: measures the choice once more; default: `measure`, uncached.
+    progress: print each compile to stderr.
+
+  Returns:
+    The `Plan`: its choice was compiled again and fits.
+
+  Raises:
+    ValueError: if no candidate fits (the message gives the smallest measured).
+  """
+  if measure_fn is None:
+    measure_fn = cached_measure(preset, batch_size=batch_size, seq_len=seq_len)
+  considered: dict[Candidate, Considered] = {}
+
+  def consider(candidate: Candidate) -> Considered:
+    if candidate not in considered:
+      measurement = measure_fn(candidate)
+      considered[candidate] = Considered(
+          candidate, measurement,
+          measurement.predicted_s(machine, candidate.num_micro_batches),
+          measurement.device_bytes <= budget_bytes)
+      if progress:
+        row = considered[candidate]
+        print(f"  {candidate.describe()}: {measurement.device_bytes / 1e9:.2f} GB, "
+              f"{row.predicted_s * 1e3:.1f} ms, compiled in {measurement.compile_s:.1f} s",
+              file=sys.stderr)
+    return considered[candidate]
+
+  splits = divisors(batch_size)
+  fitting: list[Considered] = []
+  for remat, gelu_bits in activation_settings:
+    # Smallest fitting N with each storage; a narrower one must beat the last.
+    upper = len(splits)
+    for moments in moment_storages:
+      index = _smallest_fitting(
+          lambda i: consider(Candidate(splits[i], remat, gelu_bits, moments)).fits, upper)
+      if index is not None:
+        fitting.append(considered[Candidate(splits[index], remat, gelu_bits, moments)])
+        upper = index
+      if upper == 0:
+        break
+  if not fitting:
+    smallest = min(considered.values(), key=lambda r: r.measurement.device_bytes)
+    raise ValueError(
+        f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset} at batch {batch_size}: the "
+        f"smallest step measured is {smallest.candidate.describe()} at "
+        f"{smallest.measurement.device_bytes / 1e9:.3g} GB. Raise the budget or the "
+        "batch's divisibility (a larger N), or shorten the sequences.")
+  precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
+  best = min(fitting, key=lambda r: (r.predicted_s, precision[r.candidate.moments]))
+  if verify_fn is None:
+    verify_fn = functools.partial(measure, preset, batch_size=batch_size, seq_len=seq_len)
+  verified = verify_fn(best.candidate)
+  if verified.device_bytes > budget_bytes:
+    raise RuntimeError(f"the chosen {best.candidate.describe()} measured "
+                       f"{verified.device_bytes:,} B on recompiling, over the budget.")
+  return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
+              best.predicted_s, tuple(considered.values()))
+
+
+def _smallest_fitting(fits: Callable[[int], bool], upper: int) -> int | None:
+  """Smallest i in [0, upper) with fits(i), for fits monotone in i; None if none."""
+  if upper == 0 or not fits(upper - 1):
+    return None
+  low, high = 0, upper - 1  # fits(high) holds
+  while low < high:
+    mid = (low + high) // 2
+    if fits(mid):
+      high = mid
+    else:
+      low = mid + 1
+  return high
+
+
+def cached_measure(preset: str, *, batch_size: int,
+                   seq_len: int | None) -> Callable[[Candidate], Measurement]:
+  """`measure` for one preset and batch, with each candidate compiled once."""
+
+  @functools.lru_cache(maxsize=None)
+  def measure_candidate(candidate: Candidate) -> Measurement:
+    return measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+
+  return measure_candidate
+
+
+def survey(preset: str, *, num_micro_batches: int, batch_size: int,
+           seq_len: int | None = None,
+           activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
+           machine: Machine = Machine()) -> list[Considered]:
+  """Every activation setting at one N with float32 moments (fits: always True)."""
+  rows = []
+  for remat, gelu_bits in activation_settings:
+    candidate = Candidate(num_micro_batches, remat, gelu_bits)
+    measurement = measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+    rows.append(Considered(candidate, measurement,
+                           measurement.predicted_s(machine, num_micro_batches), True))
+  return rows
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m models.plan",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", required=True, choices=sorted(models.PRESETS))
+  parser.add_argument("--budget-gb", type=float, default=None,
+                      help="device memory budget in GB (1e9 bytes)")
+  parser.add_argument("--batch-size", type=int, default=8,
+                      help="mini-batch (sequences or images); N divides it")
+  parser.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per sequence; default: the preset's context")
+  parser.add_argument("--peak-tflops", type=float, default=Machine.peak_flops / 1e12)
+  parser.add_argument("--bandwidth-gbs", type=float, default=Machine.memory_bandwidth / 1e9)
+  parser.add_argument("--host-gbs", type=float, default=Machine.host_bandwidth / 1e9)
+  parser.add_argument("--survey", action="store_true",
+                      help="instead: measure every activation setting at one N")
+  parser.add_argument("--num-micro-batches", type=int, default=4, help="N of --survey")
+  parser.add_argument("--json", type=Path, default=None)
+  parser.add_argument("--markdown", type=Path, default=None)
+  args = parser.parse_args(argv)
+  if args.budget_gb is None and not args.survey:
+    parser.error("give --budget-gb (or --survey)")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
+  args = _parse_args(argv)
+  machine = Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9, args.host_gbs * 1e9)
+  header = (f"{args.preset}, batch {args.batch_size}, seq_len {args.seq_len or 'preset'}, "
+            f"on {jax.default_backend()} (compile only); predictor: {machine}")
+  if args.survey:
+    rows = survey(args.preset, num_micro_batches=args.num_micro_batches,
+                  batch_size=args.batch_size, seq_len=args.seq_len, machine=machine)
+    p = rows[0].measurement.param_bytes
+    lines = ["| setting | device memory | host memory | predicted step |", "|---|---|---|---|"]
+    lines += [f"| {r.candidate.describe()} | {r.measurement.device_bytes:,} B "
+              f"({r.measurement.device_bytes / p:.2f} P) | {r.measurement.host_bytes:,} B "
+              f"| {r.predicted_s * 1e3:.1f} ms |" for r in rows]
+    table, result = "\n".join(lines), rows
+    payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
+  else:
+    result = plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
+                  seq_len=args.seq_len, machine=machine, progress=True)
+    c = result.verified
+    table = (f"{result.table()}\n\nchosen: {result.choice.describe()}: verified "
+             f"{c.device_bytes / 1e9:.2f} GB ({c.device_bytes / c.param_bytes:.2f} P) of "
+             f"{args.budget_gb:g} GB, predicted {result.predicted_s * 1e3:.1f} ms a step\n"
+             f"train with: python -m models.train --preset {args.preset} "
+             f"--batch-size {args.batch_size} --plan {args.budget_gb:g}")
+    payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
+               "plan": result.to_dict()}
+  print(header)
+  print(table)
+  if args.markdown:
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(f"{header}\n\n{table}\n")
+  if args.json:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=1, default=str))
+  return result
+
+
+if __name__ == "__main__":
+  main()

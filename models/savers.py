@@ -1,0 +1,263 @@
+"""Activation savers: layers whose backward pass keeps less than autodiff would.
+
+Pure JAX (`jax.custom_vjp`), usable in any Flax or plain-JAX model. Each saver
+computes the same forward value as the layer it replaces and changes only what
+is saved for the backward pass, so it composes with AdamA (which never sees the
+activations) and with any `jax.checkpoint` policy.
+
+- `few_bit_gelu`: GELU whose backward keeps a `bits`-bit code of the input
+  (1 to 4 bits, packed into uint8) instead of the float input, and multiplies
+  the incoming cotangent by a piecewise-constant approximation of GELU' with
+  the levels and boundaries that minimise the derivative's L2 error under a
+  standard normal input (`gelu_derivative_code`).
+
+References:
+  Novikov, Bershatsky, Gusak, Shonenkov, Dimitrov, Oseledets, "Few-Bit Backward:
+  Quantized Gradients of Activation Functions for Memory Footprint Reduction",
+  ICML 2023, https://arxiv.org/abs/2202.00441
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# Bits a code may have, and the width of the uint8 slot that holds one code:
+# 3-bit codes do not tile a byte, so they are stored in 4-bit slots.
+CODE_BITS = (1, 2, 3, 4)
+_SLOT_BITS = {1: 1, 2: 2, 3: 4, 4: 4}
+
+# The design grid: the derivative is flat (0 or 1) outside +-8 and a standard
+# normal puts ~1e-15 of its mass there, so the outer intervals end at the grid.
+_GRID_LIMIT = 8.0
+_GRID_POINTS = 2**16
+_TANH_GELU_SCALE = math.sqrt(2.0 / math.pi)
+_TANH_GELU_CUBIC = 0.044715
+
+
+def gelu_derivative(x: np.ndarray, approximate: bool = False) -> np.ndarray:
+  """GELU'(x) in float64: of x Phi(x), or of GPT-2's tanh form if `approximate`."""
+  x = np.asarray(x, np.float64)
+  if approximate:
+    inner = _TANH_GELU_SCALE * (x + _TANH_GELU_CUBIC * x**3)
+    tanh = np.tanh(inner)
+    inner_slope = _TANH_GELU_SCALE * (1.0 + 3.0 * _TANH_GELU_CUBIC * x**2)
+    return 0.5 * (1.0 + tanh) + 0.5 * x * (1.0 - tanh**2) * inner_slope
+  cdf = 0.5 * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
+  return cdf + x * standard_normal_pdf(x)
+
+
+def standard_normal_pdf(x: np.ndarray) -> np.ndarray:
+  """The N(0, 1) density, the weight of the method's error."""
+  return np.exp(-0.5 * np.square(x)) / math.sqrt(2.0 * math.pi)
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivativeCode:
+  """A piecewise-constant approximation of an activation's derivative.
+
+  Interval i is [boundaries[i-1], boundaries[i]) with boundaries[-1] = -inf and
+  boundaries[num_levels - 1] = +inf; the derivative is `levels[i]` on it.
+
+  Attributes:
+    bits: bits of one code; there are 2**bits intervals.
+    boundaries: float64[2**bits - 1], increasing.
+    levels: float64[2**bits], the value of the derivative on each interval.
+    l2_error: E[(f'(x) - q(x))^2] for x ~ N(0, 1): what the design minimises.
+  """
+
+  bits: int
+  boundaries: np.ndarray
+  levels: np.ndarray
+  l2_error: float
+
+
+def _design_grid(approximate: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(points, normal weights, derivative) of a midpoint rule on [-8, 8]."""
+  width = 2 * _GRID_LIMIT / _GRID_POINTS
+  points = -_GRID_LIMIT + width * (np.arange(_GRID_POINTS) + 0.5)
+  return points, standard_normal_pdf(points) * width, gelu_derivative(points, approximate)
+
+
+def piecewise_l2_error(
+    boundaries: np.ndarray, levels: np.ndarray, *, approximate: bool = False
+) -> float:
+  """E[(GELU'(x) - q(x))^2], x ~ N(0, 1), of the code (boundaries, levels)."""
+  points, weights, derivative = _design_grid(approximate)
+  approximation = np.asarray(levels)[np.searchsorted(boundaries, points, side="right")]
+  return float(np.sum(weights * np.square(derivative - approximation)))
+
+
+def _lloyd(cuts: np.ndarray, weights: np.ndarray, derivative: np.ndarray,
+           max_iterations: int) -> np.ndarray:
+  """Alternates the two optimality conditions until no boundary moves.
+
+  `cuts` are grid indices: interval i is points[cuts[i]:cuts[i + 1]]. Each
+  level is set to its interval's weighted mean of f' (optimal for fixed
+  boundaries); then each boundary is moved, inside its neighbours, to the grid
+  point that minimises the error for fixed levels. Neither step can raise the
+  error, so the iteration descends to a stationary point of the
+  boundary-level problem.
+  """
+  mass = np.concatenate([[0.0], np.cumsum(weights)])
+  moment = np.concatenate([[0.0], np.cumsum(weights * derivative)])
+  for _ in range(max_iterations):
+    levels = (moment[cuts[1:]] - moment[cuts[:-1]]) / (mass[cuts[1:]] - mass[cuts[:-1]])
+    moved = cuts.copy()
+    for i in range(1, len(cuts) - 1):
+      low, high = moved[i - 1] + 1, moved[i + 1] - 1
+      left, right = levels[i - 1], levels[i]
+      # Error with the boundary at s, minus a constant: the prefix sum of
+      # w [(f' - left)^2 - (f' - right)^2] from the left neighbour to s.
+      gain = weights[low - 1:high] * (right - left) * (
+          2.0 * derivative[low - 1:high] - left - right)
+      prefix = np.concatenate([[0.0], np.cumsum(gain)])
+      moved[i] = low - 1 + int(np.argmin(prefix[1:])) + 1
+    if np.array_equal(moved, cuts):
+      break
+    cuts = moved
+  return cuts
+
+
+@functools.lru_cache(maxsize=None)
+def gelu_derivative_code(bits: int, approximate: bool = False) -> DerivativeCode:
+  """The optimal `bits`-bit piecewise-constant approximation of GELU'.
+
+  Minimises, over 2**bits - 1 boundaries s and 2**bits levels y,
+
+  .. math::
+    \\int (f'(x) - q(x))^2 \\, \\varphi(x) \\, dx, \\qquad
+    q(x) = y_i \\text{ for } s_{i-1} \\le x < s_i,
+
+  with `phi` the N(0, 1) density (the paper's model of pre-activations). At
+  the optimum each level is the phi-weighted mean of f' on its interval and
+  f'(s_i) = (y_i + y_{i+1}) / 2 at each boundary. GELU' is not monotone
+  (it dips below 0 and rises above 1), so the problem has local optima:
+  Lloyd's alternation is run from two starts (equal-probability and
+  equal-width intervals) and the lower error kept. Cached: one design per
+  (bits, approximate) per process, about a second each.
+
+  Args:
+    bits: bits per code, 1 to 4.
+    approximate: design for the tanh GELU (GPT-2) instead of x Phi(x).
+
+  Returns:
+    The `DerivativeCode`; boundaries are accurate to the design grid (2.4e-4).
+
+  References:
+    Novikov et al., "Few-Bit Backward", https://arxiv.org/abs/2202.00441
+  """
+  if bits not in CODE_BITS:
+    raise ValueError(f"bits must be one of {CODE_BITS}, got {bits!r}.")
+  points, weights, derivative = _design_grid(approximate)
+  num_levels = 2**bits
+  # Start 1: intervals of equal normal probability; start 2: equal width on [-3, 3].
+  mass = np.cumsum(weights) / np.sum(weights)
+  quantile_cuts = np.searchsorted(mass, np.arange(1, num_levels) / num_levels)
+  width_cuts = np.searchsorted(points, np.linspace(-3.0, 3.0, num_levels + 1)[1:-1])
+  best = None
+  for inner in (quantile_cuts, width_cuts):
+    cuts = _lloyd(np.concatenate([[0], inner, [_GRID_POINTS]]).astype(np.int64),
+                  weights, derivative, max_iterations=2000)
+    sums = np.add.reduceat(weights, cuts[:-1]), np.add.reduceat(weights * derivative, cuts[:-1])
+    levels = sums[1] / sums[0]
+    # A boundary lies between the last point of one interval and the first of the next.
+    boundaries = 0.5 * (points[cuts[1:-1] - 1] + points[cuts[1:-1]])
+    error = piecewise_l2_error(boundaries, levels, approximate=approximate)
+    if best is None or error < best.l2_error:
+      best = DerivativeCode(bits, boundaries, levels, error)
+  return best
+
+
+def pack_codes(codes: Array, bits: int) -> Array:
+  """Packs integer codes in [0, 2**bits) into a flat uint8 array.
+
+  1-, 2- and 4-bit codes take exactly `bits` bits each; 3-bit codes take a
+  4-bit slot (8 / 3 is not whole). The last byte is zero-padded.
+  """
+  slot = _SLOT_BITS[bits]
+  per_byte = 8 // slot
+  flat = codes.reshape(-1).astype(jnp.uint8)
+  flat = jnp.pad(flat, (0, (-flat.size) % per_byte))
+  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * slot)[None, :]
+  # The shifted codes occupy disjoint bits, so their sum is their bitwise or.
+  return jnp.sum(flat.reshape(-1, per_byte) << shifts, axis=1, dtype=jnp.uint8)
+
+
+def unpack_codes(packed: Array, bits: int, size: int) -> Array:
+  """Inverse of `pack_codes`: the first `size` codes, as a flat uint8 array."""
+  slot = _SLOT_BITS[bits]
+  per_byte = 8 // slot
+  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * slot)[None, :]
+  mask = jnp.uint8(2**slot - 1)
+  return ((packed[:, None] >> shifts) & mask).reshape(-1)[:size]
+
+
+def packed_bytes(num_elements: int, bits: int) -> int:
+  """Bytes `pack_codes` uses for `num_elements` codes of `bits` bits."""
+  return -(-num_elements // (8 // _SLOT_BITS[bits]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def few_bit_gelu(x: Array, bits: int, approximate: bool = False) -> Array:
+  """GELU, exact forward, backward from a `bits`-bit code of the input.
+
+  The forward is `jax.nn.gelu(x, approximate)`. For the backward it keeps only
+  the index of the interval of `gelu_derivative_code(bits, approximate)` that
+  each element falls in, packed `8 // bits` to a byte (3 bits: two to a byte),
+  instead of the float input autodiff would keep, and returns
+  `cotangent * levels[code]`.
+
+  .. math::
+    \\frac{\\partial L}{\\partial x} \\approx \\frac{\\partial L}{\\partial y}
+    \\, q(x), \\qquad E_{x \\sim N(0,1)}[(q(x) - \\mathrm{GELU}'(x))^2]
+    = \\text{DerivativeCode.l2\\_error}
+
+  Args:
+    x: pre-activations, any float dtype and shape.
+    bits: bits per saved element, 1 to 4.
+    approximate: the tanh GELU (GPT-2) instead of x Phi(x) (BERT, ViT).
+
+  Returns:
+    GELU(x), same shape and dtype as `x`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from models.savers import few_bit_gelu
+    >>> x = jnp.linspace(-3.0, 3.0, 7)
+    >>> bool(jnp.allclose(few_bit_gelu(x, 2), jax.nn.gelu(x, approximate=False)))
+    True
+    >>> grad = jax.grad(lambda x: few_bit_gelu(x, 2).sum())(x)
+
+  References:
+    Novikov et al., "Few-Bit Backward", https://arxiv.org/abs/2202.00441
+  """
+  return jax.nn.gelu(x, approximate=approximate)
+
+
+def _few_bit_gelu_forward(x: Array, bits: int, approximate: bool) -> tuple[Array, Array]:
+  code = gelu_derivative_code(bits, approximate)
+  x32 = x.astype(jnp.float32)
+  # At most 15 boundaries: counting those below x is one fused elementwise pass
+  # (a binary search would loop over the whole array log2(15) times).
+  codes = sum((x32 >= float(b)).astype(jnp.uint8) for b in code.boundaries)
+  return jax.nn.gelu(x, approximate=approximate), pack_codes(codes, bits)
+
+
+def _few_bit_gelu_backward(
+    bits: int, approximate: bool, packed: Array, cotangent: Array
+) -> tuple[Array]:
+  levels = jnp.asarray(gelu_derivative_code(bits, approximate).levels, jnp.float32)
+  codes = unpack_codes(packed, bits, cotangent.size).reshape(cotangent.shape)
+  slope = jnp.take(levels, codes.astype(jnp.int32))
+  return ((cotangent.astype(jnp.float32) * slope).astype(cotangent.dtype),)
+
+
+few_bit_gelu.defvjp(_few_bit_gelu_forward, _few_bit_gelu_backward)
