@@ -319,9 +319,13 @@ def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   completes = state.micro_step + 1 == n
   dtype = v.value.dtype
   t = (state.count + 1).astype(dtype)
-  weight = jnp.where(completes, (1 - b2) * (1 - 1 / n), 0.0).astype(dtype)
-  weight = weight / (1 - jnp.asarray(b1).astype(dtype) ** t) ** 2
-  value = v.value + weight * (m.value.astype(dtype) ** 2)
+  weight = (1 - b2) * (1 - 1 / n) / (1 - jnp.asarray(b1).astype(dtype) ** t) ** 2
+  weight = jnp.where(completes, weight, 0.0).astype(dtype)
+  # Behind a branch (taken on the last call only): computed unconditionally,
+  # XLA keeps the folded m of a leaf as a temp beside its output, one more
+  # leaf alive (+0.125 P on an 8-layer MLP, measured; +0.001 P this way).
+  value = jax.lax.cond(
+      completes, lambda: v.value + weight * (m.value.astype(dtype) ** 2), lambda: v.value)
   absmax = None if v.absmax is None else v.absmax + weight * m.absmax**2
   return _Folded(value, absmax)
 

@@ -349,3 +349,19 @@ def test_bfloat16_accumulator_halves_the_accumulator():
       return optax_adama.memory_report(step, params, state, batch).total_bytes
   # A float32 accumulator is P, a bf16 one P / 2.
   assert total(None) - total(jnp.bfloat16) >= 0.4 * P
+
+
+def test_every_nu_estimator_steps_in_the_same_memory():
+  model = MLP(num_layers=8, width=256)  # one layer's leaf is P / 8
+  params, batch = model.abstract_params(), model.abstract_batch(32)
+  P = optax_adama.tree_bytes(params)
+  def total(nu_estimator):
+    tx = optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator=nu_estimator)
+    step = optax_adama.microbatch_step(model.loss, tx)
+    return optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params),
+                                     batch).total_bytes
+  mean = total("mean")
+  # The momentum term reads the folded m of a leaf: computed eagerly it kept
+  # one more leaf alive (P / 8 here). 1% of P allows scalars, not a leaf.
+  for nu_estimator in ("sum", "momentum"):
+    assert abs(total(nu_estimator) - mean) < 0.01 * P, nu_estimator
