@@ -249,7 +249,8 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
 
 
 def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path) -> None:
-  """Median rho (and its interquartile band) over training, per model and estimator."""
+  """Median rho, its interquartile band and its 5th percentile (the coordinates whose
+  steps most exceed Adam's) over training, per model and estimator."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -259,14 +260,16 @@ def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path
   for ax, (name, diagnosis) in zip(axes[0], diagnoses.items()):
     for estimator, quantiles in diagnosis.rho.items():
       x = np.arange(1, len(quantiles) + 1)
-      line, = ax.plot(x, quantiles[:, 1], label=estimator)
-      ax.fill_between(x, quantiles[:, 0], quantiles[:, 2], alpha=0.15,
-                      color=line.get_color())
+      column = lambda q: quantiles[:, diagnosis.QUANTILES.index(q)]
+      line, = ax.plot(x, column(0.5), label=estimator)
+      ax.fill_between(x, column(0.25), column(0.75), alpha=0.15, color=line.get_color())
+      ax.plot(x, column(diagnosis.QUANTILES[0]), color=line.get_color(),
+              linestyle=":", linewidth=0.8)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_title(f"{name}: rho = v / v_adam (N={diagnosis.num_micro_batches})")
     ax.set_xlabel("mini-batch step (Adam's path)")
-    ax.set_ylabel("rho, median and quartiles")
+    ax.set_ylabel("rho: median, quartiles, 5th percentile (dotted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   save_figure(fig, path)

@@ -38,7 +38,13 @@ def test_identical_micro_batches_make_mean_exact_and_sum_n_times_small():
   np.testing.assert_allclose(diagnosis.median("mean"), 1.0, rtol=1e-4)
   np.testing.assert_allclose(diagnosis.median("sum"), 1 / NUM_MICRO, rtol=1e-4)
   assert diagnosis.suggested_estimator() == "mean"
-  assert diagnosis.rho["mean"].shape == (20, 3)
+  assert diagnosis.rho["mean"].shape == (20, len(diagnosis.QUANTILES))
+  # Every coordinate is exact, so the tails are too; the summary names them.
+  np.testing.assert_allclose(diagnosis.quantile("mean", 0.05), 1.0, rtol=1e-4)
+  np.testing.assert_allclose(diagnosis.quantile("mean", 0.95), 1.0, rtol=1e-4)
+  assert "1.00x or more on 5% of coordinates" in diagnosis.summary()
+  with pytest.raises(ValueError, match="q must be one of"):
+    diagnosis.quantile("mean", 0.3)
 
 
 def test_noise_dominated_gradients_make_mean_about_n_times_adam():
