@@ -14,13 +14,18 @@ compiling the real AdamA step (`optax_adama.microbatch_step` with the optimizer
 - Memory: `memory_analysis()` of the compiled step; device bytes are argument +
   output + temp - alias, host bytes (what "offload" moves to pinned host
   memory) the same over the host_* fields.
-- Time: a roofline sum over XLA's `cost_analysis()`,
-  `N * (flops / peak_flops + bytes_accessed / memory_bandwidth)` plus
-  `N * 2 * host_bytes / host_bandwidth` for offloaded activations (out on the
-  forward, back on the backward). XLA counts a loop body once, so the step's
-  counts are taken per micro-batch and multiplied by N, and the layer scan's
-  body (the model is planned with `scan_layers`) is completed with the cost of
-  one more layer's forward and backward, compiled alone, times L - 1.
+- Time: `flops / peak_flops` with XLA's `cost_analysis()` flops of the step,
+  plus the traffic that grows with N and that flops miss: AdamA's fold, which
+  reads the gradient and m, v and writes m, v once per micro-batch,
+  `N * (param_bytes + 2 * state_bytes) / memory_bandwidth`, and offloaded
+  activations, out on the forward and back on the backward,
+  `N * 2 * host_bytes / host_bandwidth`. XLA counts a loop body once, so the
+  step's flops are taken per micro-batch and multiplied by N, and the layer
+  scan's body (the model is planned with `scan_layers`) is completed with the
+  flops of one more layer's forward and backward, compiled alone, times L - 1.
+  XLA's "bytes accessed" is recorded but not used: on the CPU backend it counts
+  every unfused elementwise op's traffic and ranks remat "full" faster than no
+  remat on gpt2_small (a GPU fuses most of that traffic away).
 
 The model is planned with `scan_layers=True`: one block compiled, so a plan of
 gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
@@ -50,7 +55,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax_adama
+from flax import nnx
 
 import models
 from models import bench, train
@@ -111,6 +118,7 @@ class Measurement:
     device_bytes: argument + output + temp - alias bytes on the device.
     host_bytes: the same over the host_* fields (offloaded activations).
     param_bytes: P, bytes of one float32 copy of the params.
+    state_bytes: bytes of the optimizer state (m, v in their storage).
     flops: predicted flops of the whole step (all micro-batches and layers).
     bytes_accessed: predicted memory traffic of the whole step, bytes.
     compile_s: seconds spent compiling.
@@ -119,13 +127,16 @@ class Measurement:
   device_bytes: int
   host_bytes: int
   param_bytes: int
+  state_bytes: int
   flops: float
   bytes_accessed: float
   compile_s: float
 
   def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
     """The roofline step time (see the module docstring), seconds."""
-    return (self.flops / machine.peak_flops + self.bytes_accessed / machine.memory_bandwidth
+    fold_bytes = self.param_bytes + 2 * self.state_bytes
+    return (self.flops / machine.peak_flops
+            + num_micro_batches * fold_bytes / machine.memory_bandwidth
             + num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth)
 
 
@@ -212,8 +223,9 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=run.num_micro_batches,
                                      has_aux=True)
   batch = bench.abstract_batch(config, batch_size, seq_len)
+  state = jax.eval_shape(tx.init, params)
   start = time.perf_counter()
-  compiled = step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
+  compiled = step.lower(params, state, batch).compile()
   step_flops, step_bytes = _cost(compiled)
   layer_flops, layer_bytes = _layer_cost(
       preset, candidate.remat, candidate.gelu_bits, batch_size // run.num_micro_batches, seq_len)
@@ -227,6 +239,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
       host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                      + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       param_bytes=optax_adama.tree_bytes(params),
+      state_bytes=optax_adama.tree_bytes(state),
       flops=n * (step_flops + extra_layers * layer_flops),
       bytes_accessed=n * (step_bytes + extra_layers * layer_bytes),
       compile_s=compile_s)
@@ -381,6 +394,77 @@ def survey(preset: str, *, num_micro_batches: int, batch_size: int,
   return rows
 
 
+def setting_label(remat: str, gelu_bits: int | None) -> str:
+  return remat + (f" + gelu {gelu_bits}-bit" if gelu_bits else "")
+
+
+def time_settings(
+    preset: str,
+    activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
+    *,
+    num_micro_batches: int,
+    batch_size: int,
+    seq_len: int | None = None,
+    rounds: int = 5,
+    steps_per_round: int = 3,
+) -> dict[str, float]:
+  """Median measured AdamA step time (s) of each activation setting, on this machine.
+
+  The settings are run round by round, interleaved, so drift of a shared
+  machine's load hits every setting alike (as `models.bench throughput` does
+  for its methods).
+  """
+  runners = {}
+  for remat, gelu_bits in activation_settings:
+    config = models.get_config(preset, remat=remat, gelu_bits=gelu_bits, scan_layers=True)
+    loss_fn, params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
+    step, tx = bench.make_step("adama", loss_fn, num_micro_batches=num_micro_batches)
+    batch = bench.random_batch(config, bench.abstract_batch(config, batch_size, seq_len))
+    state = tx.init(params)
+    runners[setting_label(remat, gelu_bits)] = [step.lower(params, state, batch).compile(),
+                                                params, state, batch]
+  times: dict[str, list[float]] = {label: [] for label in runners}
+  for round_index in range(rounds + 1):  # round 0 warms up, untimed
+    for label, (compiled, params, state, batch) in runners.items():
+      start = time.perf_counter()
+      for _ in range(steps_per_round):
+        params, state, metrics = compiled(params, state, batch)
+      jax.block_until_ready(metrics)
+      runners[label][1:3] = [params, state]
+      if round_index:
+        times[label].append((time.perf_counter() - start) / steps_per_round)
+  return {label: float(np.median(seconds)) for label, seconds in times.items()}
+
+
+def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Path,
+                  title: str) -> None:
+  """Memory (P) against step time, one point per setting; remat-only points joined."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
+                      if "gelu" not in k and k in step_s)
+  ax.plot(*zip(*remat_only), color="0.6", zorder=1, label="remat policies alone")
+  for label in memory_p:
+    if label in step_s:
+      saver = "gelu" in label
+      ax.scatter(memory_p[label], step_s[label] * 1e3, zorder=2,
+                 marker="*" if saver else "o", s=120 if saver else 40)
+      ax.annotate(label, (memory_p[label], step_s[label] * 1e3), fontsize=8,
+                  xytext=(4, 4), textcoords="offset points")
+  ax.set_xlabel("gpt2_small AdamA step, compile-only device memory (P)")
+  ax.set_ylabel("gpt_tiny AdamA step time, CPU (ms)")
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m models.plan",
                                    description=__doc__.split("\n\n")[0])
@@ -396,12 +480,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--host-gbs", type=float, default=Machine.host_bandwidth / 1e9)
   parser.add_argument("--survey", action="store_true",
                       help="instead: measure every activation setting at one N")
-  parser.add_argument("--num-micro-batches", type=int, default=4, help="N of --survey")
+  parser.add_argument("--num-micro-batches", type=int, default=4,
+                      help="N of --survey and --frontier")
+  parser.add_argument("--frontier", type=Path, default=None, metavar="SURVEY_JSON",
+                      help="instead: time --preset's step on this machine for every setting "
+                           "of a --survey JSON and plot survey memory against step time")
+  parser.add_argument("--plot", type=Path, default=None, help="the --frontier PNG")
   parser.add_argument("--json", type=Path, default=None)
   parser.add_argument("--markdown", type=Path, default=None)
   args = parser.parse_args(argv)
-  if args.budget_gb is None and not args.survey:
-    parser.error("give --budget-gb (or --survey)")
+  if args.budget_gb is None and not (args.survey or args.frontier):
+    parser.error("give --budget-gb (or --survey, or --frontier)")
   return args
 
 
@@ -410,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
   machine = Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9, args.host_gbs * 1e9)
   header = (f"{args.preset}, batch {args.batch_size}, seq_len {args.seq_len or 'preset'}, "
             f"on {jax.default_backend()} (compile only); predictor: {machine}")
+  if args.frontier:
+    return _frontier(args)
   if args.survey:
     rows = survey(args.preset, num_micro_batches=args.num_micro_batches,
                   batch_size=args.batch_size, seq_len=args.seq_len, machine=machine)
@@ -439,6 +530,38 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=1, default=str))
+  return result
+
+
+def _frontier(args: argparse.Namespace) -> dict[str, Any]:
+  surveyed = json.loads(args.frontier.read_text())
+  memory_p, settings = {}, []
+  for row in surveyed["rows"]:
+    candidate, measurement = row["candidate"], row["measurement"]
+    settings.append((candidate["remat"], candidate["gelu_bits"]))
+    memory_p[setting_label(*settings[-1])] = (measurement["device_bytes"]
+                                              / measurement["param_bytes"])
+  step_s = time_settings(args.preset, settings, num_micro_batches=args.num_micro_batches,
+                         batch_size=args.batch_size, seq_len=args.seq_len)
+  header = (f"memory: {surveyed['header']}; time: {args.preset}, batch {args.batch_size}, "
+            f"N={args.num_micro_batches}, seq_len {args.seq_len or 'preset'}, on "
+            f"{train.cpu_name()} ({jax.default_backend()})")
+  lines = ["| setting | memory | step time |", "|---|---|---|"]
+  lines += [f"| {label} | {memory_p[label]:.2f} P | {step_s[label] * 1e3:.1f} ms |"
+            for label in memory_p]
+  table = "\n".join(lines)
+  print(header)
+  print(table)
+  if args.plot:
+    plot_frontier(memory_p, step_s, args.plot, header)
+  result = {"header": header, "memory_p": memory_p, "step_s": step_s,
+            "argv": list(sys.argv[1:])}
+  if args.markdown:
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(f"{header}\n\n{table}\n")
+  if args.json:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
   return result
 
 

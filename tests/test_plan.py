@@ -16,9 +16,9 @@ import pytest
 
 import models
 import optax_adama
-from models import bench, plan
+from models import bench, plan, train
 
-MACHINE = plan.Machine(peak_flops=1.0, memory_bandwidth=1.0, host_bandwidth=1.0)
+MACHINE = plan.Machine(peak_flops=1.0, memory_bandwidth=1e12, host_bandwidth=1.0)
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +50,11 @@ class SyntheticSteps:
     n = candidate.num_micro_batches
     memory = 1.0 + STATE[candidate.moments] + ACTIVATIONS[setting] / n
     seconds = COMPUTE[setting] + n * FOLD[candidate.moments]
+    # The fold's traffic is the predictor's own: N * (P + 2 * state) / bandwidth.
+    seconds -= n * (1.0 + 2 * STATE[candidate.moments]) * 1e6 / MACHINE.memory_bandwidth
     return plan.Measurement(device_bytes=int(memory * 1e6), host_bytes=0, param_bytes=10**6,
-                            flops=seconds, bytes_accessed=0.0, compile_s=0.0)
+                            state_bytes=int(STATE[candidate.moments] * 1e6), flops=seconds,
+                            bytes_accessed=0.0, compile_s=0.0)
 
 
 def synthetic_plan(budget_bytes: float, steps: SyntheticSteps | None = None) -> plan.Plan:
@@ -152,3 +155,20 @@ def test_plan_on_gpt_test_fits_and_beats_remat_alone():
   assert result.verified.device_bytes <= budget
   assert result.predicted_s <= best_remat_only(measure_fn, budget, 2, remats)
   assert jax.default_backend() != "cpu" or result.verified.host_bytes == 0
+
+
+def test_train_plan_flag_takes_the_plans_settings(monkeypatch):
+  chosen = synthetic_plan(4.3e6)
+  calls = []
+
+  def fake_plan(preset, budget_bytes, **kwargs):
+    calls.append((preset, budget_bytes, kwargs["batch_size"], kwargs["seq_len"]))
+    return chosen
+
+  monkeypatch.setattr(plan, "plan", fake_plan)
+  config = train.TrainConfig(model="gpt", preset="gpt_test", batch_size=16, seq_len=16)
+  overrides = train._planned(config, 0.0043, progress=False)
+  assert calls == [("gpt_test", 0.0043 * 1e9, 16, 16)]
+  planned = dataclasses.replace(config, **overrides)
+  assert planned.num_micro_batches == chosen.choice.num_micro_batches
+  assert planned.remat == chosen.choice.remat and planned.scan_layers
