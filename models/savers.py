@@ -10,11 +10,18 @@ activations) and with any `jax.checkpoint` policy.
   the incoming cotangent by a piecewise-constant approximation of GELU' with
   the levels and boundaries that minimise the derivative's L2 error under a
   standard normal input (`gelu_derivative_code`).
+- `sampled_matmul`: x @ w whose backward keeps only a `keep_ratio` share of
+  x's rows (column-row pairs of the weight gradient x^T g): the largest-norm
+  half kept outright, the rest sampled by norm and reweighted, so the weight
+  gradient is unbiased (WTA-CRS); the input gradient g w^T is exact.
 
 References:
   Novikov, Bershatsky, Gusak, Shonenkov, Dimitrov, Oseledets, "Few-Bit Backward:
   Quantized Gradients of Activation Functions for Memory Footprint Reduction",
   ICML 2023, https://arxiv.org/abs/2202.00441
+  Liu, Wang, Dao, Zhou, Yuan, Song, Shrivastava, Hu, "Winner-Take-All Column Row
+  Sampling for Memory Efficient Adaptation of Language Model", NeurIPS 2023,
+  https://arxiv.org/abs/2305.15265
 """
 
 from __future__ import annotations
@@ -261,3 +268,80 @@ def _few_bit_gelu_backward(
 
 
 few_bit_gelu.defvjp(_few_bit_gelu_forward, _few_bit_gelu_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def sampled_matmul(x: Array, w: Array, key: Array, keep_ratio: float) -> Array:
+  """`x @ w`, exact forward; the backward keeps `keep_ratio` of x's rows.
+
+  With x as rows x_i (every leading axis flattened) and g the output
+  cotangent, the weight gradient is a sum of column-row pairs,
+  x^T g = sum_i x_i^T g_i. The forward keeps k = ceil(keep_ratio * n) rows:
+  the k // 2 of largest norm outright (winner-take-all), and k - k // 2 drawn
+  with replacement from the others with probability q_j proportional to
+  ||x_j||, each scaled by 1 / ((k - k // 2) q_j):
+
+  .. math::
+    \\widehat{x^T g} = \\sum_{i \\in C} x_i^T g_i
+      + \\frac{1}{m} \\sum_{s=1}^{m} \\frac{x_{j_s}^T g_{j_s}}{q_{j_s}},
+    \\qquad E[\\widehat{x^T g}] = x^T g.
+
+  Rows are drawn by ||x_i|| alone: the variance-optimal probabilities are
+  proportional to ||x_i|| ||g_i||, but the forward, which decides what to
+  keep, cannot see g. The input gradient g w^T needs only w,
+  so it is exact. `keep_ratio=1` keeps every row and is exact.
+
+  Args:
+    x: [..., d_in] inputs.
+    w: [d_in, d_out] weight.
+    key: a `jax.random.key`; draw a fresh one per step for the estimate to
+      be unbiased over steps.
+    keep_ratio: share of rows kept for the weight gradient, in (0, 1].
+
+  Returns:
+    [..., d_out] = x @ w.
+
+  References:
+    Liu et al., "Winner-Take-All Column Row Sampling", https://arxiv.org/abs/2305.15265
+  """
+  del key
+  _check_keep_ratio(keep_ratio)
+  return x @ w
+
+
+def _check_keep_ratio(keep_ratio: float) -> None:
+  if not 0.0 < keep_ratio <= 1.0:
+    raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}.")
+
+
+def _sampled_matmul_forward(x, w, key, keep_ratio):
+  _check_keep_ratio(keep_ratio)
+  rows = x.reshape(-1, x.shape[-1])
+  num_rows = rows.shape[0]
+  num_kept = min(num_rows, math.ceil(keep_ratio * num_rows))
+  if num_kept == num_rows:
+    return x @ w, (rows, jnp.arange(num_rows), w)
+  num_winners = num_kept // 2
+  num_sampled = num_kept - num_winners
+  norms = jnp.linalg.norm(rows.astype(jnp.float32), axis=1)
+  winners = jax.lax.top_k(norms, num_winners)[1]
+  # The others, by norm; a tiny floor keeps all-zero rows drawable (q > 0).
+  is_winner = jnp.zeros(num_rows, bool).at[winners].set(True)
+  rest = jnp.where(is_winner, 0.0, norms + 1e-12)
+  probabilities = rest / jnp.sum(rest)
+  drawn = jax.random.choice(key, num_rows, (num_sampled,), p=probabilities)
+  scale = 1.0 / (num_sampled * probabilities[drawn])
+  kept = jnp.concatenate([rows[winners], rows[drawn] * scale[:, None].astype(rows.dtype)])
+  return x @ w, (kept, jnp.concatenate([winners, drawn]), w)
+
+
+def _sampled_matmul_backward(keep_ratio, residuals, cotangent):
+  del keep_ratio
+  kept, indices, w = residuals
+  cotangent_rows = cotangent.reshape(-1, cotangent.shape[-1])
+  grad_w = kept.T @ cotangent_rows[indices]
+  grad_x = cotangent @ w.T
+  return grad_x, grad_w.astype(w.dtype), None
+
+
+sampled_matmul.defvjp(_sampled_matmul_forward, _sampled_matmul_backward)
