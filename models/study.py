@@ -153,6 +153,7 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                   key=lambda lr: (seed0 or {}).get(lr, np.mean(by_lr[lr])))
     rates = sorted(by_lr)
     losses = by_lr[best_lr]
+    seed_losses = {r["seed"]: r["eval_loss"] for r in group if r["learning_rate"] == best_lr}
     rows.append({
         "model": model, "num_micro_batches": n, "micro_batch_size": size,
         "tokens_per_micro_batch": group[0]["tokens_per_micro_batch"], "steps": steps,
@@ -161,12 +162,19 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         "rates": rates, "seeds": len(losses),
         "eval_loss": float(np.mean(losses)),
         "eval_loss_std": float(np.std(losses, ddof=1)) if len(losses) > 1 else 0.0,
+        "seed_losses": seed_losses,
     })
   adam = {(r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]): r
           for r in rows if r["arm"] == "adam"}
   for r in rows:
     ref = adam.get((r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]))
     r["gap_to_adam"] = float(r["eval_loss"] / ref["eval_loss"] - 1) if ref else float("nan")
+    # Same seed, same init and data order: the paired gaps cancel what the seed
+    # does to both, so their spread is the spread of the gap itself.
+    paired = [loss / ref["seed_losses"][seed] - 1 for seed, loss in r["seed_losses"].items()
+              if ref and seed in ref["seed_losses"]]
+    r["paired_gaps"] = paired
+    r["paired_gap_std"] = float(np.std(paired, ddof=1)) if len(paired) > 1 else float("nan")
   # Per model: Adam first, then by split and arm.
   return sorted(rows, key=lambda r: (
       r["model"], r["arm"] != "adam", r["num_micro_batches"] * r["micro_batch_size"],
@@ -182,8 +190,10 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       *[f"    {c}" for c in commands],
       "",
       "Held-out loss at each arm's best learning rate (grid: the rates listed), "
-      "against Adam's best at the same mini-batch. *edge*: the best rate is at the "
-      "edge of the grid, so the true best may lie outside it.",
+      "against Adam's best at the same mini-batch (with several seeds: the mean "
+      "loss over seeds, and the spread of the gap taken seed by seed, each AdamA run "
+      "against Adam's with the same init and data order). *edge*: the best rate is "
+      "at the edge of the grid, so the true best may lie outside it.",
       "",
       "| model | N | tokens / micro-batch | steps | arm | best lr | rates | seeds "
       "| eval loss | gap to Adam | edge |",
@@ -196,6 +206,8 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       tokens = f"{tokens * r['num_micro_batches']} (whole batch)"
     else:
       n, gap = r["num_micro_batches"], f"{100 * r['gap_to_adam']:+.2f}%"
+      if len(r["paired_gaps"]) > 1:
+        gap += f" (paired sd {100 * r['paired_gap_std']:.2f})"
     rates = ", ".join(f"{x:.2g}" for x in r["rates"])
     std = f" ± {r['eval_loss_std']:.4f}" if r["seeds"] > 1 else ""
     lines.append(

@@ -59,3 +59,17 @@ def test_run_grid_appends_and_skips_finished_runs(tmp_path, monkeypatch):
   lines = [json.loads(line) for line in results.read_text().splitlines()]
   assert [r["command"] for r in lines] == ["first", "first", "second", "second"]
   assert set(study.load_results(results)) == {r.key for r in runs}
+
+
+def test_gaps_are_paired_by_seed():
+  records = [
+      _record("adam", 2e-3, 2.00), _record("adam", 2e-3, 2.20, seed=1),
+      _record("adam", 1e-3, 2.50),
+      _record("mean", 2e-3, 2.02), _record("mean", 2e-3, 2.31, seed=1),
+      _record("mean", 1e-3, 2.40),
+  ]
+  rows = {r["arm"]: r for r in study.best_rows({r["key"]: r for r in records})}
+  # Seed 1 is worse for both: paired, the gaps are 1% and 5%.
+  assert rows["mean"]["paired_gaps"] == pytest.approx([0.01, 0.05])
+  assert rows["mean"]["paired_gap_std"] == pytest.approx(0.04 / 2**0.5)
+  assert "(paired sd 2.83)" in study.markdown(list(rows.values()), ["cmd"])
