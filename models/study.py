@@ -168,11 +168,15 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
           for r in rows if r["arm"] == "adam"}
   for r in rows:
     ref = adam.get((r["model"], r["num_micro_batches"] * r["micro_batch_size"], r["steps"]))
-    r["gap_to_adam"] = float(r["eval_loss"] / ref["eval_loss"] - 1) if ref else float("nan")
-    # Same seed, same init and data order: the paired gaps cancel what the seed
-    # does to both, so their spread is the spread of the gap itself.
-    paired = [loss / ref["seed_losses"][seed] - 1 for seed, loss in r["seed_losses"].items()
-              if ref and seed in ref["seed_losses"]]
+    # Over the seeds both have (Adam's extra seeds would otherwise move the gap
+    # by their own luck). Same seed, same init and data order: the paired gaps
+    # cancel what the seed does to both, so their spread is the gap's own.
+    common = sorted(set(r["seed_losses"]) & set(ref["seed_losses"])) if ref else []
+    r["gap_to_adam"] = (
+        float(np.mean([r["seed_losses"][s] for s in common])
+              / np.mean([ref["seed_losses"][s] for s in common]) - 1)
+        if common else float("nan"))
+    paired = [r["seed_losses"][s] / ref["seed_losses"][s] - 1 for s in common]
     r["paired_gaps"] = paired
     r["paired_gap_std"] = float(np.std(paired, ddof=1)) if len(paired) > 1 else float("nan")
   # Per model: Adam first, then by split and arm.

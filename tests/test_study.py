@@ -73,3 +73,7 @@ def test_gaps_are_paired_by_seed():
   assert rows["mean"]["paired_gaps"] == pytest.approx([0.01, 0.05])
   assert rows["mean"]["paired_gap_std"] == pytest.approx(0.04 / 2**0.5)
   assert "(paired sd 2.83)" in study.markdown(list(rows.values()), ["cmd"])
+  # A seed Adam alone has does not enter the gap.
+  records.append(_record("adam", 2e-3, 3.00, seed=2))
+  rows = {r["arm"]: r for r in study.best_rows({r["key"]: r for r in records})}
+  assert rows["mean"]["gap_to_adam"] == pytest.approx((2.02 + 2.31) / (2.00 + 2.20) - 1)
