@@ -194,10 +194,11 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       *[f"    {c}" for c in commands],
       "",
       "Held-out loss at each arm's best learning rate (grid: the rates listed), "
-      "against Adam's best at the same mini-batch (with several seeds: the mean "
-      "loss over seeds, and the spread of the gap taken seed by seed, each AdamA run "
-      "against Adam's with the same init and data order). *edge*: the best rate is "
-      "at the edge of the grid, so the true best may lie outside it.",
+      "against Adam's best at the same mini-batch. With several seeds: the eval loss "
+      "is the mean over the arm's seeds, the gap is over the seeds Adam has too, and "
+      "its spread is taken seed by seed (each run against Adam's with the same init "
+      "and data order). *edge*: the best rate is at the edge of the grid, so the "
+      "true best may lie outside it.",
       "",
       "| model | N | tokens / micro-batch | steps | arm | best lr | rates | seeds "
       "| eval loss | gap to Adam | edge |",
