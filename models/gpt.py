@@ -102,6 +102,7 @@ class GPT(nnx.Module):
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
             layer_norm_eps=config.layer_norm_eps,
             gelu_approximate=True, gelu_bits=config.gelu_bits,
+            linear_keep_ratio=config.linear_keep_ratio,
             dtype=config.dtype, param_dtype=config.param_dtype,
             out_init=out_init, rngs=rngs,
         ),

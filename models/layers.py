@@ -73,6 +73,9 @@ class TransformerConfig:
     gelu_bits: None for autodiff's GELU; 1 to 4 for `savers.few_bit_gelu` in
       the blocks' MLPs (same forward; the backward keeps a packed code of
       that many bits per element instead of the float input).
+    linear_keep_ratio: None for an exact MLP output projection; in (0, 1]
+      for `savers.sampled_matmul`: its weight gradient from that share of
+      the GELU output's rows (unbiased), the rest not saved.
     dtype: compute dtype.
     param_dtype: parameter dtype.
   """
@@ -85,6 +88,7 @@ class TransformerConfig:
   remat: str = "none"
   scan_layers: bool = False
   gelu_bits: int | None = None
+  linear_keep_ratio: float | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
@@ -94,6 +98,9 @@ class TransformerConfig:
     if self.gelu_bits is not None and self.gelu_bits not in savers.CODE_BITS:
       raise ValueError(f"gelu_bits must be None or one of {savers.CODE_BITS}, "
                        f"got {self.gelu_bits!r}")
+    if self.linear_keep_ratio is not None and not 0.0 < self.linear_keep_ratio <= 1.0:
+      raise ValueError(f"linear_keep_ratio must be None or in (0, 1], "
+                       f"got {self.linear_keep_ratio!r}")
 
   @property
   def mlp_width(self) -> int:
@@ -228,6 +235,7 @@ class MLP(nnx.Module):
       *,
       gelu_approximate: bool,
       gelu_bits: int | None = None,
+      linear_keep_ratio: float | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
       out_init: nnx.Initializer = DEFAULT_INIT,
@@ -241,6 +249,8 @@ class MLP(nnx.Module):
       gelu_approximate: tanh GELU (GPT-2) instead of the exact erf GELU
         (BERT, ViT).
       gelu_bits: None, or 1 to 4: `savers.few_bit_gelu` with that many bits.
+      linear_keep_ratio: None, or the keep ratio of `savers.sampled_matmul`
+        in the output projection (seeded by the GELU output's bits).
       dtype: compute dtype.
       param_dtype: parameter dtype.
       out_init: init of the output projection.
@@ -248,6 +258,7 @@ class MLP(nnx.Module):
     """
     self.gelu_approximate = gelu_approximate
     self.gelu_bits = gelu_bits
+    self.linear_keep_ratio = linear_keep_ratio
     self.fc = nnx.Linear(
         hidden, mlp_dim, kernel_init=DEFAULT_INIT,
         dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -264,7 +275,12 @@ class MLP(nnx.Module):
       h = jax.nn.gelu(h, approximate=self.gelu_approximate)
     else:
       h = savers.few_bit_gelu(h, self.gelu_bits, self.gelu_approximate)
-    return checkpoint_name(self.proj(h), "mlp_out")
+    if self.linear_keep_ratio is None:
+      return checkpoint_name(self.proj(h), "mlp_out")
+    kernel = self.proj.kernel[...].astype(h.dtype)
+    out = savers.sampled_matmul(h, kernel, savers.key_from_bits(h), self.linear_keep_ratio)
+    bias = self.proj.bias[...].astype(out.dtype).reshape((1,) * (out.ndim - 1) + (-1,))
+    return checkpoint_name(out + bias, "mlp_out")
 
 
 class Block(nnx.Module):
@@ -284,6 +300,7 @@ class Block(nnx.Module):
       layer_norm_eps: float,
       gelu_approximate: bool,
       gelu_bits: int | None = None,
+      linear_keep_ratio: float | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
       out_init: nnx.Initializer = DEFAULT_INIT,
@@ -303,7 +320,7 @@ class Block(nnx.Module):
     )
     self.mlp = MLP(
         hidden, mlp_dim, gelu_approximate=gelu_approximate, gelu_bits=gelu_bits,
-        dtype=dtype,
+        linear_keep_ratio=linear_keep_ratio, dtype=dtype,
         param_dtype=param_dtype, out_init=out_init, rngs=rngs,
     )
 

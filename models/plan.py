@@ -248,19 +248,32 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
 @functools.lru_cache(maxsize=None)
 def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size: int,
                 seq_len: int | None) -> tuple[float, float]:
-  """(flops, bytes) of one block's forward and backward under `remat`, compiled alone."""
-  config = models.get_config(preset, remat=remat, gelu_bits=gelu_bits, scan_layers=True)
+  """(flops, bytes) of one block's forward and backward under `remat`, compiled alone.
+
+  The program returns the block's output as well as its gradients, so the
+  forward is kept (in the model it feeds the next block), and the remat is
+  applied with `prevent_cse=True`, so XLA cannot merge the backward's
+  recomputation into that forward (inside the model's scan it cannot either).
+  """
+  config = models.get_config(preset, remat="none", gelu_bits=gelu_bits, scan_layers=True)
   staged, params = models.staged_loss(models.create_abstract(config))
   layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
                               params["blocks"])
   micro_batch = bench.abstract_batch(config, micro_batch_size, seq_len)
   x = jax.eval_shape(staged.embed, params, micro_batch)
 
-  def block_loss(layer_params, x, micro_batch):
-    return jnp.sum(staged.block(layer_params, x, micro_batch).astype(jnp.float32))
+  def block(layer_params, x):
+    return staged.block(layer_params, x, micro_batch)
 
-  grad = jax.jit(jax.grad(block_loss, argnums=(0, 1)))
-  return _cost(grad.lower(layer_params, x, micro_batch).compile())
+  policy = models.REMAT_POLICIES[remat]
+  if policy is not None:
+    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
+
+  def forward_and_backward(layer_params, x):
+    out, vjp = jax.vjp(block, layer_params, x)
+    return out, vjp(jnp.ones_like(out))
+
+  return _cost(jax.jit(forward_and_backward).lower(layer_params, x).compile())
 
 
 def divisors(n: int) -> list[int]:

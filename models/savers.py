@@ -345,3 +345,14 @@ def _sampled_matmul_backward(keep_ratio, residuals, cotangent):
 
 
 sampled_matmul.defvjp(_sampled_matmul_forward, _sampled_matmul_backward)
+
+
+def key_from_bits(x: Array) -> Array:
+  """A PRNG key seeded by the bits of `x`: fresh draws per batch, no key to pass.
+
+  For savers inside a model whose loss must stay a pure function of params
+  and batch (what a `lax.scan` over micro-batches needs): different inputs
+  seed different draws, and the same input the same draw.
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jax.random.key(jnp.sum(bits, dtype=jnp.uint32))

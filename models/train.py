@@ -59,6 +59,7 @@ class TrainConfig:
   max_bytes: int = 2_000_000  # corpus cap for the standard-library text.
   remat: str = "none"
   gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
+  linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
   scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
   # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
@@ -218,7 +219,8 @@ def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
 def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   """Trains one model and returns its metrics (see the module docstring)."""
   model_config = models.get_config(config.preset_name, remat=config.remat,
-                                   gelu_bits=config.gelu_bits, scan_layers=config.scan_layers)
+                                   gelu_bits=config.gelu_bits, scan_layers=config.scan_layers,
+                                   linear_keep_ratio=config.linear_keep_ratio)
   model = models.create(model_config, rngs=nnx.Rngs(config.seed))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   del model  # the loss merges params back into a fresh module each call
@@ -340,6 +342,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
                       help="GELU backward from a code of this many bits (models.savers); "
                            "default: exact")
+  parser.add_argument("--linear-keep-ratio", type=float, default=None,
+                      help="MLP output projection's weight gradient from this share of its "
+                           "input rows (models.savers.sampled_matmul); default: exact")
   parser.add_argument("--scan-layers", action="store_true",
                       help="blocks' params stacked and run under one lax.scan")
   parser.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",

@@ -110,6 +110,7 @@ class ViT(nnx.Module):
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
             layer_norm_eps=config.layer_norm_eps,
             gelu_approximate=False, gelu_bits=config.gelu_bits,
+            linear_keep_ratio=config.linear_keep_ratio,
             dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
         ),
         config.num_layers, scan_layers=config.scan_layers,

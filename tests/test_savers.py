@@ -246,3 +246,23 @@ def test_sampled_matmul_saves_the_kept_rows_only():
   assert (64, 8) not in shapes and (4, 16, 8) not in shapes
   with pytest.raises(ValueError, match="keep_ratio must be in"):
     savers.sampled_matmul(x, w, jax.random.key(0), 0.0)
+
+
+def test_model_with_sampled_projection_samples_only_the_projection_kernel_gradient():
+  config = models.get_config("gpt_test")
+  exact_loss, params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
+  batch = bench.random_batch(config, bench.abstract_batch(config, 2))
+  exact_value, exact_grad = jax.jit(jax.value_and_grad(exact_loss))(params, batch)
+  kernel = ("blocks", 0, "mlp", "proj", "kernel")
+  for keep_ratio in (1.0, 0.5):
+    loss_fn, _ = bench.split_model(models.get_config("gpt_test", linear_keep_ratio=keep_ratio))
+    value, grad = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    np.testing.assert_allclose(value, exact_value, rtol=1e-6)
+    flat, exact_flat = (dict(jax.tree_util.tree_leaves_with_path(g)) for g in (grad, exact_grad))
+    for path, leaf in flat.items():
+      is_kernel = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)[:5] == kernel
+      if keep_ratio == 1.0 or not is_kernel:
+        # Everything else gets the exact input gradient (keep 1: all exact).
+        np.testing.assert_allclose(leaf, exact_flat[path], rtol=1e-4, atol=1e-7)
+      else:
+        assert not np.allclose(leaf, exact_flat[path])
