@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine with Python 3.11+:
-#   make demo   trains the tiny GPT with AdamA and with Adam + gradient
-#               accumulation on the offline corpus, prints memory and loss.
+#   make demo   AdamA against Adam + gradient accumulation at 2,048-token
+#               micro-batches: trains the tiny GPT both ways on the offline
+#               corpus (held-out loss), compiles GPT-2 small's step (memory).
 #   make test   the test suite (heavy runs marked `slow` are left out).
 # Both create .venv and install the package with its extras if needed.
 

@@ -18,7 +18,7 @@ def _standard_promotion():
 def test_demo_reports_the_gap_and_the_saving_from_its_own_runs(tmp_path, capsys):
   out = tmp_path / "demo.json"
   result = demo.main(["--steps", "2", "--micro-batch-size", "4", "--memory-preset", "gpt_test", "--memory-seq-len", "16",
-                      "--nu-estimator", "momentum", "--json", str(out), "--no-progress"])
+                      "--json", str(out), "--no-progress"])
   training, memory = result["training"], result["memory"]
   assert training["tokens_per_micro_batch"] == 4 * 64
   assert training["nu_estimator"] == "momentum"
