@@ -7,8 +7,9 @@
 The protocol of ``models.validate`` for gpt_tiny (same settings, same data
 order and initial weights per seed, held-out loss at the end): Adam with
 gradient accumulation against AdamA at N = 4 with full float32 moments, 8-bit
-moments, rank-32 (width / 4) GaLore moments refreshed every 50 mini-batches
-(8-bit, bf16 projectors) and the same with the state offloaded to host memory.
+moments, low-rank GaLore moments (by default rank 32 = width / 4, refreshed
+every 50 mini-batches, embeddings projected too; 8-bit, bf16 projectors) and
+the same with the state offloaded to host memory.
 The optimizer of each arm replaces ``models.train.make_optimizer``'s for its
 run; everything else is ``models.train.train``.
 """
@@ -20,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,32 +29,44 @@ import optax_adama
 from models import train, validate
 
 NUM_MICRO_BATCHES = 4
-RANK, REFRESH_PERIOD = 32, 50
 ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload")
 
 
-def arm_optimizer(arm: str, config: train.TrainConfig):
+def block_kernels(rank: int):
+  """The low-rank mask without the embeddings (GaLore projects the blocks only)."""
+
+  def mask(params):
+    default = optax_adama.low_rank_mask(params, rank)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, on: on and "embed" not in jax.tree_util.keystr(path), default)
+
+  return mask
+
+
+def arm_optimizer(arm: str, config: train.TrainConfig, rank: int, refresh_period: int,
+                  embeddings: bool):
   """The optimizer of an AdamA arm, with the run's schedule."""
   schedule = train.warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   quantization = optax_adama.BlockQuantization() if "8bit" in arm else None
   tx = optax_adama.adama(schedule, num_micro_batches=config.num_micro_batches,
                          quantization=quantization)
   if "lowrank" in arm:
-    tx = optax_adama.low_rank(tx, rank=RANK, refresh_period=REFRESH_PERIOD,
+    tx = optax_adama.low_rank(tx, rank=rank, refresh_period=refresh_period,
+                              mask=None if embeddings else block_kernels(rank),
                               projector_dtype=jnp.bfloat16)
   if arm.endswith("_offload"):
     tx = optax_adama.offload_moments(tx)
   return tx
 
 
-def run(arm: str, seed: int, steps: int) -> dict:
+def run(arm: str, seed: int, steps: int, **low_rank) -> dict:
   settings = {**validate.SETTINGS["gpt"], "steps": steps}
   config = train.TrainConfig(
       model="gpt", optimizer="adam" if arm == "adam" else "adama",
       num_micro_batches=NUM_MICRO_BATCHES, seed=seed, **settings)
   make_optimizer = train.make_optimizer
   if arm != "adam":
-    train.make_optimizer = lambda c: arm_optimizer(arm, c)
+    train.make_optimizer = lambda c: arm_optimizer(arm, c, **low_rank)
   try:
     result = train.train(config, progress=False)
   finally:
@@ -62,9 +76,9 @@ def run(arm: str, seed: int, steps: int) -> dict:
           "memory": result["memory"], "machine": result["machine"]}
 
 
-def table(runs: list[dict], command: str) -> str:
+def table(runs: list[dict], command: str, settings: str) -> str:
   adam = {r["seed"]: r["eval_loss"] for r in runs if r["arm"] == "adam"}
-  lines = [f"Command: `{command}`", "",
+  lines = [f"Command: `{command}`", "", f"Low-rank arms: {settings}.", "",
            "| arm (gpt_tiny, N = 4) | seeds | held-out loss | rel. diff to Adam "
            "| max paired | compiled step memory |", "|---|---|---|---|---|---|"]
   for arm in ARMS:
@@ -87,19 +101,28 @@ def main(argv=None) -> None:
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
   parser.add_argument("--steps", type=int, default=validate.SETTINGS["gpt"]["steps"])
   parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+  parser.add_argument("--rank", type=int, default=32, help="gpt_tiny's width / 4")
+  parser.add_argument("--refresh-period", type=int, default=50, help="in mini-batches")
+  parser.add_argument("--blocks-only", action="store_true",
+                      help="project the blocks' kernels only, not the embeddings")
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--markdown", type=Path, required=True)
   args = parser.parse_args(argv)
   command = "python benchmarks/low_rank_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  settings = (f"rank {args.rank}, refreshed every {args.refresh_period} mini-batches, "
+              + ("blocks' kernels only" if args.blocks_only else "embeddings projected too"))
   runs = []
   for seed in args.seeds:
     for arm in args.arms:
-      runs.append(run(arm, seed, args.steps))
+      runs.append(run(arm, seed, args.steps, rank=args.rank,
+                      refresh_period=args.refresh_period, embeddings=not args.blocks_only))
       print(arm, seed, runs[-1]["eval_loss"], flush=True)
       args.out.parent.mkdir(parents=True, exist_ok=True)
-      args.out.write_text(json.dumps({"command": command, "runs": runs}, indent=1))
-      args.markdown.write_text(table(runs, command) + "\n")
-  print(table(runs, command))
+      args.out.write_text(json.dumps(
+          {"command": command, "rank": args.rank, "refresh_period": args.refresh_period,
+           "blocks_only": args.blocks_only, "runs": runs}, indent=1))
+      args.markdown.write_text(table(runs, command, settings) + "\n")
+  print(table(runs, command, settings))
 
 
 if __name__ == "__main__":
