@@ -172,3 +172,11 @@ def test_train_plan_flag_takes_the_plans_settings(monkeypatch):
   planned = dataclasses.replace(config, **overrides)
   assert planned.num_micro_batches == chosen.choice.num_micro_batches
   assert planned.remat == chosen.choice.remat and planned.scan_layers
+
+
+def test_plot_frontier_writes_a_png(tmp_path):
+  memory_p = {"none": 10.5, "none + gelu 4-bit": 9.1, "full": 5.4}
+  step_s = {"none": 0.51, "none + gelu 4-bit": 0.48, "full": 0.46}
+  path = tmp_path / "frontier.png"
+  plan.plot_frontier(memory_p, step_s, path, "test")
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
