@@ -102,6 +102,12 @@ def piecewise_l2_error(
   return float(np.sum(weights * np.square(derivative - approximation)))
 
 
+def _interval_means(cuts: np.ndarray, weights: np.ndarray, derivative: np.ndarray) -> np.ndarray:
+  """The weighted mean of f' on each interval points[cuts[i]:cuts[i + 1]]."""
+  return (np.add.reduceat(weights * derivative, cuts[:-1])
+          / np.add.reduceat(weights, cuts[:-1]))
+
+
 def _lloyd(cuts: np.ndarray, weights: np.ndarray, derivative: np.ndarray,
            max_iterations: int) -> np.ndarray:
   """Alternates the two optimality conditions until no boundary moves.
@@ -113,10 +119,8 @@ def _lloyd(cuts: np.ndarray, weights: np.ndarray, derivative: np.ndarray,
   error, so the iteration descends to a stationary point of the
   boundary-level problem.
   """
-  mass = np.concatenate([[0.0], np.cumsum(weights)])
-  moment = np.concatenate([[0.0], np.cumsum(weights * derivative)])
   for _ in range(max_iterations):
-    levels = (moment[cuts[1:]] - moment[cuts[:-1]]) / (mass[cuts[1:]] - mass[cuts[:-1]])
+    levels = _interval_means(cuts, weights, derivative)
     moved = cuts.copy()
     for i in range(1, len(cuts) - 1):
       low, high = moved[i - 1] + 1, moved[i + 1] - 1
@@ -173,8 +177,7 @@ def gelu_derivative_code(bits: int, approximate: bool = False) -> DerivativeCode
   for inner in (quantile_cuts, width_cuts):
     cuts = _lloyd(np.concatenate([[0], inner, [_GRID_POINTS]]).astype(np.int64),
                   weights, derivative, max_iterations=2000)
-    sums = np.add.reduceat(weights, cuts[:-1]), np.add.reduceat(weights * derivative, cuts[:-1])
-    levels = sums[1] / sums[0]
+    levels = _interval_means(cuts, weights, derivative)
     # A boundary lies between the last point of one interval and the first of the next.
     boundaries = 0.5 * (points[cuts[1:-1] - 1] + points[cuts[1:-1]])
     error = piecewise_l2_error(boundaries, levels, approximate=approximate)
