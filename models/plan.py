@@ -146,12 +146,19 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class Considered:
-  """A candidate the planner compiled, and whether it fits."""
+  """A candidate the planner compiled, and whether it fits.
+
+  `measurable` is False for "offload" on a backend that keeps nothing in
+  host memory (the CPU lowering drops the move to pinned_host): there it is
+  "minimal" under another name, and its host traffic cannot be predicted, so
+  the planner does not choose it.
+  """
 
   candidate: Candidate
   measurement: Measurement
   predicted_s: float
   fits: bool
+  measurable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +185,8 @@ class Plan:
       lines.append(
           f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.2f} GB "
           f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.2f} GB "
-          f"| {row.predicted_s * 1e3:.1f} ms | {'yes' if row.fits else 'no'} |")
+          f"| {row.predicted_s * 1e3:.1f} ms | {'yes' if row.fits else 'no'}"
+          f"{'' if row.measurable else ' (offload not measurable here)'} |")
     return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:
@@ -334,7 +342,8 @@ def plan(
       considered[candidate] = Considered(
           candidate, measurement,
           measurement.predicted_s(machine, candidate.num_micro_batches),
-          measurement.device_bytes <= budget_bytes)
+          measurement.device_bytes <= budget_bytes,
+          measurable=candidate.remat != "offload" or measurement.host_bytes > 0)
       if progress:
         row = considered[candidate]
         print(f"  {candidate.describe()}: {measurement.device_bytes / 1e9:.2f} GB, "
@@ -351,7 +360,9 @@ def plan(
       index = _smallest_fitting(
           lambda i: consider(Candidate(splits[i], remat, gelu_bits, moments)).fits, upper)
       if index is not None:
-        fitting.append(considered[Candidate(splits[index], remat, gelu_bits, moments)])
+        found = considered[Candidate(splits[index], remat, gelu_bits, moments)]
+        if found.measurable:
+          fitting.append(found)
         upper = index
       if upper == 0:
         break

@@ -180,3 +180,19 @@ def test_plot_frontier_writes_a_png(tmp_path):
   path = tmp_path / "frontier.png"
   plan.plot_frontier(memory_p, step_s, path, "test")
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_without_host_memory_is_not_chosen():
+  """On a backend that drops the move to host, "offload" is "minimal" renamed."""
+  settings = (("minimal", None), ("offload", None))
+
+  def steps(candidate):
+    return dataclasses.replace(
+        SyntheticSteps()(dataclasses.replace(candidate, remat="full")),
+        # Offload predicted a hair faster, as the CPU measured it.
+        flops=13.0 - (candidate.remat == "offload") * 1e-3)
+
+  result = plan.plan("gpt_test", 40e6, batch_size=16, machine=MACHINE,
+                     activation_settings=settings, measure_fn=steps, verify_fn=steps)
+  assert result.choice.remat == "minimal"
+  assert "offload not measurable here" in result.table()
