@@ -13,7 +13,7 @@ VENV_MIN  := .venv-min
 STAMP_MIN := $(VENV_MIN)/.installed
 CONSTRAINTS_MIN := .ci/constraints-min.txt
 
-.PHONY: demo test test-all test-min validate notebooks clean
+.PHONY: demo test test-all test-min validate notebooks bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,13 @@ test-min: $(STAMP_MIN)
 
 validate: $(STAMP)
 	$(BIN)/python -m models.validate
+
+# On a machine with a GPU: memory and step times of every accumulation method,
+# gpt2_small and gpt2_medium, N = 4 and 8, unrolled and scanned ->
+# benchmarks/gpu_<device>.md and benchmarks/raw/gpu_<device>.json. Runs on the
+# machine's own Python, whose jax has CUDA (.venv's is the CPU build).
+bench-gpu:
+	$(PYTHON) -m models.gpu_bench
 
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py

@@ -1,0 +1,29 @@
+"""The GPU benchmark's CPU dry run: the same script, tiny preset, every stage."""
+
+import json
+
+from models import gpu_bench
+
+
+def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
+  rows = gpu_bench.main([
+      "--presets", "gpt_test", "--num-micro-batches", "2", "--layouts", "scanned",
+      "--seq-len", "16", "--workers", "2", "--rounds", "1", "--steps-per-round", "1",
+      "--out-dir", str(tmp_path), "--no-progress"])
+  by_method = {r["method"]: r for r in rows}
+  assert set(by_method) == set(gpu_bench.METHODS) | {"adama_release"}
+  for r in rows:
+    assert r["compiled_total_bytes"] > 3 * r["param_bytes"]  # params, m, v at least
+    assert r["peak_bytes_in_use"] is None  # the CPU backend has no live peak
+    assert r["floor_bytes"] > 3 * r["param_bytes"]
+    # Every fused method was timed; the release step is measured for memory only.
+    assert (r["median_step_s"] is None) == (r["method"] == "adama_release")
+  # AdamA has no gradient accumulator: a P of float32 below scan accumulation.
+  saved = (by_method["scan_accumulation"]["compiled_total_bytes"]
+           - by_method["adama"]["compiled_total_bytes"])
+  assert saved > 0.5 * by_method["adama"]["param_bytes"]
+  slug = gpu_bench.device_slug()
+  saved_json = json.loads((tmp_path / "raw" / f"gpu_{slug}.json").read_text())
+  assert saved_json["rows"] == rows and saved_json["command"].startswith("python -m")
+  text = (tmp_path / f"gpu_{slug}.md").read_text()
+  assert "| gpt_test scanned N=2 | adama |" in text and "n/a" in text
