@@ -9,9 +9,11 @@ order and initial weights per seed, held-out loss at the end): Adam with
 gradient accumulation against AdamA at N = 4 with full float32 moments, 8-bit
 moments, low-rank GaLore moments (by default rank 32 = width / 4, refreshed
 every 50 mini-batches, embeddings projected too; 8-bit, bf16 projectors) and
-the same with the state offloaded to host memory.
-The optimizer of each arm replaces ``models.train.make_optimizer``'s for its
-run; everything else is ``models.train.train``.
+the same with the state offloaded to host memory; ``adam_lowrank`` is GaLore
+on Adam with gradient accumulation (the same projection, no AdamA), to tell
+GaLore's cost from AdamA's. The optimizer of each arm replaces
+``models.train.make_optimizer``'s for its run; everything else is
+``models.train.train``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import optax_adama
 from models import train, validate
 
 NUM_MICRO_BATCHES = 4
-ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload")
+ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload",
+        "adam_lowrank")
 
 
 def block_kernels(rank: int):
@@ -45,8 +49,13 @@ def block_kernels(rank: int):
 
 def arm_optimizer(arm: str, config: train.TrainConfig, rank: int, refresh_period: int,
                   embeddings: bool):
-  """The optimizer of an AdamA arm, with the run's schedule."""
+  """The optimizer of an arm, with the run's schedule."""
   schedule = train.warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
+  if arm == "adam_lowrank":  # optax's GaLore on the accumulated mean gradient
+    return optax_adama.low_rank(
+        optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule)),
+        rank=rank, refresh_period=refresh_period,
+        mask=None if embeddings else block_kernels(rank))
   quantization = optax_adama.BlockQuantization() if "8bit" in arm else None
   tx = optax_adama.adama(schedule, num_micro_batches=config.num_micro_batches,
                          quantization=quantization)
@@ -62,7 +71,7 @@ def arm_optimizer(arm: str, config: train.TrainConfig, rank: int, refresh_period
 def run(arm: str, seed: int, steps: int, **low_rank) -> dict:
   settings = {**validate.SETTINGS["gpt"], "steps": steps}
   config = train.TrainConfig(
-      model="gpt", optimizer="adam" if arm == "adam" else "adama",
+      model="gpt", optimizer="adama" if arm.startswith("adama") else "adam",
       num_micro_batches=NUM_MICRO_BATCHES, seed=seed, **settings)
   make_optimizer = train.make_optimizer
   if arm != "adam":
