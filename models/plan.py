@@ -183,9 +183,9 @@ class Plan:
       mark = " **(chosen)**" if row.candidate == self.choice else ""
       m = row.measurement
       lines.append(
-          f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.2f} GB "
-          f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.2f} GB "
-          f"| {row.predicted_s * 1e3:.1f} ms | {'yes' if row.fits else 'no'}"
+          f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.4g} GB "
+          f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.4g} GB "
+          f"| {row.predicted_s * 1e3:.4g} ms | {'yes' if row.fits else 'no'}"
           f"{'' if row.measurable else ' (offload not measurable here)'} |")
     return "\n".join(lines)
 
