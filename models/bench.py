@@ -224,6 +224,16 @@ def split_model(config: models.Config) -> tuple[Callable, Any]:
   return models.make_loss_fn(graphdef, rest), params
 
 
+def adama_floor(config: models.Config, batch: dict,
+                num_micro_batches: int) -> optax_adama.MemoryFloor:
+  """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
+  loss_fn, params = split_model(dataclasses.replace(config, scan_layers=False))
+  state = jax.eval_shape(
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+  return optax_adama.memory_floor(loss_fn, params, state, batch,
+                                  num_micro_batches=num_micro_batches)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryRow:
   preset: str
@@ -256,12 +266,7 @@ def measure_memory(
   loss_fn, params = split_model(config)
   rows = []
   batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
-  floor_loss_fn, floor_params = split_model(dataclasses.replace(config, scan_layers=False))
-  adama_state = jax.eval_shape(
-      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, floor_params)
-  floor = optax_adama.memory_floor(
-      floor_loss_fn, floor_params, adama_state, batch,
-      num_micro_batches=num_micro_batches).to_dict()
+  floor = adama_floor(config, batch, num_micro_batches).to_dict()
   for method in methods:
     step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     opt_state = jax.eval_shape(tx.init, params)

@@ -107,13 +107,9 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
 def measure_floor(case: Case) -> dict[str, Any]:
   """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
   config = models.get_config(case.preset, scan_layers=False)
-  loss_fn, params = bench.split_model(config)
-  state = jax.eval_shape(
-      optax_adama.adama(1e-4, num_micro_batches=case.num_micro_batches).init, params)
   batch = bench.abstract_batch(
       config, case.micro_batch_size * case.num_micro_batches, case.seq_len)
-  floor = optax_adama.memory_floor(loss_fn, params, state, batch,
-                                   num_micro_batches=case.num_micro_batches)
+  floor = bench.adama_floor(config, batch, case.num_micro_batches)
   return {"floor_bytes": floor.total_bytes, "param_bytes": floor.param_bytes}
 
 
