@@ -49,7 +49,7 @@ validate: $(STAMP)
 # benchmarks/gpu_<device>.md and benchmarks/raw/gpu_<device>.json. Runs on the
 # machine's own Python, whose jax has CUDA (.venv's is the CPU build).
 bench-gpu:
-	$(PYTHON) -m models.gpu_bench
+	$(PYTHON) -m models.gpu_bench $(BENCH_GPU_ARGS)
 
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py

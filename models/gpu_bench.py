@@ -51,6 +51,9 @@ from models.demo import format_bytes
 from models.train import machine_info
 
 METHODS = ("scan_accumulation", "optax_microbatching", "multisteps", "adama")
+# The memory fields of a row whose process failed (its "error" says why).
+MISSING_MEMORY = {"compiled_total_bytes": None, "param_bytes": None,
+                  "peak_bytes_in_use": None, "compile_s": None, "loss": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +136,24 @@ def _worker(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_in_process(task: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-  """Runs one task in a fresh Python process and returns its JSON result."""
+  """Runs one task in a fresh Python process and returns its JSON result.
+
+  A task that fails (out of memory, say) returns {"error": ...} rather than
+  raising: one method's failure must not lose the other methods' numbers.
+  """
   done = subprocess.run(
       [sys.executable, "-m", "models.gpu_bench", "--worker", json.dumps(task)],
       capture_output=True, text=True, env=env, check=False)
   if done.returncode:
-    raise RuntimeError(f"task {task} failed:\n{done.stderr[-4000:]}")
+    return {"error": done.stderr.strip()[-2000:] or f"exit status {done.returncode}"}
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def log_result(log: Path | None, task: dict[str, Any], result: dict[str, Any]) -> None:
+  """Appends one task's result as it arrives, so a run cut short keeps them."""
+  if log is not None:
+    with log.open("a") as f:
+      f.write(json.dumps({"task": task, "result": result}) + "\n")
 
 
 def worker_env(cache_dir: str) -> dict[str, str]:
@@ -156,8 +170,12 @@ def worker_env(cache_dir: str) -> dict[str, str]:
 
 
 def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: int,
-        cache_dir: str, progress: bool = True) -> list[dict[str, Any]]:
-  """Every case: memory tasks a few at a time, then timing tasks one at a time."""
+        cache_dir: str, progress: bool = True,
+        log: Path | None = None) -> list[dict[str, Any]]:
+  """Every case: memory tasks a few at a time, then timing tasks one at a time.
+
+  Each task's result is appended to `log` (JSON lines) as it arrives.
+  """
   env = worker_env(cache_dir)
   memory_tasks = [{"kind": "memory", "case": dataclasses.asdict(c), "method": m}
                   for c in cases for m in c.methods]
@@ -173,23 +191,27 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
       futures = {pool.submit(run_in_process, t, env): i for i, t in enumerate(tasks)}
       for future in concurrent.futures.as_completed(futures):
         results[futures[future]] = future.result()
+        log_result(log, tasks[futures[future]], results[futures[future]])
         bar.update()
     # Timing needs the machine to itself: one process at a time.
     timings = []
     for case in cases:
-      timings.append(run_in_process(
-          {"kind": "time", "case": dataclasses.asdict(case), "rounds": rounds,
-           "steps_per_round": steps_per_round}, env))
+      task = {"kind": "time", "case": dataclasses.asdict(case), "rounds": rounds,
+              "steps_per_round": steps_per_round}
+      timings.append(run_in_process(task, env))
+      log_result(log, task, timings[-1])
       bar.update()
   floors = {key: results[len(memory_tasks) + i]
             for i, key in enumerate(floor_cases)}
   rows = []
   for i, task in enumerate(memory_tasks):
     case, method = Case(**task["case"]), task["method"]
-    timing = timings[cases.index(case)].get(method, {})
+    timing = timings[cases.index(case)].get(method) or {}
     floor = floors[case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len]
-    rows.append({"case": case.name, **task["case"], "method": method, **results[i],
-                 "floor_bytes": floor["floor_bytes"],
+    rows.append({"case": case.name, **task["case"], "method": method,
+                 **MISSING_MEMORY, **results[i],
+                 "param_bytes": results[i].get("param_bytes") or floor.get("param_bytes"),
+                 "floor_bytes": floor.get("floor_bytes"),
                  "median_step_s": timing.get("median_step_s"),
                  "step_s_all": timing.get("step_s_all")})
   return rows
@@ -199,20 +221,27 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
   """Markdown: memory (compiled, live peak, floor) and step time per method."""
 
   def amount(num_bytes, p):
-    return "n/a" if num_bytes is None else f"{format_bytes(num_bytes)} ({num_bytes / p:.2f} P)"
+    if num_bytes is None or p is None:
+      return "n/a"
+    return f"{format_bytes(num_bytes)} ({num_bytes / p:.2f} P)"
+
+  def failure(error):
+    last = error.strip().splitlines()[-1] if error.strip() else "failed"
+    return "failed: " + last[:80].replace("|", "/")
 
   lines = ["| case | method | compiled | live peak | peak vs floor | median step "
            "| vs scan accumulation |", "|---|---|---|---|---|---|---|"]
   reference = {r["case"]: r["median_step_s"] for r in rows
                if r["method"] == "scan_accumulation"}
   for r in rows:
-    p, peak = r["param_bytes"], r["peak_bytes_in_use"]
-    vs_floor = "" if peak is None else f"{100 * (peak / r['floor_bytes'] - 1):+.1f}%"
+    p, peak, floor = r["param_bytes"], r["peak_bytes_in_use"], r["floor_bytes"]
+    vs_floor = "" if peak is None or not floor else f"{100 * (peak / floor - 1):+.1f}%"
+    compiled = failure(r["error"]) if r.get("error") else amount(r["compiled_total_bytes"], p)
     step = r["median_step_s"]
     ref = reference.get(r["case"])
     speed = "" if step is None or not ref else f"{100 * (step / ref - 1):+.1f}%"
     lines.append(
-        f"| {r['case']} | {r['method']} | {amount(r['compiled_total_bytes'], p)} "
+        f"| {r['case']} | {r['method']} | {compiled} "
         f"| {amount(peak, p)} | {vs_floor} "
         f"| {'' if step is None else f'{1e3 * step:.1f} ms'} | {speed} |")
   return "\n".join(lines) + "\n"
@@ -250,9 +279,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
            for layout in args.layouts]
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache_dir:
+    log = args.out_dir / "raw" / "gpu_tasks.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)
     rows = run(cases, workers=args.workers, rounds=args.rounds,
                steps_per_round=args.steps_per_round, cache_dir=cache_dir,
-               progress=not args.no_progress)
+               progress=not args.no_progress, log=log)
   wall_s = time.perf_counter() - start
   slug = device_slug()
   command = "python -m models.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
