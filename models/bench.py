@@ -297,12 +297,16 @@ def measure_throughput(
   """
   config = models.get_config(preset)
   model = models.create(config, rngs=nnx.Rngs(0))
-  loss_fn, init_params = models.split_loss_fn(model)
+  # The release step needs the model in stages (scanned configs only).
+  splits = {False: models.split_loss_fn(model)}
+  if any(m in RELEASE_METHODS for m in methods):
+    splits[True] = models.staged_loss(model)
   batch_size = micro_batch_size * num_micro_batches
   batch = random_batch(config, abstract_batch(config, batch_size, seq_len))
   tokens_per_step = batch_size * tokens_per_example(config, batch)
   runners = {}
   for method in methods:
+    loss_fn, init_params = splits[method in RELEASE_METHODS]
     step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     params = jax.tree.map(jnp.array, init_params)
     state = tx.init(params)

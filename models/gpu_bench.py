@@ -117,9 +117,9 @@ def measure_floor(case: Case) -> dict[str, Any]:
 
 
 def measure_times(case: Case, rounds: int, steps_per_round: int) -> dict[str, Any]:
-  """Interleaved median step time of every fused method (release excluded)."""
+  """Interleaved median step time of every method of the case."""
   times = bench.measure_throughput(
-      case.config(), METHODS, case.num_micro_batches,
+      case.config(), case.methods, case.num_micro_batches,
       micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, rounds=rounds,
       steps_per_round=steps_per_round, progress=False)
   return {method: {"median_step_s": t["median_step_s"], "step_s_all": t["step_s_all"]}

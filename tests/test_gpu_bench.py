@@ -16,8 +16,7 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
     assert r["compiled_total_bytes"] > 3 * r["param_bytes"]  # params, m, v at least
     assert r["peak_bytes_in_use"] is None  # the CPU backend has no live peak
     assert r["floor_bytes"] > 3 * r["param_bytes"]
-    # Every fused method was timed; the release step is measured for memory only.
-    assert (r["median_step_s"] is None) == (r["method"] == "adama_release")
+    assert r["median_step_s"] > 0  # every method was timed, the release step too
   # AdamA has no gradient accumulator: a P of float32 below scan accumulation.
   saved = (by_method["scan_accumulation"]["compiled_total_bytes"]
            - by_method["adama"]["compiled_total_bytes"])
