@@ -26,3 +26,17 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
   assert saved_json["rows"] == rows and saved_json["command"].startswith("python -m")
   text = (tmp_path / f"gpu_{slug}.md").read_text()
   assert "| gpt_test scanned N=2 | adama |" in text and "n/a" in text
+
+
+def test_a_failed_method_is_recorded_not_fatal(tmp_path):
+  # An unknown preset fails inside the worker process, as an out-of-memory would.
+  case = {"preset": "no_such_preset", "num_micro_batches": 2, "scan_layers": False}
+  task = {"kind": "memory", "case": case, "method": "adama"}
+  result = gpu_bench.run_in_process(task, gpu_bench.worker_env(str(tmp_path)))
+  assert "no_such_preset" in result["error"]
+  log = tmp_path / "tasks.jsonl"
+  gpu_bench.log_result(log, task, result)
+  assert json.loads(log.read_text())["result"] == result
+  row = {"case": "x", "method": "adama", **gpu_bench.MISSING_MEMORY, **result,
+         "floor_bytes": None, "median_step_s": None}
+  assert "| failed: " in gpu_bench.table([row])
