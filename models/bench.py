@@ -234,6 +234,37 @@ def adama_floor(config: models.Config, batch: dict,
                                   num_micro_batches=num_micro_batches)
 
 
+def floor_for(method: str, config: models.Config, batch: dict,
+              num_micro_batches: int) -> optax_adama.MemoryFloor:
+  """The floor a method is held to.
+
+  AdamA's (`adama_floor`): the unrolled model's, whose largest gradient is one
+  leaf. The release step's: it recomputes each layer from its saved input in
+  the backward pass, so its activations are those of the scanned model with
+  every block rematerialized (the layer inputs, one layer's recomputation and
+  the head), and its largest gradient is one layer's slice of a stacked leaf
+  or an outer leaf.
+  """
+  if method not in RELEASE_METHODS:
+    return adama_floor(config, batch, num_micro_batches)
+  config = dataclasses.replace(config, scan_layers=True, remat="full")
+  loss_fn, params = split_model(config)
+  state = jax.eval_shape(
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+  floor = optax_adama.memory_floor(loss_fn, params, state, batch,
+                                   num_micro_batches=num_micro_batches)
+  stack_path = (loss_fn.layers,) if isinstance(loss_fn.layers, str) else tuple(loss_fn.layers)
+
+  def gradient_bytes(path, leaf):
+    keys = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    stacked = keys[:len(stack_path)] == stack_path
+    return optax_adama.tree_bytes(leaf) // (config.num_layers if stacked else 1)
+
+  largest = max(gradient_bytes(path, leaf)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(params))
+  return dataclasses.replace(floor, largest_gradient_bytes=largest)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryRow:
   preset: str
@@ -266,8 +297,12 @@ def measure_memory(
   loss_fn, params = split_model(config)
   rows = []
   batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
-  floor = adama_floor(config, batch, num_micro_batches).to_dict()
+  floors = {}
   for method in methods:
+    release = method in RELEASE_METHODS
+    if release not in floors:
+      floors[release] = floor_for(method, config, batch, num_micro_batches).to_dict()
+    floor = floors[release]
     step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     opt_state = jax.eval_shape(tx.init, params)
     start = time.perf_counter()
@@ -561,29 +596,36 @@ def capacity_table(results: Sequence[dict[str, Any]]) -> str:
 def memory_table(rows: Sequence[MemoryRow]) -> str:
   """Markdown: one row per (preset, N), one column per method, in GiB and P."""
   methods = [m for m in METHODS + RELEASE_METHODS if any(r.method == m for r in rows)]
-  head = ("| preset | params | N | floor | " + " | ".join(methods)
-          + " | AdamA vs floor |\n|" + "---|" * (len(methods) + 5))
+  release = any(r.method in RELEASE_METHODS for r in rows)
+  head = ("| preset | params | N | floor | " + " | ".join(methods) + " | AdamA vs floor |"
+          + (" release vs its floor (remat full) |" if release else "")
+          + "\n|" + "---|" * (len(methods) + 5 + release))
   lines = [head]
   keys = sorted({(r.preset, r.num_micro_batches) for r in rows},
                 key=lambda k: (list(models.PRESETS).index(k[0]) if k[0] in models.PRESETS
                                else 0, k[1]))
   for preset, n in keys:
     group = {r.method: r for r in rows if (r.preset, r.num_micro_batches) == (preset, n)}
-    any_row = next(iter(group.values()))
+    any_row = next((r for r in group.values() if r.method not in RELEASE_METHODS),
+                   next(iter(group.values())))
     floor = any_row.floor
     cells = []
     for method in methods:
       r = group.get(method)
       cells.append("" if r is None else
                    f"{r.report['total_bytes'] / 2**30:.2f} GiB ({r.report['total_p']:.2f} P)")
-    vs_floor = ""
-    best = "adama_release" if "adama_release" in group else "adama"
-    if best in group:
-      vs_floor = f"{100 * (group[best].report['total_bytes'] / floor['total_bytes'] - 1):+.1f}%"
+    def vs_own_floor(method):
+      r = group.get(method)
+      if r is None:
+        return ""
+      return (f"{100 * (r.report['total_bytes'] / r.floor['total_bytes'] - 1):+.1f}%"
+              + (f" ({r.floor['total_p']:.2f} P)" if method in RELEASE_METHODS else ""))
+
     lines.append(
         f"| {preset} | {any_row.param_count / 1e6:.1f}M | {n} "
         f"| {floor['total_bytes'] / 2**30:.2f} GiB ({floor['total_p']:.2f} P) | "
-        + " | ".join(cells) + f" | {vs_floor} |")
+        + " | ".join(cells) + f" | {vs_own_floor('adama')} |"
+        + (f" {vs_own_floor('adama_release')} |" if release else ""))
   return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@ release on the scanned layout) is measured twice:
   device's `memory_stats()["peak_bytes_in_use"]` after three steps, next to
   the compile-only `memory_analysis()` total and AdamA's analytic floor
   (`optax_adama.memory_floor` on the unrolled model: params + m + v + batch
-  + one micro-batch's activations + the largest gradient leaf);
+  + one micro-batch's activations + the largest gradient leaf; for the
+  release step, which recomputes each layer in its backward, the same with
+  every block rematerialized);
 - time, the methods of one preset, N and layout in one process, interleaved
   round by round (`models.bench.measure_throughput`), median step time.
 
@@ -107,12 +109,12 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
           "compile_s": compile_s, "loss": float(metrics["loss"])}
 
 
-def measure_floor(case: Case) -> dict[str, Any]:
-  """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
+def measure_floor(case: Case, method: str) -> dict[str, Any]:
+  """The floor ``method`` is held to (`models.bench.floor_for`), on the unrolled model."""
   config = models.get_config(case.preset, scan_layers=False)
   batch = bench.abstract_batch(
       config, case.micro_batch_size * case.num_micro_batches, case.seq_len)
-  floor = bench.adama_floor(config, batch, case.num_micro_batches)
+  floor = bench.floor_for(method, config, batch, case.num_micro_batches)
   return {"floor_bytes": floor.total_bytes, "param_bytes": floor.param_bytes}
 
 
@@ -131,7 +133,7 @@ def _worker(task: dict[str, Any]) -> dict[str, Any]:
   if task["kind"] == "memory":
     return measure_method(case, task["method"])
   if task["kind"] == "floor":
-    return measure_floor(case)
+    return measure_floor(case, task["method"])
   return measure_times(case, task["rounds"], task["steps_per_round"])
 
 
@@ -179,10 +181,14 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
   env = worker_env(cache_dir)
   memory_tasks = [{"kind": "memory", "case": dataclasses.asdict(c), "method": m}
                   for c in cases for m in c.methods]
-  floor_cases = {(c.preset, c.num_micro_batches, c.micro_batch_size, c.seq_len): c
-                 for c in cases}
-  floor_tasks = [{"kind": "floor", "case": dataclasses.asdict(c)}
-                 for c in floor_cases.values()]
+  def floor_key(case, method):
+    # One floor per model, N and kind of step (the release's is remat "full").
+    return (case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len,
+            method in bench.RELEASE_METHODS)
+
+  floor_cases = {floor_key(c, m): (c, m) for c in cases for m in c.methods}
+  floor_tasks = [{"kind": "floor", "case": dataclasses.asdict(c), "method": m}
+                 for c, m in floor_cases.values()]
   results: dict[int, dict[str, Any]] = {}
   tasks = memory_tasks + floor_tasks
   with tqdm(total=len(tasks) + len(cases), desc="gpu bench", disable=not progress,
@@ -207,7 +213,7 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
   for i, task in enumerate(memory_tasks):
     case, method = Case(**task["case"]), task["method"]
     timing = timings[cases.index(case)].get(method) or {}
-    floor = floors[case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len]
+    floor = floors[floor_key(case, method)]
     rows.append({"case": case.name, **task["case"], "method": method,
                  **MISSING_MEMORY, **results[i],
                  "param_bytes": results[i].get("param_bytes") or floor.get("param_bytes"),

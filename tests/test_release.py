@@ -196,3 +196,28 @@ def test_bench_memory_scan_layers_smoke():
   assert rows["adama_release"]["preset"] == "gpt_test (scanned)"
   totals = {m: r["report"]["total_bytes"] for m, r in rows.items()}
   assert totals["adama_release"] < totals["scan_accumulation"]
+
+
+def test_release_floor_is_the_scanned_remat_full_one_with_a_layer_slice():
+  from models import bench  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+
+  config = models.get_config("gpt_test", scan_layers=True)
+  batch = bench.abstract_batch(config, 4, None)
+  adama = bench.floor_for("adama", config, batch, 4)
+  release = bench.floor_for("adama_release", config, batch, 4)
+  _, params = bench.split_model(config)
+  slices = [optax_adama.tree_bytes(x) // config.num_layers
+            for x in jax.tree.leaves(params["blocks"])]
+  outer = [optax_adama.tree_bytes(x) for k, v in params.items() if k != "blocks"
+           for x in jax.tree.leaves(v)]
+  assert release.largest_gradient_bytes == max(slices + outer)
+  # Same params, state and batch; only activations and the gradient term differ.
+  assert (release.param_bytes, release.opt_state_bytes, release.batch_bytes) == (
+      adama.param_bytes, adama.opt_state_bytes, adama.batch_bytes)
+  table = bench.memory_table([
+      bench.MemoryRow("gpt_test (scanned)", m, 4, 1, 1, {"total_bytes": 4 * f.param_bytes,
+                      "total_p": 4.0}, f.to_dict(), 0.0)
+      for m, f in (("adama", adama), ("adama_release", release))])
+  assert "release vs its floor (remat full)" in table
+  assert f"({release.to_dict()['total_p']:.2f} P)" in table
