@@ -110,7 +110,7 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
 
 
 def measure_floor(case: Case, method: str) -> dict[str, Any]:
-  """The floor ``method`` is held to (`models.bench.floor_for`), on the unrolled model."""
+  """The floor ``method`` is held to (`models.bench.floor_for`)."""
   config = models.get_config(case.preset, scan_layers=False)
   batch = bench.abstract_batch(
       config, case.micro_batch_size * case.num_micro_batches, case.seq_len)
