@@ -36,6 +36,7 @@ from optax_adama._microbatch import microbatch_step
 from optax_adama._microbatch import split_micro_batches
 from optax_adama._microbatch import updates_every_micro_batch
 from optax_adama._release import StagedLoss
+from optax_adama._release import release_shardings
 from optax_adama._release import release_step
 from optax_adama._low_rank import low_rank
 from optax_adama._low_rank import low_rank_mask
@@ -76,6 +77,7 @@ __all__ = (
     "offload_moments",
     "offloaded_state_shapes",
     "quantize_blocks",
+    "release_shardings",
     "release_step",
     "scale_by_adama",
     "sharded_tree_shardings",

@@ -10,6 +10,7 @@ write by hand (a gradient-sum carry, one `update` on the mean), the baseline.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -438,34 +439,17 @@ def _data_parallel_loss_and_grads(
   lowers "all-reduce, then keep my slice" as exactly that (a full-leaf
   all-reduce), while ``psum_scatter`` is a reduce-scatter everywhere.
   """
-  axis_names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-  num_devices = 1
-  for name in axis_names:
-    num_devices *= mesh.shape[name]
+  axis_names = _axis_names(data_axis)
+  num_devices = _num_devices(mesh, data_axis)
   param_specs = jax.tree.map(lambda s: s.spec, shardings.params)
   grad_specs = jax.tree.map(lambda s: s.spec, shardings.grads)
 
-  def split_dim(spec):
-    dims = [i for i, name in enumerate(spec) if name is not None]
-    return dims[0] if dims else None
-
   def gather(p, spec):
-    dim = split_dim(spec)
+    dim = _split_dim(spec)
     return p if dim is None else jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
 
-  def reduce_grad(g, spec):
-    dim = split_dim(spec)
-    if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
-      return jax.lax.psum(g, data_axis) / num_devices
-    # ZeRO-2 / FSDP: each device receives the sum of its slice only.
-    return jax.lax.psum_scatter(
-        g, data_axis, scatter_dimension=dim, tiled=True) / num_devices
-
-  def reduce_aux(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      return jax.lax.pmean(x, data_axis)
-    return jax.lax.psum(x, data_axis)  # counts add up over devices
+  reduce_grad = lambda g, spec: _reduce_gradient(g, spec, data_axis, num_devices)
+  reduce_aux = lambda x: _reduce_aux(x, data_axis)
 
   def local(params, micro_batch):
     # FSDP: gather each leaf for this device's forward and backward pass.
@@ -492,6 +476,38 @@ def _data_parallel_loss_and_grads(
     return out
   loss, grads = out
   return loss, None, grads
+
+
+def _axis_names(data_axis) -> tuple[str, ...]:
+  return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+
+
+def _num_devices(mesh, data_axis) -> int:
+  return math.prod(mesh.shape[name] for name in _axis_names(data_axis))
+
+
+def _split_dim(spec: PartitionSpec) -> Optional[int]:
+  """The dimension a spec splits over the data axis; ``None`` if replicated."""
+  dims = [i for i, name in enumerate(spec) if name is not None]
+  return dims[0] if dims else None
+
+
+def _reduce_gradient(grad, spec, data_axis, num_devices):
+  """Inside ``shard_map``: the device-mean of ``grad``, placed as ``spec`` says."""
+  dim = _split_dim(spec)
+  if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
+    return jax.lax.psum(grad, data_axis) / num_devices
+  # ZeRO-2 / FSDP: each device receives the sum of its slice only.
+  return jax.lax.psum_scatter(
+      grad, data_axis, scatter_dimension=dim, tiled=True) / num_devices
+
+
+def _reduce_aux(x, data_axis):
+  """Inside ``shard_map``: a float aux value averaged over devices, a count summed."""
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jax.lax.pmean(x, data_axis)
+  return jax.lax.psum(x, data_axis)
 
 
 def _to_varying(x, axis_names):

@@ -17,22 +17,30 @@ import collections.abc
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _adama
 from optax_adama import _quantize
+from optax_adama import _sharding
 from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
+from optax_adama._microbatch import _axis_names
+from optax_adama._microbatch import _num_devices
 from optax_adama._microbatch import _poison_if_loss_nonfinite
+from optax_adama._microbatch import _reduce_aux
+from optax_adama._microbatch import _reduce_gradient
+from optax_adama._microbatch import _split_dim
+from optax_adama._microbatch import _to_varying
 from optax_adama._microbatch import _with_distinct_buffers
 from optax_adama._microbatch import split_micro_batches
 from optax_adama._microbatch import _step_metrics
 
-__all__ = ["StagedLoss", "release_step"]
+__all__ = ["StagedLoss", "release_shardings", "release_step"]
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -127,6 +135,7 @@ def release_step(
     has_aux: bool = False,
     mesh: Optional[jax.sharding.Mesh] = None,
     shard_states: Optional[str] = None,
+    data_axis: _sharding.AxisName = "data",
 ) -> Callable[[optax.Params, optax.OptState, Batch], tuple[optax.Params, optax.OptState, Metrics]]:
   r"""A :func:`microbatch_step` for a scanned layer stack, with gradient release.
 
@@ -159,8 +168,18 @@ def release_step(
       :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
       of the stack dense (float32 or bfloat16).
     has_aux: whether ``staged.head`` returns ``(loss, aux)``.
-    mesh: not supported yet (raises).
-    shard_states: not supported yet (raises).
+    mesh: a :class:`jax.sharding.Mesh` to run data parallel on (each device
+      folds its rows of every micro-batch; GSPMD and ``shard_map``, as
+      :func:`microbatch_step` with ``mesh``); ``None`` runs on one device.
+    shard_states: with ``mesh``: ``None`` (params and moments replicated,
+      each layer's gradient all-reduced), ``"zero1"`` (moments split over
+      the devices, each layer's gradient all-reduced and each device folds
+      its slice) or ``"zero2"`` (moments split, each layer's gradient
+      reduce-scattered). A stacked leaf is split along a dimension other
+      than the layer axis, so that every device holds a slice of every
+      layer: place the state with :func:`release_shardings`, not
+      :func:`step_shardings`. ``"fsdp"`` is not supported (raises).
+    data_axis: the mesh axis (or axes) the batch is split over.
 
   Returns:
     The jitted step, with ``.lower(params, opt_state, batch)``. Metrics as
@@ -169,9 +188,11 @@ def release_step(
 
   Raises:
     TypeError: if ``tx`` is not an AdamA transformation.
-    NotImplementedError: with a mesh, or (at the first call) if the stack's
-      moments are 8-bit blocks (:class:`QuantizedArray`), whose blocks do
-      not align with the layer slices.
+    ValueError: for ``shard_states`` without a mesh, or an unknown stage.
+    NotImplementedError: for ``shard_states="fsdp"``, or (at the first
+      call) if the stack's moments are 8-bit blocks (:class:`QuantizedArray`),
+      whose blocks do not align with the layer slices; on a mesh, for 8-bit
+      moments of any leaf.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -196,11 +217,16 @@ def release_step(
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_,
     section 3 ("gradient release").
   """
-  if mesh is not None or shard_states is not None:
-    raise NotImplementedError(
-        "release_step runs on one device; for data parallel and ZeRO use "
-        "microbatch_step(mesh=..., shard_states=...), which folds whole leaves.")
+  _check_release_stage(mesh, shard_states)
   hyperparams, inner = _adama_parts(tx)
+  if mesh is not None:
+    mesh = _sharding.auto_mesh(mesh)
+
+  def fold(params, state, micro_batch):
+    if mesh is None:
+      return _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch)
+    return _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+                               params, state, micro_batch)
 
   def step(params, opt_state, batch):
     chained = isinstance(opt_state, MiniBatchChainState)
@@ -209,13 +235,22 @@ def release_step(
       raise TypeError(
           f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
           "pass tx.init(params).")
-    _check_dense_stack(staged, state)
+    _check_dense_moments(staged, state, whole_tree=mesh is not None)
+    shardings = None
+    if mesh is not None:
+      shardings = release_shardings(
+          staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+      params, opt_state = jax.lax.with_sharding_constraint(
+          (params, opt_state), (shardings.params, shardings.opt_state))
+      state = opt_state.adama if chained else opt_state
     n = state.num_micro_batches
     micro_batches = split_micro_batches(batch, n)
+    if mesh is not None:
+      micro_batches = _place_rows(micro_batches, mesh, data_axis)
     dropped_before = state.num_dropped
 
     def body(state, micro_batch):
-      state, loss, aux = _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch)
+      state, loss, aux = fold(params, state, micro_batch)
       return state, (loss, aux)
 
     state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
@@ -226,18 +261,231 @@ def release_step(
       opt_state = MiniBatchChainState(adama=state, inner=inner_state)
     else:
       opt_state = state
-    params = optax.apply_updates(params, updates)
+    if shard_states is None:
+      params = optax.apply_updates(params, updates)
+    else:
+      moment_shardings = (shardings.opt_state.adama if chained else shardings.opt_state).mu
+      params = _apply_sharded_updates(
+          staged, params, updates, moment_shardings, mesh, data_axis)
+    if shardings is not None:
+      # Back where they started: params replicated (the sharded update is
+      # all-gathered once per step), moments split.
+      params, opt_state = jax.lax.with_sharding_constraint(
+          (params, opt_state), (shardings.params, shardings.opt_state))
     metrics = _step_metrics(
         losses, state.num_dropped - dropped_before, aux if has_aux else None)
     return params, opt_state, metrics
 
-  return _with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
+  if mesh is None:
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+  else:
+    jitted = jax.jit(step, donate_argnums=(0, 1),
+                     in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  return _with_distinct_buffers(jitted)
 
 
-def _check_dense_stack(staged: StagedLoss, state: ScaleByAdamAState) -> None:
+RELEASE_SHARD_STATES = (None, "zero1", "zero2")
+
+
+def _check_release_stage(mesh, shard_states) -> None:
+  _sharding.check_shard_states(shard_states)
+  if mesh is None and shard_states is not None:
+    raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
+  if shard_states not in RELEASE_SHARD_STATES:
+    raise NotImplementedError(
+        f"release_step supports shard_states in {RELEASE_SHARD_STATES}, got "
+        f"{shard_states!r}: under FSDP each layer's params would be gathered in "
+        "the forward scan and again in the release scan. Use microbatch_step("
+        "mesh=..., shard_states='fsdp'), which folds whole leaves.")
+
+
+def release_shardings(
+    staged: StagedLoss,
+    params: Any,
+    opt_state: Any,
+    mesh: jax.sharding.Mesh,
+    *,
+    shard_states: Optional[str] = "zero2",
+    data_axis: _sharding.AxisName = "data",
+) -> _sharding.StepShardings:
+  """Where :func:`release_step` keeps params, optimizer state and gradients.
+
+  :func:`step_shardings`' rule (a leaf split along the first dimension the
+  data axis divides), except that a leaf of the stack is split along its
+  first dimension *after* the layer axis: the release folds one layer at a
+  time, and every device must hold its slice of that layer's moments.
+
+  Args:
+    staged: the model's :class:`StagedLoss` (where the stack is).
+    params: a params tree (arrays or `jax.ShapeDtypeStruct`).
+    opt_state: the AdamA state of ``params`` (``tx.init(params)``, or its
+      ``jax.eval_shape``).
+    mesh: the device mesh.
+    shard_states: ``None``, ``"zero1"`` or ``"zero2"``.
+    data_axis: the mesh axis (or axes) the batch is split over.
+
+  Returns:
+    A :class:`StepShardings`: ``jax.device_put(params, s.params)`` and
+    ``jax.device_put(opt_state, s.opt_state)`` before the first step let the
+    step donate them in place.
+  """
+  _check_release_stage(mesh, shard_states)
+  base = _sharding.step_shardings(
+      params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+  if shard_states is None:
+    return base
+  split = lambda tree: _stack_aware_shardings(staged, tree, mesh, data_axis)
+  chained = isinstance(opt_state, MiniBatchChainState)
+  state_shardings = base.opt_state.adama if chained else base.opt_state
+  state = opt_state.adama if chained else opt_state
+  state_shardings = dataclasses.replace(
+      state_shardings, mu=split(state.mu), nu=split(state.nu))
+  opt_state_shardings = (base.opt_state._replace(adama=state_shardings) if chained
+                         else state_shardings)
+  grads = split(params) if shard_states == "zero2" else base.grads
+  return _sharding.StepShardings(base.params, opt_state_shardings, grads)
+
+
+def _stack_aware_shardings(staged, tree, mesh, data_axis):
+  mesh = _sharding.auto_mesh(mesh)
+  axis_size = _num_devices(mesh, data_axis)
+  outer, stacked = staged.split(tree)
+  outer = _sharding.sharded_tree_shardings(outer, mesh, data_axis=data_axis)
+  stacked = jax.tree.map(
+      lambda x: NamedSharding(mesh, PartitionSpec(
+          None, *_sharding.shard_leaf_spec(jnp.shape(x)[1:], axis_size, data_axis))),
+      stacked)
+  return _like(tree, staged.merge(outer, stacked))
+
+
+def _place_rows(micro_batches, mesh, data_axis):
+  # [N, B / N, ...]: each device keeps its rows (microbatch_step's placement).
+  row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
+  return jax.lax.with_sharding_constraint(
+      micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
+
+
+def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+                        params, state, micro_batch):
+  """:func:`_fold_micro_batch` with each device on its rows, under ``shard_map``."""
+  state_specs = _specs(release_shardings(
+      staged, params, state, mesh, shard_states=shard_states, data_axis=data_axis).opt_state)
+  reductions = _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis)
+  axis_names = _axis_names(data_axis)
+
+  def local(params, state, micro_batch):
+    # Replicated params, gradients that differ per device: marked varying,
+    # the backward leaves the reduction to `reductions`.
+    params = jax.tree.map(lambda p: _to_varying(p, axis_names), params)
+    return _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
+                             reductions)
+
+  replicated = PartitionSpec()
+  return jax.shard_map(
+      local, mesh=mesh, in_specs=(replicated, state_specs, PartitionSpec(data_axis)),
+      out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
+
+
+def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis):
+  """The collectives of a ZeRO stage, for :func:`_fold_micro_batch` in ``shard_map``."""
+  num_devices = _num_devices(mesh, data_axis)
+  outer_specs, stacked_specs = staged.split(state_specs.mu)
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  outer_specs = jax.tree.leaves(outer_specs, is_leaf=is_spec)
+  # A layer's slice is placed as its stacked moment, less the layer axis.
+  layer_specs = [PartitionSpec(*spec[1:])
+                 for spec in jax.tree.leaves(stacked_specs, is_leaf=is_spec)]
+
+  def reduce(grad, spec):
+    if shard_states == "zero2":
+      return _reduce_gradient(grad, spec, data_axis, num_devices)
+    grad = _reduce_gradient(grad, PartitionSpec(), data_axis, num_devices)
+    return _local_slice(grad, spec, data_axis, num_devices)
+
+  def all_finite(finite):
+    # A non-finite entry may sit in another device's slice.
+    return jax.lax.psum((~finite).astype(jnp.int32), data_axis) == 0
+
+  def seed(s):
+    # Each device rounds its own slice: its own noise.
+    return None if s is None else _quantize.mix_seed(
+        s, jax.lax.axis_index(data_axis).astype(jnp.uint32))
+
+  return _Reductions(
+      loss=lambda loss: jax.lax.pmean(loss, data_axis),
+      aux=lambda aux: jax.tree.map(lambda x: _reduce_aux(x, data_axis), aux),
+      outer_grads=lambda grads: list(map(reduce, grads, outer_specs)),
+      layer_grads=lambda grads: list(map(reduce, grads, layer_specs)),
+      all_finite=all_finite,
+      seed=seed)
+
+
+def _local_slice(x, spec, data_axis, num_devices):
+  """Inside ``shard_map``: this device's block of a replicated ``x`` under ``spec``."""
+  dim = _split_dim(spec)
+  if dim is None:
+    return x
+  size = x.shape[dim] // num_devices
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(data_axis) * size, size, dim)
+
+
+def _apply_sharded_updates(staged, params, updates, moment_shardings, mesh, data_axis):
+  """Replicated params plus updates split like the moments, gathered in pieces.
+
+  Each device adds its slice of the update to its slice of the params and
+  all-gathers the sum into the params, the stack one layer at a time (a scan
+  that updates the donated params in place): gathering the whole update
+  first, as GSPMD does for ``params + updates``, keeps a parameter-sized
+  buffer alive beside the params.
+  """
+  num_devices = _num_devices(mesh, data_axis)
+  update_specs = _specs(moment_shardings)
+  outer_specs, stacked_specs = staged.split(update_specs)
+
+  def apply(p, u, spec):
+    new = optax.apply_updates(_local_slice(p, spec, data_axis, num_devices), u)
+    dim = _split_dim(spec)
+    return new if dim is None else jax.lax.all_gather(new, data_axis, axis=dim, tiled=True)
+
+  def apply_layer(stacked, xs):
+    layer, layer_updates = xs
+    layer_params = jax.tree.map(
+        lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), stacked)
+    new = jax.tree.map(lambda p, u, spec: apply(p, u, PartitionSpec(*spec[1:])),
+                       layer_params, layer_updates, stacked_specs)
+    return jax.tree.map(lambda p, n: jax.lax.dynamic_update_index_in_dim(p, n, layer, 0),
+                        stacked, new), None
+
+  def local(params, updates):
+    (outer, stacked), (outer_updates, stacked_updates) = map(staged.split, (params, updates))
+    outer = jax.tree.map(apply, outer, outer_updates, outer_specs)
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    stacked, _ = jax.lax.scan(
+        apply_layer, stacked, (jnp.arange(num_layers, dtype=jnp.int32), stacked_updates))
+    return _like(params, staged.merge(outer, stacked))
+
+  # Gathered leaves are the same on every device; shard_map's type check
+  # cannot tell (all_gather's result counts as device-varying).
+  return jax.shard_map(
+      local, mesh=mesh, in_specs=(PartitionSpec(), update_specs),
+      out_specs=PartitionSpec(), check_vma=False)(params, updates)
+
+
+def _specs(shardings):
+  return jax.tree.map(lambda s: s.spec, shardings)
+
+
+def _check_dense_moments(staged: StagedLoss, state: ScaleByAdamAState, whole_tree: bool) -> None:
   is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
   for moment in (state.mu, state.nu):
     _, stacked = staged.split(moment)
+    if whole_tree and any(map(is_quantized, jax.tree.leaves(moment, is_leaf=is_quantized))):
+      raise NotImplementedError(
+          "release_step on a mesh folds each device's slice of a leaf inside "
+          "shard_map, where 8-bit blocks would have to align with the "
+          "slices; use dense moments (mu_dtype / nu_dtype float32 or "
+          "bfloat16) with release_step(mesh=...), or microbatch_step(mesh=...) "
+          "for 8-bit moments.")
     if any(map(is_quantized, jax.tree.leaves(stacked, is_leaf=is_quantized))):
       raise NotImplementedError(
           "release_step folds the stack's moments one layer slice at a time; "
@@ -247,12 +495,35 @@ def _check_dense_stack(staged: StagedLoss, state: ScaleByAdamAState) -> None:
           "microbatch_step.")
 
 
-def _leaf_seeds(hyperparams, state, mus, nus):
-  return _adama._leaf_seeds(
+class _Reductions(NamedTuple):
+  """How one device's share of a micro-batch becomes the whole micro-batch's.
+
+  The identity on one device; under ``shard_map`` the collectives of the
+  ZeRO stage (:func:`_data_parallel_reductions`).
+  """
+
+  loss: Callable[[jax.Array], jax.Array]
+  aux: Callable[[Any], Any]
+  # Flat lists of gradient leaves (outer leaves, or one layer's slices) in
+  # the order of `specs`: each reduced and placed like its moment.
+  outer_grads: Callable[[list[jax.Array]], list[jax.Array]]
+  layer_grads: Callable[[list[jax.Array]], list[jax.Array]]
+  all_finite: Callable[[jax.Array], jax.Array]
+  seed: Callable[[Optional[jax.Array]], Optional[jax.Array]]
+
+
+_identity = lambda x: x
+_ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity)
+
+
+def _leaf_seeds(hyperparams, state, mus, nus, reductions=_ONE_DEVICE):
+  seeds = _adama._leaf_seeds(
       hyperparams["rounding_seed"], state, mus, nus, hyperparams["stochastic_rounding"])
+  return [tuple(map(reductions.seed, pair)) for pair in seeds]
 
 
-def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch):
+def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
+                      reductions: _Reductions = _ONE_DEVICE):
   """One micro-batch: forward, then a backward that folds layer by layer."""
   b1, b2, nu_estimator = hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"]
   outer, stacked = staged.split(params)
@@ -265,6 +536,10 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch):
   else:
     (loss, head_vjp), aux = jax.vjp(head, outer, x), None
   outer_grads, x_grad = head_vjp(jnp.ones_like(loss))
+  # The gradients below are of this device's mean loss; each is reduced to
+  # the micro-batch's before it is folded, so the guard reads the global loss.
+  loss = reductions.loss(loss)
+  aux = None if aux is None else reductions.aux(aux)
 
   mu_outer, mu_stacked = staged.split(state.mu)
   nu_outer, nu_stacked = staged.split(state.nu)
@@ -273,45 +548,51 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch):
   nu_leaves = stacked_def.flatten_up_to(nu_stacked)
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
-  seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves)
+  seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves, reductions)
 
   def release_layer(carry, xs):
-    x_grad, mus, nus, all_finite = carry
+    x_grad, mus, nus = carry
     layer, layer_params, layer_input = xs
     _, layer_vjp = jax.vjp(
         lambda p, x: staged.block(p, x, micro_batch), layer_params, layer_input)
     layer_grads, x_grad = layer_vjp(x_grad)
-    layer_grads = stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads))
-    new_mus, new_nus = [], []
+    layer_grads = reductions.layer_grads(
+        stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)))
+    new_mus, new_nus, finite = [], [], []
     for grad, mu, nu, leaf_seeds in zip(layer_grads, mus, nus, seeds):
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
-      m, v, finite = _adama._fold_leaf(
+      m, v, leaf_finite = _adama._fold_leaf(
           grad, jax.lax.dynamic_index_in_dim(mu, layer, keepdims=False),
           jax.lax.dynamic_index_in_dim(nu, layer, keepdims=False),
           state, b1, b2, nu_estimator, layer_seeds)
       new_mus.append(jax.lax.dynamic_update_index_in_dim(mu, m, layer, 0))
       new_nus.append(jax.lax.dynamic_update_index_in_dim(nu, v, layer, 0))
-      all_finite = all_finite & finite
-    return (x_grad, new_mus, new_nus, all_finite), None
+      finite.append(leaf_finite)
+    # The flags leave as scan outputs, not carry: under shard_map they vary
+    # over devices, a carry that starts as a constant does not.
+    return (x_grad, new_mus, new_nus), functools.reduce(operator.and_, finite)
 
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  (x_grad, mu_leaves, nu_leaves, stack_finite), _ = jax.lax.scan(
-      release_layer, (x_grad, mu_leaves, nu_leaves, jnp.array(True)),
+  (x_grad, mu_leaves, nu_leaves), layer_finite = jax.lax.scan(
+      release_layer, (x_grad, mu_leaves, nu_leaves),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
 
   (embed_grads,) = embed_vjp(x_grad)
   outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
   outer_grads = _poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
+  grads = reductions.outer_grads(grads)
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
-  outer_seeds = _leaf_seeds(hyperparams, state, mu_leaves + mus, nu_leaves + nus)
+  outer_seeds = _leaf_seeds(
+      hyperparams, state, mu_leaves + mus, nu_leaves + nus, reductions)
   folded = [
       _adama._fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds)
       for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[len(mu_leaves):])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
-  all_finite = functools.reduce(operator.and_, finite, stack_finite)
+  all_finite = reductions.all_finite(
+      functools.reduce(operator.and_, finite, jnp.all(layer_finite)))
   mu = staged.merge(outer_def.unflatten(new_mus), stacked_def.unflatten(mu_leaves))
   nu = staged.merge(outer_def.unflatten(new_nus), stacked_def.unflatten(nu_leaves))
   mu, nu = _like(state.mu, mu), _like(state.nu, nu)
