@@ -79,11 +79,21 @@ class BlockQuantization:
       they hold a negligible share of the bytes and a large share of the
       sensitivity.
     code_dtype: the 8-bit float the codes are stored in.
+    layer_aligned: tile each index of a leaf's leading axis (each layer of a
+      stacked leaf ``[num_layers, ...]``) with whole blocks of its own, so
+      that a layer's slice of the moment is a contiguous run of blocks:
+      what :func:`release_step` needs to fold 8-bit moments one layer at a
+      time. The blocks then divide the slice exactly (at most
+      ``block_size`` elements each, fewer where the slice's size asks); a
+      slice with no such tiling into blocks of at least ``block_size // 8``
+      elements (a prime size, say) keeps its leaf in ``mu_dtype`` /
+      ``nu_dtype``. 1-D leaves are laid out as without it.
   """
 
   block_size: int = 2048
   min_size: int = 4096
   code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn
+  layer_aligned: bool = False
 
   def __post_init__(self):
     if self.block_size < 1:
@@ -94,11 +104,25 @@ class BlockQuantization:
 
   def quantizes(self, shape: tuple[int, ...]) -> bool:
     """Whether a leaf of ``shape`` is stored in 8 bits."""
-    return math.prod(shape) >= max(self.min_size, 1)
+    if math.prod(shape) < max(self.min_size, 1):
+      return False
+    return not self._aligns(shape) or _exact_block_len(
+        math.prod(shape[1:]), self.block_size) is not None
 
   def layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
     """``(num_blocks, block_len)`` of a leaf of ``shape``."""
+    if self._aligns(shape):
+      slice_size = math.prod(shape[1:])
+      block_len = _exact_block_len(slice_size, self.block_size)
+      if block_len is None:
+        raise ValueError(
+            f"a layer-aligned leaf of shape {shape} has no tiling into blocks of "
+            f"{self.block_size // 8}-{self.block_size} elements; it is not quantized.")
+      return shape[0] * (slice_size // block_len), block_len
     return block_layout(math.prod(shape), self.block_size)
+
+  def _aligns(self, shape: tuple[int, ...]) -> bool:
+    return self.layer_aligned and len(shape) >= 2
 
   def zeros(self, shape: tuple[int, ...]) -> QuantizedArray:
     """The quantized form of ``jnp.zeros(shape)``."""
@@ -106,6 +130,17 @@ class BlockQuantization:
     return QuantizedArray(
         codes=jnp.zeros((num_blocks, block_len), self.code_dtype),
         scale=jnp.zeros((num_blocks,), jnp.float32))
+
+
+def _exact_block_len(size: int, block_size: int) -> Optional[int]:
+  """The largest divisor of ``size`` that is at most ``block_size``, if it is
+  at least ``block_size // 8`` (or ``size`` itself, when that is smaller)."""
+  if size <= block_size:
+    return size
+  for block_len in range(block_size, max(1, block_size // 8) - 1, -1):
+    if size % block_len == 0:
+      return block_len
+  return None
 
 
 def block_layout(size: int, block_size: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
+import math
 import operator
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -166,7 +167,9 @@ def release_step(
     staged: the model's loss in stages.
     tx: an AdamA transformation: :func:`adama`, :func:`adamaw`,
       :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
-      of the stack dense (float32 or bfloat16).
+      dense (float32, bfloat16) or, on one device, 8-bit with
+      ``BlockQuantization(layer_aligned=True)``, whose blocks tile each
+      layer's slice.
     has_aux: whether ``staged.head`` returns ``(loss, aux)``.
     mesh: a :class:`jax.sharding.Mesh` to run data parallel on (each device
       folds its rows of every micro-batch; GSPMD and ``shard_map``, as
@@ -190,9 +193,8 @@ def release_step(
     TypeError: if ``tx`` is not an AdamA transformation.
     ValueError: for ``shard_states`` without a mesh, or an unknown stage.
     NotImplementedError: for ``shard_states="fsdp"``, or (at the first
-      call) if the stack's moments are 8-bit blocks (:class:`QuantizedArray`),
-      whose blocks do not align with the layer slices; on a mesh, for 8-bit
-      moments of any leaf.
+      call) for 8-bit moments of a stacked leaf whose blocks straddle layers
+      (``layer_aligned=False``) and, on a mesh, for 8-bit moments of any leaf.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -235,7 +237,7 @@ def release_step(
       raise TypeError(
           f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
           "pass tx.init(params).")
-    _check_dense_moments(staged, state, whole_tree=mesh is not None)
+    _check_moments(staged, params, state, on_mesh=mesh is not None)
     shardings = None
     if mesh is not None:
       shardings = release_shardings(
@@ -475,24 +477,54 @@ def _specs(shardings):
   return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def _check_dense_moments(staged: StagedLoss, state: ScaleByAdamAState, whole_tree: bool) -> None:
+def _check_moments(staged: StagedLoss, params, state: ScaleByAdamAState,
+                   on_mesh: bool) -> None:
+  """Raises for moments the release cannot fold: 8-bit ones on a mesh, and
+  8-bit stacked ones whose blocks straddle layers."""
   is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+  _, stacked_params = staged.split(params)
   for moment in (state.mu, state.nu):
-    _, stacked = staged.split(moment)
-    if whole_tree and any(map(is_quantized, jax.tree.leaves(moment, is_leaf=is_quantized))):
+    if on_mesh and any(map(is_quantized, jax.tree.leaves(moment, is_leaf=is_quantized))):
       raise NotImplementedError(
           "release_step on a mesh folds each device's slice of a leaf inside "
           "shard_map, where 8-bit blocks would have to align with the "
           "slices; use dense moments (mu_dtype / nu_dtype float32 or "
           "bfloat16) with release_step(mesh=...), or microbatch_step(mesh=...) "
           "for 8-bit moments.")
-    if any(map(is_quantized, jax.tree.leaves(stacked, is_leaf=is_quantized))):
-      raise NotImplementedError(
-          "release_step folds the stack's moments one layer slice at a time; "
-          "8-bit block moments (quantization=BlockQuantization(...)) have "
-          "blocks that do not align with the slices. Use dense moments "
-          "(mu_dtype / nu_dtype float32 or bfloat16) for the stack, or "
-          "microbatch_step.")
+    _, stacked = staged.split(moment)
+    leaves = jax.tree.structure(stacked_params).flatten_up_to(stacked)
+    for param, leaf in zip(jax.tree.leaves(stacked_params), leaves):
+      if is_quantized(leaf) and not _layer_aligned(leaf, jnp.shape(param)):
+        raise NotImplementedError(
+            "release_step folds the stack's moments one layer slice at a time, "
+            f"and the 8-bit blocks of a stacked leaf of shape {jnp.shape(param)} "
+            "straddle layers. Lay the blocks out per layer with "
+            "BlockQuantization(layer_aligned=True), or keep the stack's moments "
+            "dense (mu_dtype / nu_dtype float32 or bfloat16).")
+
+
+def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
+  num_blocks, block_len = moment.codes.shape
+  num_layers, slice_size = shape[0], math.prod(shape[1:])
+  return num_blocks % num_layers == 0 and (num_blocks // num_layers) * block_len == slice_size
+
+
+def _layer_slice(moment, layer, num_layers):
+  """Layer ``layer``'s slice of a stacked moment (a run of blocks if 8-bit)."""
+  if isinstance(moment, _quantize.QuantizedArray):
+    rows = moment.codes.shape[0] // num_layers
+    return jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, layer * rows, rows, 0), moment)
+  return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=False)
+
+
+def _with_layer_slice(moment, value, layer):
+  """``moment`` with layer ``layer``'s slice replaced by ``value``, in place."""
+  if isinstance(moment, _quantize.QuantizedArray):
+    rows = value.codes.shape[0]
+    return jax.tree.map(
+        lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v, layer * rows, 0), moment, value)
+  return jax.lax.dynamic_update_index_in_dim(moment, value, layer, 0)
 
 
 class _Reductions(NamedTuple):
@@ -549,6 +581,7 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
   seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves, reductions)
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
   def release_layer(carry, xs):
     x_grad, mus, nus = carry
@@ -563,17 +596,15 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       m, v, leaf_finite = _adama._fold_leaf(
-          grad, jax.lax.dynamic_index_in_dim(mu, layer, keepdims=False),
-          jax.lax.dynamic_index_in_dim(nu, layer, keepdims=False),
+          grad, _layer_slice(mu, layer, num_layers), _layer_slice(nu, layer, num_layers),
           state, b1, b2, nu_estimator, layer_seeds)
-      new_mus.append(jax.lax.dynamic_update_index_in_dim(mu, m, layer, 0))
-      new_nus.append(jax.lax.dynamic_update_index_in_dim(nu, v, layer, 0))
+      new_mus.append(_with_layer_slice(mu, m, layer))
+      new_nus.append(_with_layer_slice(nu, v, layer))
       finite.append(leaf_finite)
     # The flags leave as scan outputs, not carry: under shard_map they vary
     # over devices, a carry that starts as a constant does not.
     return (x_grad, new_mus, new_nus), functools.reduce(operator.and_, finite)
 
-  num_layers = jax.tree.leaves(stacked)[0].shape[0]
   (x_grad, mu_leaves, nu_leaves), layer_finite = jax.lax.scan(
       release_layer, (x_grad, mu_leaves, nu_leaves),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
@@ -621,6 +652,14 @@ def _emitted_direction(state, params, hyperparams):
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
   direction = dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
                    eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
-  return treedef.unflatten([
-      _adama._gated_direction(m, v, p, emit, **direction)
-      for m, v, p in zip(mus, nus, leaves)])
+
+
+  def gated(m, v, p):
+    # Here the folds ran inside the scans, so 8-bit moments are read from
+    # their codes anyway: a select fuses into the update, where
+    # _gated_direction's branch would materialize a float32 direction.
+    like = jax.ShapeDtypeStruct(jnp.shape(p), p.dtype)
+    u = _adama._direction(m, v, like, **direction)
+    return jnp.where(emit, u, jnp.zeros_like(u))
+
+  return treedef.unflatten([gated(m, v, p) for m, v, p in zip(mus, nus, leaves)])

@@ -26,6 +26,24 @@ def test_block_layout_pads_least():
   np.testing.assert_array_equal(_quantize.from_blocks(blocks, x.shape), x)
 
 
+def test_layer_aligned_layout_tiles_each_layer_with_whole_blocks():
+  aligned = optax_adama.BlockQuantization(layer_aligned=True)
+  # 768 x 3072 per layer = 1152 blocks of 2048; a bias row is one block.
+  assert aligned.layout((12, 768, 3072)) == (12 * 1152, 2048)
+  assert aligned.layout((24, 1536)) == (24, 1536)
+  # Blocks divide the slice exactly: 6 x 1000 -> 3 blocks of 2000 per layer.
+  assert aligned.layout((4, 6, 1000)) == (12, 2000)
+  # Without it, the bias stack's blocks straddle layers (18 blocks of 2048).
+  assert optax_adama.BlockQuantization().layout((24, 1536)) == (18, 2048)
+  # 1-D leaves as before; a slice of prime size over block_size stays dense.
+  assert aligned.layout((2049,)) == (2, 1025)
+  assert aligned.quantizes((4, 4099)) is False
+  # Layer l's slice is rows [l k, (l + 1) k) of the blocks.
+  x = jnp.arange(4 * 6 * 1000, dtype=jnp.float32).reshape(4, 6, 1000)
+  blocks = _quantize.to_blocks(x, *aligned.layout(x.shape))
+  np.testing.assert_array_equal(blocks[3:6].reshape(6, 1000), x[1])
+
+
 def test_round_trip_error_is_bounded():
   # Values over 7 decades below each block's absmax.
   key = jax.random.key(0)
