@@ -76,8 +76,9 @@ LOW_RANK_REFRESH_PERIOD = 200  # mini-batches, GaLore's default
 # gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
 SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
                    "zero2_adama", "zero2_adama_8bit")
-# Needs the model in stages, so only with --scan-layers.
-RELEASE_METHODS = ("adama_release",)
+# Needs the model in stages, so only with --scan-layers: the release step with
+# float32 moments, and with 8-bit ones whose blocks tile each layer.
+RELEASE_METHODS = ("adama_release", "adama_release_8bit")
 Step = Callable[..., Any]
 
 
@@ -151,10 +152,13 @@ def make_step(
   if method == "adama":
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
     return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
-  if method == "adama_release":
+  if method in RELEASE_METHODS:
     if not isinstance(loss_fn, optax_adama.StagedLoss):
-      raise ValueError("adama_release needs a scanned model (memory --scan-layers).")
-    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
+      raise ValueError(f"{method} needs a scanned model (--scan-layers).")
+    quantization = (optax_adama.BlockQuantization(layer_aligned=True)
+                    if method.endswith("_8bit") else None)
+    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
+                           quantization=quantization)
     return optax_adama.release_step(loss_fn, tx), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
@@ -372,7 +376,7 @@ def measure_throughput(
 
 
 def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
-               hidden: int | None = None) -> models.GPTConfig:
+               hidden: int | None = None, scan_layers: bool = False) -> models.GPTConfig:
   """A GPT-2-shaped model grown in depth and width together.
 
   ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
@@ -384,19 +388,21 @@ def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
   elif hidden % 64:
     raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
   return models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64, remat=remat,
-                          vocab_size=vocab_size)
+                          vocab_size=vocab_size, scan_layers=scan_layers)
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
                    seq_len: int, remat: str, vocab_size: int = 50257,
                    mesh: jax.sharding.Mesh | None = None,
-                   hidden: int | None = None) -> tuple[int, int]:
+                   hidden: int | None = None, scan_layers: bool = False) -> tuple[int, int]:
   """(compiled total bytes, param count) of a method's step on gpt_family(scale).
 
   With a mesh the bytes are one device's, and every device gets
-  ``micro_batch_size`` rows of each micro-batch.
+  ``micro_batch_size`` rows of each micro-batch. ``scan_layers``: the blocks
+  stacked under one scan (what the release methods need).
   """
-  config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden)
+  config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
+                      scan_layers=scan_layers)
   loss_fn, params = split_model(config)
   step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
                        rank=config.hidden // 4)
@@ -502,6 +508,7 @@ def measure_capacity(
     progress: bool = True,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
     refine_width: bool = False,
+    scan_layers: bool = False,
 ) -> list[dict[str, Any]]:
   """For each budget and method, the largest gpt_family model whose step fits.
 
@@ -519,7 +526,7 @@ def measure_capacity(
       cache[method, scale, hidden] = total_bytes_at(
           scale, method, num_micro_batches=num_micro_batches,
           micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
-          vocab_size=vocab_size, mesh=mesh, hidden=hidden)
+          vocab_size=vocab_size, mesh=mesh, hidden=hidden, scan_layers=scan_layers)
     return cache[method, scale, hidden]
 
   results = []
@@ -728,6 +735,10 @@ def _parse_args(argv):
   cap.add_argument("--refine-width", action="store_true",
                    help="then grow the answer's width in steps of 64 at the same depth")
   cap.add_argument("--vocab-size", type=int, default=50257)
+  cap.add_argument("--scan-layers", action="store_true",
+                   help="every method on the scanned model (blocks stacked under one "
+                        "lax.scan, where remat holds on any backend); allows the release "
+                        "methods")
   cap.add_argument("--devices", type=int, default=1,
                    help="data-parallel mesh size (on CPU, fakes this many devices); "
                         "the budget is then per device")
@@ -790,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
-        refine_width=args.refine_width,
+        refine_width=args.refine_width, scan_layers=args.scan_layers,
         progress=progress,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
         on_result=lambda so_far: _write_outputs(

@@ -56,6 +56,20 @@ def test_capacity_smoke_adama_fits_at_least_as_large():
   assert by_method["adama"]["total_bytes"] <= 0.03e9
 
 
+def test_capacity_smoke_scanned_release_fits_at_least_as_large():
+  # Compile-only, scanned byte-vocabulary models; the release step with
+  # layer-aligned 8-bit moments against scan accumulation on the same model.
+  results = bench.measure_capacity(
+      [0.03], ["scan_accumulation", "adama_release_8bit"], num_micro_batches=2,
+      micro_batch_size=1, seq_len=16, remat="full", max_scale=4, vocab_size=256,
+      progress=False, scan_layers=True)
+  by_method = {r["method"]: r for r in results}
+  assert by_method["adama_release_8bit"]["scale"] >= by_method["scan_accumulation"]["scale"] >= 1
+  assert by_method["adama_release_8bit"]["total_bytes"] <= 0.03e9
+  with pytest.raises(ValueError, match="scanned model"):
+    bench.total_bytes_at(1, "adama_release_8bit", **SMALL_STEP)
+
+
 @pytest.mark.parametrize("guess", [None, 1, 4, 5, 6, 13, 20])
 @pytest.mark.parametrize("threshold,want", [(0, 0), (1, 1), (5, 5), (12, 12), (99, 20)])
 def test_largest_fitting_finds_the_threshold(threshold, want, guess):
