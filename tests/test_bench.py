@@ -56,16 +56,16 @@ def test_capacity_smoke_adama_fits_at_least_as_large():
   assert by_method["adama"]["total_bytes"] <= 0.03e9
 
 
-def test_capacity_smoke_scanned_release_fits_at_least_as_large():
-  # Compile-only, scanned byte-vocabulary models; the release step with
-  # layer-aligned 8-bit moments against scan accumulation on the same model.
-  results = bench.measure_capacity(
-      [0.03], ["scan_accumulation", "adama_release_8bit"], num_micro_batches=2,
-      micro_batch_size=1, seq_len=16, remat="full", max_scale=4, vocab_size=256,
-      progress=False, scan_layers=True)
-  by_method = {r["method"]: r for r in results}
-  assert by_method["adama_release_8bit"]["scale"] >= by_method["scan_accumulation"]["scale"] >= 1
-  assert by_method["adama_release_8bit"]["total_bytes"] <= 0.03e9
+def test_capacity_smoke_scanned_release_holds_less():
+  # Compile-only, one scanned byte-vocabulary model: the release step with
+  # layer-aligned 8-bit moments against scan accumulation on the same model
+  # (the capacity search itself is tested above on the unrolled one).
+  scanned = dict(SMALL_STEP, hidden=128, scan_layers=True)
+  accumulation, count = bench.total_bytes_at(2, "scan_accumulation", **scanned)
+  release, _ = bench.total_bytes_at(2, "adama_release_8bit", **scanned)
+  # Measured 2.77 P against 5.16 P: the accumulator, the stacked gradient and
+  # 6 of the 8 bytes of m and v a parameter.
+  assert accumulation - release > 2.0 * 4 * count, (accumulation, release, count)
   with pytest.raises(ValueError, match="scanned model"):
     bench.total_bytes_at(1, "adama_release_8bit", **SMALL_STEP)
 
