@@ -239,11 +239,7 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
         shardings(params, None), params, micro_batch)
 
   def place_micro_batches(micro_batches):
-    # [N, B / N, ...]: the row axis stays split over the devices (the
-    # column-major split keeps each device's rows on that device).
-    row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
-    return jax.lax.with_sharding_constraint(
-        micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
+    return _place_micro_batch_rows(micro_batches, mesh, data_axis)
 
   def apply_updates(params, updates, emitted):
     if shard_states in ("zero1", "zero2") and emitted is not None:
@@ -476,6 +472,16 @@ def _data_parallel_loss_and_grads(
     return out
   loss, grads = out
   return loss, None, grads
+
+
+def _place_micro_batch_rows(micro_batches, mesh, data_axis):
+  """``[N, B / N, ...]`` micro-batches with the row axis split over the devices.
+
+  The column-major split keeps each device's rows on that device.
+  """
+  row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
+  return jax.lax.with_sharding_constraint(
+      micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
 
 
 def _axis_names(data_axis) -> tuple[str, ...]:

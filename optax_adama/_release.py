@@ -32,6 +32,7 @@ from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._microbatch import _axis_names
 from optax_adama._microbatch import _num_devices
+from optax_adama._microbatch import _place_micro_batch_rows
 from optax_adama._microbatch import _poison_if_loss_nonfinite
 from optax_adama._microbatch import _reduce_aux
 from optax_adama._microbatch import _reduce_gradient
@@ -224,11 +225,6 @@ def release_step(
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
 
-  def fold(params, state, micro_batch):
-    if mesh is None:
-      return _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch)
-    return _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_axis,
-                               params, state, micro_batch)
 
   def step(params, opt_state, batch):
     chained = isinstance(opt_state, MiniBatchChainState)
@@ -248,11 +244,18 @@ def release_step(
     n = state.num_micro_batches
     micro_batches = split_micro_batches(batch, n)
     if mesh is not None:
-      micro_batches = _place_rows(micro_batches, mesh, data_axis)
+      micro_batches = _place_micro_batch_rows(micro_batches, mesh, data_axis)
     dropped_before = state.num_dropped
 
     def body(state, micro_batch):
-      state, loss, aux = fold(params, state, micro_batch)
+      if mesh is None:
+        state, loss, aux = _fold_micro_batch(
+            staged, hyperparams, has_aux, params, state, micro_batch)
+      else:
+        state_shardings = shardings.opt_state.adama if chained else shardings.opt_state
+        state, loss, aux = _data_parallel_fold(
+            staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+            _specs(state_shardings), params, state, micro_batch)
       return state, (loss, aux)
 
     state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
@@ -360,18 +363,9 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
   return _like(tree, staged.merge(outer, stacked))
 
 
-def _place_rows(micro_batches, mesh, data_axis):
-  # [N, B / N, ...]: each device keeps its rows (microbatch_step's placement).
-  row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
-  return jax.lax.with_sharding_constraint(
-      micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
-
-
 def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_axis,
-                        params, state, micro_batch):
+                        state_specs, params, state, micro_batch):
   """:func:`_fold_micro_batch` with each device on its rows, under ``shard_map``."""
-  state_specs = _specs(release_shardings(
-      staged, params, state, mesh, shard_states=shard_states, data_axis=data_axis).opt_state)
   reductions = _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis)
   axis_names = _axis_names(data_axis)
 
