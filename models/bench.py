@@ -28,7 +28,10 @@ donated:
   (state in host memory); capacity counts device bytes only,
 - ``adama_release`` (``memory --scan-layers``): ``optax_adama.adama`` through
   ``optax_adama.release_step`` on the model's stages (``models.staged_loss``),
-  folding one layer's gradient at a time.
+  folding one layer's gradient at a time; ``adama_release_8bit``: the same
+  with 8-bit moments whose blocks tile each layer; ``adama_release_8bit_offload``:
+  those under ``optax_adama.offload_moments`` (capacity: device bytes, plus
+  the moments in flight, see ``release_in_flight_bytes``).
 
 With ``--scan-layers`` the models keep their blocks' params stacked and run
 them under one ``lax.scan`` (every method sees that model); the floor is the
@@ -77,8 +80,9 @@ LOW_RANK_REFRESH_PERIOD = 200  # mini-batches, GaLore's default
 SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
                    "zero2_adama", "zero2_adama_8bit")
 # Needs the model in stages, so only with --scan-layers: the release step with
-# float32 moments, and with 8-bit ones whose blocks tile each layer.
-RELEASE_METHODS = ("adama_release", "adama_release_8bit")
+# float32 moments, with 8-bit ones whose blocks tile each layer, and with those
+# kept in host memory (each layer's slice brought in for its fold and update).
+RELEASE_METHODS = ("adama_release", "adama_release_8bit", "adama_release_8bit_offload")
 Step = Callable[..., Any]
 
 
@@ -156,9 +160,11 @@ def make_step(
     if not isinstance(loss_fn, optax_adama.StagedLoss):
       raise ValueError(f"{method} needs a scanned model (--scan-layers).")
     quantization = (optax_adama.BlockQuantization(layer_aligned=True)
-                    if method.endswith("_8bit") else None)
+                    if "_8bit" in method else None)
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
                            quantization=quantization)
+    if method.endswith("_offload"):
+      tx = optax_adama.offload_moments(tx)
     return optax_adama.release_step(loss_fn, tx), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
@@ -303,6 +309,10 @@ def measure_memory(
   batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
   floors = {}
   for method in methods:
+    if method.endswith("_offload"):
+      raise ValueError(
+          f"{method}: its state lives in host memory, which this compile-only "
+          "table would count as device memory on CPU; measure it with capacity.")
     release = method in RELEASE_METHODS
     if release not in floors:
       floors[release] = floor_for(method, config, batch, num_micro_batches).to_dict()
@@ -408,8 +418,27 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
                        rank=config.hidden // 4)
   devices = 1 if mesh is None else mesh.size
   batch = abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
-  return device_bytes(step, params, jax.eval_shape(tx.init, params), batch,
-                      offloaded=method.endswith("_offload")), models.param_count(config)
+  state = jax.eval_shape(tx.init, params)
+  offloaded = method.endswith("_offload")
+  total = device_bytes(step, params, state, batch, offloaded=offloaded)
+  if offloaded and method in RELEASE_METHODS:
+    total += release_in_flight_bytes(loss_fn, state)
+  return total, models.param_count(config)
+
+
+def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> int:
+  """Device bytes of offloaded moments the release step has in flight.
+
+  The CPU backend's transfers are no-ops, so its compile counts none of
+  them; on a GPU the step brings in one layer's slice of the stack's m and v
+  at a time, and the outer leaves' (embedding, head) for their fold and
+  update. Both are added, an upper bound on what is in flight at once.
+  """
+  state = optax_adama.find_adama_state(opt_state)
+  (outer_mu, stacked_mu), (outer_nu, stacked_nu) = map(staged.split, (state.mu, state.nu))
+  num_layers = jax.tree.leaves(stacked_mu)[0].shape[0]
+  outer = optax_adama.host_state_bytes((outer_mu, outer_nu))
+  return outer + optax_adama.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
 
 
 def device_bytes(step: Step, params: Any, opt_state: Any, batch: Any, *,

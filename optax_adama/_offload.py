@@ -12,7 +12,7 @@ counts host arrays as device arrays (its ``host_*`` fields are zero there), so
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import optax
@@ -33,6 +33,30 @@ def _offloads(leaf: Any, min_size: int) -> bool:
 def _put(tree: Any, space: Any, min_size: int) -> Any:
   return jax.tree.map(
       lambda x: jax.device_put(x, space) if _offloads(x, min_size) else x, tree)
+
+
+def offloaded_leaves(tree: Any, min_size: Optional[int]) -> Any:
+  """Per leaf of ``tree``, whether :func:`offload_moments` keeps it in host
+  memory (``min_size=None``: nothing is offloaded)."""
+  return jax.tree.map(lambda x: min_size is not None and _offloads(x, min_size), tree)
+
+
+def to_device(tree: Any, offloaded: Any) -> Any:
+  """The leaves of ``tree`` flagged in ``offloaded`` brought to the device.
+
+  ``tree`` may be a slice of the tree the flags were taken from (one layer
+  of a stacked moment): the flags follow the whole leaf, not the slice.
+  """
+  return jax.tree.map(
+      lambda x, off: jax.device_put(x, jax.memory.Space.Device) if off else x,
+      tree, offloaded)
+
+
+def to_host(tree: Any, offloaded: Any) -> Any:
+  """The inverse of :func:`to_device`: flagged leaves sent back to the host."""
+  return jax.tree.map(
+      lambda x, off: jax.device_put(x, jax.memory.Space.Host) if off else x,
+      tree, offloaded)
 
 
 def offload_moments(
@@ -84,6 +108,8 @@ def offload_moments(
     new_updates, new_state = inner.update(updates, on_device, params)
     return new_updates, _put(new_state, jax.memory.Space.Host, min_size)
 
+  # Read by optax_adama.release_step, which brings each layer's slice in itself.
+  update_fn.offloaded = (inner, min_size)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _offload
 from optax_adama import _quantize
 from optax_adama import _sharding
 from optax_adama._adama import MiniBatchChainState
@@ -117,17 +118,22 @@ def _merge(outer, stacked, path):
 
 
 def _adama_parts(tx: optax.GradientTransformation):
-  """``(hyperparams, inner)`` of an AdamA transformation; raises for any other."""
+  """``(hyperparams, inner)`` of an AdamA transformation; raises for any other.
+
+  ``hyperparams["offload_min_size"]`` is :func:`offload_moments`' ``min_size``
+  when ``tx`` keeps its moments in host memory, else ``None``.
+  """
+  tx, offload_min_size = getattr(tx.update, "offloaded", (tx, None))
   head, inner = getattr(tx.update, "mini_batch_chain", (tx, None))
   hyperparams = getattr(head.update, "adama_hyperparams", None)
   if hyperparams is None:
     raise TypeError(
         "release_step folds into AdamA's moments itself, so it needs an AdamA "
         "transformation as made by adama, adamaw, scale_by_adama or "
-        "mini_batch_chain(scale_by_adama(...), ...), not wrapped in optax.chain "
-        "or inject_hyperparams. Pass transforms that must see AdamA's direction "
-        "to mini_batch_chain.")
-  return hyperparams, inner
+        "mini_batch_chain(scale_by_adama(...), ...), optionally under "
+        "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
+        "Pass transforms that must see AdamA's direction to mini_batch_chain.")
+  return {**hyperparams, "offload_min_size": offload_min_size}, inner
 
 
 def release_step(
@@ -170,7 +176,16 @@ def release_step(
       :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
       dense (float32, bfloat16) or, on one device, 8-bit with
       ``BlockQuantization(layer_aligned=True)``, whose blocks tile each
-      layer's slice.
+      layer's slice. On one device it may be under :func:`offload_moments`:
+      the moments stay in host memory and each layer's slice is brought in
+      for its fold and for its update, so the device holds one layer's
+      moments at a time (and the outer leaves' while they are folded).
+      Then the transforms of :func:`mini_batch_chain` run on one layer's
+      slice at a time (each stacked leaf as a ``[1, ...]`` slice, so its rank
+      is kept): they must act elementwise with a state of scalars, as the
+      learning rate, schedules and weight decay of :func:`adama` and
+      :func:`adamaw` do; a transform that reads the whole update (a
+      global-norm clip) would see one layer.
     has_aux: whether ``staged.head`` returns ``(loss, aux)``.
     mesh: a :class:`jax.sharding.Mesh` to run data parallel on (each device
       folds its rows of every micro-batch; GSPMD and ``shard_map``, as
@@ -193,8 +208,10 @@ def release_step(
   Raises:
     TypeError: if ``tx`` is not an AdamA transformation.
     ValueError: for ``shard_states`` without a mesh, or an unknown stage.
-    NotImplementedError: for ``shard_states="fsdp"``, or (at the first
-      call) for 8-bit moments of a stacked leaf whose blocks straddle layers
+    NotImplementedError: for ``shard_states="fsdp"``, for offloaded
+      moments on a mesh, or (at the first call) for a chained transform with
+      a per-parameter state under :func:`offload_moments`, or for 8-bit
+      moments of a stacked leaf whose blocks straddle layers
       (``layer_aligned=False``) and, on a mesh, for 8-bit moments of any leaf.
 
   Examples:
@@ -222,9 +239,15 @@ def release_step(
   """
   _check_release_stage(mesh, shard_states)
   hyperparams, inner = _adama_parts(tx)
+  offloaded = hyperparams["offload_min_size"] is not None
+  if mesh is not None and offloaded:
+    raise NotImplementedError(
+        "release_step with offload_moments runs on one device: on a mesh each "
+        "device would bring in its slice of a layer's moments inside "
+        "shard_map, which is not built. Use microbatch_step(mesh=...) with "
+        "offload_moments, or release_step(mesh=...) with moments on the device.")
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
-
 
   def step(params, opt_state, batch):
     chained = isinstance(opt_state, MiniBatchChainState)
@@ -259,6 +282,13 @@ def release_step(
       return state, (loss, aux)
 
     state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
+    if offloaded:
+      params, inner_state = _apply_by_layer(
+          staged, hyperparams, inner, params, state, opt_state.inner if chained else None)
+      opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
+      metrics = _step_metrics(
+          losses, state.num_dropped - dropped_before, aux if has_aux else None)
+      return params, opt_state, metrics
     updates = _emitted_direction(state, params, hyperparams)
     if chained:
       updates, inner_state = _adama._per_mini_batch_update(
@@ -503,13 +533,26 @@ def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
   return num_blocks % num_layers == 0 and (num_blocks // num_layers) * block_len == slice_size
 
 
-def _layer_slice(moment, layer, num_layers):
+def _layer_slice(moment, layer, num_layers, keepdims=False):
   """Layer ``layer``'s slice of a stacked moment (a run of blocks if 8-bit)."""
   if isinstance(moment, _quantize.QuantizedArray):
     rows = moment.codes.shape[0] // num_layers
     return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, layer * rows, rows, 0), moment)
-  return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=False)
+        lambda x: _as_stored(jax.lax.dynamic_slice_in_dim(_as_bytes(x), layer * rows, rows, 0),
+                             x.dtype), moment)
+  return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=keepdims)
+
+
+def _as_bytes(x):
+  # Sliced as raw bytes: the CPU backend widens float8 to float16 before any
+  # op on it, and for moments read-only in a loop (the update by layer) it
+  # hoists that widening out of the loop: the whole stack's codes in float16
+  # (measured: +0.47 P on an 8-layer MLP). A bitcast leaves nothing to widen.
+  return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
+
+
+def _as_stored(x, dtype):
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
 def _with_layer_slice(moment, value, layer):
@@ -576,6 +619,10 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   # mixes in its index so no two layers share rounding noise.
   seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves, reductions)
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  offload_min_size = hyperparams["offload_min_size"]
+  mu_offloaded, nu_offloaded = (
+      [_offload.offloaded_leaves(x, offload_min_size) for x in leaves]
+      for leaves in (mu_leaves, nu_leaves))
 
   def release_layer(carry, xs):
     x_grad, mus, nus = carry
@@ -586,14 +633,17 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
     layer_grads = reductions.layer_grads(
         stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)))
     new_mus, new_nus, finite = [], [], []
-    for grad, mu, nu, leaf_seeds in zip(layer_grads, mus, nus, seeds):
+    for grad, mu, nu, mu_off, nu_off, leaf_seeds in zip(
+        layer_grads, mus, nus, mu_offloaded, nu_offloaded, seeds):
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
+      # Offloaded moments: only this layer's slice comes to the device.
       m, v, leaf_finite = _adama._fold_leaf(
-          grad, _layer_slice(mu, layer, num_layers), _layer_slice(nu, layer, num_layers),
+          grad, _offload.to_device(_layer_slice(mu, layer, num_layers), mu_off),
+          _offload.to_device(_layer_slice(nu, layer, num_layers), nu_off),
           state, b1, b2, nu_estimator, layer_seeds)
-      new_mus.append(_with_layer_slice(mu, m, layer))
-      new_nus.append(_with_layer_slice(nu, v, layer))
+      new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
+      new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
       finite.append(leaf_finite)
     # The flags leave as scan outputs, not carry: under shard_map they vary
     # over devices, a carry that starts as a constant does not.
@@ -613,7 +663,7 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   outer_seeds = _leaf_seeds(
       hyperparams, state, mu_leaves + mus, nu_leaves + nus, reductions)
   folded = [
-      _adama._fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds)
+      _fold_offloaded_leaf(g, m, v, state, hyperparams, leaf_seeds)
       for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[len(mu_leaves):])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   all_finite = reductions.all_finite(
@@ -622,6 +672,17 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   nu = staged.merge(outer_def.unflatten(new_nus), stacked_def.unflatten(nu_leaves))
   mu, nu = _like(state.mu, mu), _like(state.nu, nu)
   return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
+
+
+def _fold_offloaded_leaf(grad, mu, nu, state, hyperparams, seeds):
+  """:func:`_adama._fold_leaf` of a whole leaf, its moments brought in and
+  sent back if they live in host memory."""
+  offload_min_size = hyperparams["offload_min_size"]
+  mu_off, nu_off = (_offload.offloaded_leaves(x, offload_min_size) for x in (mu, nu))
+  m, v, finite = _adama._fold_leaf(
+      grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
+      hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"], seeds)
+  return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite
 
 
 def _like(reference: Any, tree: Any) -> Any:
@@ -639,21 +700,92 @@ def _like(reference: Any, tree: Any) -> Any:
   return treedef.unflatten(leaves)
 
 
+def _direction_hyperparams(state, hyperparams):
+  return dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
+              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
+
+
+def _gated(m, v, p, emit, direction):
+  """One leaf's direction where ``emit``, exact zeros elsewhere."""
+  # Here the folds ran inside the scans, so 8-bit moments are read from
+  # their codes anyway: a select fuses into the update, where
+  # _adama._gated_direction's branch would materialize a float32 direction.
+  u = _adama._direction(m, v, jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), **direction)
+  return jnp.where(emit, u, jnp.zeros_like(u))
+
+
 def _emitted_direction(state, params, hyperparams):
   """AdamA's direction for every leaf (zeros unless the mini-batch emits)."""
   emit = _adama._emitted(state)
+  direction = _direction_hyperparams(state, hyperparams)
   leaves, treedef = jax.tree.flatten(params)
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-  direction = dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
-                   eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
+  return treedef.unflatten(
+      [_gated(m, v, p, emit, direction) for m, v, p in zip(mus, nus, leaves)])
 
 
-  def gated(m, v, p):
-    # Here the folds ran inside the scans, so 8-bit moments are read from
-    # their codes anyway: a select fuses into the update, where
-    # _gated_direction's branch would materialize a float32 direction.
-    like = jax.ShapeDtypeStruct(jnp.shape(p), p.dtype)
-    u = _adama._direction(m, v, like, **direction)
-    return jnp.where(emit, u, jnp.zeros_like(u))
+def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
+  """``(params, inner_state)`` after the emitted update, a layer at a time.
 
-  return treedef.unflatten([gated(m, v, p) for m, v, p in zip(mus, nus, leaves)])
+  For offloaded moments: the direction of a whole stacked leaf would bring
+  the stack's moments to the device at once. Here the outer leaves are
+  updated first, then a scan over the layers brings in one layer's slice of
+  m and v, computes its direction, runs ``inner`` on it and adds it to the
+  layer's params in place. ``inner`` sees params-shaped trees whose other
+  leaves are zeros it does not use (elementwise transforms, checked by their
+  state); its state advances once, from the outer call.
+  """
+  if inner is not None and any(jnp.ndim(x) > 0 for x in jax.tree.leaves(inner_state)):
+    raise NotImplementedError(
+        "release_step with offload_moments runs the transforms chained after "
+        "AdamA one layer at a time, which needs them elementwise with a state "
+        "of scalars (learning rate, schedule, weight decay); this chain keeps "
+        "per-parameter state.")
+  emit = _adama._emitted(state)
+  direction = _direction_hyperparams(state, hyperparams)
+  min_size = hyperparams["offload_min_size"]
+
+  def leaf_direction(m, v, p, m_offloaded, v_offloaded):
+    m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
+    return _gated(m, v, p, emit, direction)
+
+  def chained(outer, stacked, outer_params, stacked_params):
+    """``inner`` on the tree of ``outer`` and ``stacked`` updates."""
+    updates = _like(params, staged.merge(outer, stacked))
+    if inner is None:
+      return updates, inner_state
+    return _adama._per_mini_batch_update(
+        inner, updates, state, inner_state,
+        _like(params, staged.merge(outer_params, stacked_params)))
+
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  outer, stacked = staged.split(params)
+  (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
+  outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
+  outer_dirs = outer_def.unflatten([
+      leaf_direction(m, v, p, *(_offload.offloaded_leaves(x, min_size) for x in (m, v)))
+      for m, v, p in zip(outer_def.flatten_up_to(mu_outer),
+                         outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer))])
+  updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
+  new_outer = optax.apply_updates(outer, staged.split(updates)[0])
+
+  mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
+  flags = [(_offload.offloaded_leaves(m, min_size), _offload.offloaded_leaves(v, min_size))
+           for m, v in zip(mus, nus)]
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+  def update_layer(stacked, layer):
+    # [1, ...] slices: the chained transforms see each leaf at its rank.
+    layer_params = jax.tree.map(
+        lambda p: jax.lax.dynamic_slice_in_dim(p, layer, 1, 0), stacked)
+    dirs = stacked_def.unflatten([
+        leaf_direction(_layer_slice(m, layer, num_layers, keepdims=True),
+                       _layer_slice(v, layer, num_layers, keepdims=True), p, *flag)
+        for m, v, p, flag in zip(mus, nus, jax.tree.leaves(layer_params), flags)])
+    updates, _ = chained(zeros(outer), dirs, outer, layer_params)
+    new = optax.apply_updates(layer_params, staged.split(updates)[1])
+    return jax.tree.map(lambda p, n: jax.lax.dynamic_update_slice_in_dim(p, n, layer, 0),
+                        stacked, new), None
+
+  stacked, _ = jax.lax.scan(update_layer, stacked, jnp.arange(num_layers, dtype=jnp.int32))
+  return _like(params, staged.merge(new_outer, stacked)), new_inner_state
