@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from models import bench
+import optax_adama
 
 
 @pytest.fixture(autouse=True)
@@ -68,6 +69,18 @@ def test_capacity_smoke_scanned_release_holds_less():
   assert accumulation - release > 2.0 * 4 * count, (accumulation, release, count)
   with pytest.raises(ValueError, match="scanned model"):
     bench.total_bytes_at(1, "adama_release_8bit", **SMALL_STEP)
+  # Offloaded, the codes leave the count and the slices in flight (one
+  # layer's, the embeddings') come back; nothing else changes.
+  offloaded, _ = bench.total_bytes_at(2, "adama_release_8bit_offload", **scanned)
+  config = bench.gpt_family(2, remat="full", vocab_size=256, hidden=128, scan_layers=True)
+  staged, params = bench.split_model(config)
+  _, tx = bench.make_step("adama_release_8bit_offload", staged, num_micro_batches=2)
+  state = jax.eval_shape(tx.init, params)
+  host, in_flight = optax_adama.host_state_bytes(state), bench.release_in_flight_bytes(staged, state)
+  assert 0 < in_flight < host
+  # Measured 2.59 P against 2.77 P, equal to the sum to within 704 B of
+  # scalar temps (0.05% of P): no stack-sized copy appears.
+  assert abs(offloaded - (release - host + in_flight)) < 0.01 * 4 * count
 
 
 @pytest.mark.parametrize("guess", [None, 1, 4, 5, 6, 13, 20])
