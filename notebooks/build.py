@@ -157,7 +157,7 @@ import matplotlib.pyplot as plt
 import models, optax_adama
 from models import bench
 
-PRESET = "gpt_tiny" if SMOKE else "gpt2_small"
+PRESET = "gpt_test" if SMOKE else "gpt2_small"
 NUM_MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 1
 SEQ_LEN = 128 if SMOKE else 512
 config = models.get_config(PRESET)
@@ -219,7 +219,7 @@ a floor of params + m + v + **an accumulator** + a micro-batch gradient; AdamA's
 floor has no accumulator."""),
     ("code", '''\
 sweep = []
-for n in ([1, 2, 4] if SMOKE else [1, 2, 4, 8]):
+for n in ([1, 4] if SMOKE else [1, 2, 4, 8]):
   sweep += bench.measure_memory(PRESET, ["scan_accumulation", "multisteps", "adama"], n,
                                 micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
 for method in ["scan_accumulation", "multisteps", "adama"]:
