@@ -159,7 +159,7 @@ from models import bench
 
 PRESET = "gpt_test" if SMOKE else "gpt2_small"
 NUM_MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 1
-SEQ_LEN = 128 if SMOKE else 512
+SEQ_LEN = 32 if SMOKE else 512
 config = models.get_config(PRESET)
 print(f"{PRESET}: {models.param_count(config):,} parameters; micro-batch {MICRO_BATCH_SIZE} x {SEQ_LEN} tokens")'''),
     ("code", '''\
