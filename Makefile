@@ -25,10 +25,10 @@ demo: $(STAMP)
 	$(BIN)/python -m models.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -n 2
+	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # The fast suite against the dependency floors: pyproject.toml's `>=` versions,
 # pinned exactly in $(CONSTRAINTS_MIN). Not part of the default CI run.
@@ -39,7 +39,7 @@ $(STAMP_MIN): pyproject.toml $(CONSTRAINTS_MIN)
 	touch $(STAMP_MIN)
 
 test-min: $(STAMP_MIN)
-	$(VENV_MIN)/bin/python -m pytest -m "not slow" -n 2
+	$(VENV_MIN)/bin/python -m pytest -m "not slow" -n 2 --dist loadgroup
 
 validate: $(STAMP)
 	$(BIN)/python -m models.validate

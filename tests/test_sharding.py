@@ -25,6 +25,10 @@ from jax.sharding import PartitionSpec
 import optax_adama
 from conftest import MLP
 
+# One xdist worker runs this file (make test: --dist loadgroup), so the
+# 8-device subprocess behind the module fixture starts once, not per worker.
+pytestmark = pytest.mark.xdist_group("eight_devices")
+
 NUM_DEVICES = 8
 NUM_LAYERS, WIDTH, BATCH, NUM_MICRO = 3, 64, 64, 4
 STAGES = (None, "zero1", "zero2", "fsdp")
