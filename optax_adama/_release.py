@@ -239,8 +239,7 @@ def release_step(
   """
   _check_release_stage(mesh, shard_states)
   hyperparams, inner = _adama_parts(tx)
-  offloaded = hyperparams["offload_min_size"] is not None
-  if mesh is not None and offloaded:
+  if mesh is not None and hyperparams["offload_min_size"] is not None:
     raise NotImplementedError(
         "release_step with offload_moments runs on one device: on a mesh each "
         "device would bring in its slice of a layer's moments inside "
@@ -282,26 +281,15 @@ def release_step(
       return state, (loss, aux)
 
     state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
-    if offloaded:
-      params, inner_state = _apply_by_layer(
-          staged, hyperparams, inner, params, state, opt_state.inner if chained else None)
-      opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
-      metrics = _step_metrics(
-          losses, state.num_dropped - dropped_before, aux if has_aux else None)
-      return params, opt_state, metrics
-    updates = _emitted_direction(state, params, hyperparams)
-    if chained:
-      updates, inner_state = _adama._per_mini_batch_update(
-          inner, updates, state, opt_state.inner, params)
-      opt_state = MiniBatchChainState(adama=state, inner=inner_state)
-    else:
-      opt_state = state
-    if shard_states is None:
-      params = optax.apply_updates(params, updates)
-    else:
+    sharded_update = None
+    if shard_states is not None:
       moment_shardings = (shardings.opt_state.adama if chained else shardings.opt_state).mu
-      params = _apply_sharded_updates(
+      sharded_update = lambda params, updates: _apply_sharded_updates(
           staged, params, updates, moment_shardings, mesh, data_axis)
+    params, inner_state = _apply_emitted(
+        staged, hyperparams, inner, params, state, opt_state.inner if chained else None,
+        sharded_update)
+    opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
@@ -722,6 +710,23 @@ def _emitted_direction(state, params, hyperparams):
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
   return treedef.unflatten(
       [_gated(m, v, p, emit, direction) for m, v, p in zip(mus, nus, leaves)])
+
+
+def _apply_emitted(staged, hyperparams, inner, params, state, inner_state, sharded_update):
+  """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
+
+  ``sharded_update(params, updates)`` applies an update split like the
+  moments (ZeRO); ``None``: params and update are whole on every device.
+  """
+  if hyperparams["offload_min_size"] is not None:
+    return _apply_by_layer(staged, hyperparams, inner, params, state, inner_state)
+  updates = _emitted_direction(state, params, hyperparams)
+  if inner is not None:
+    updates, inner_state = _adama._per_mini_batch_update(
+        inner, updates, state, inner_state, params)
+  if sharded_update is None:
+    return optax.apply_updates(params, updates), inner_state
+  return sharded_update(params, updates), inner_state
 
 
 def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
