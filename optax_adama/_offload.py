@@ -69,7 +69,9 @@ def offload_moments(
   by ``init``; ``update`` brings each to the device, runs ``inner`` and sends
   the new state back. Inside a jitted step (:func:`microbatch_step`) the state
   argument and output stay in host memory and alias each other when donated;
-  each leaf is on the device only around its own fold. The math is
+  each leaf is on the device only around its own fold. Under
+  :func:`release_step` (a scanned stack) only one layer's slice of a stacked
+  leaf comes in at a time, for its fold and for its update. The math is
   ``inner``'s, unchanged:
 
   .. math::
