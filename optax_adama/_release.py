@@ -607,10 +607,7 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   # mixes in its index so no two layers share rounding noise.
   seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves, reductions)
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  offload_min_size = hyperparams["offload_min_size"]
-  mu_offloaded, nu_offloaded = (
-      [_offload.offloaded_leaves(x, offload_min_size) for x in leaves]
-      for leaves in (mu_leaves, nu_leaves))
+  offloaded = [_offloaded(m, v, hyperparams) for m, v in zip(mu_leaves, nu_leaves)]
 
   def release_layer(carry, xs):
     x_grad, mus, nus = carry
@@ -621,8 +618,8 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
     layer_grads = reductions.layer_grads(
         stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)))
     new_mus, new_nus, finite = [], [], []
-    for grad, mu, nu, mu_off, nu_off, leaf_seeds in zip(
-        layer_grads, mus, nus, mu_offloaded, nu_offloaded, seeds):
+    for grad, mu, nu, (mu_off, nu_off), leaf_seeds in zip(
+        layer_grads, mus, nus, offloaded, seeds):
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       # Offloaded moments: only this layer's slice comes to the device.
@@ -662,11 +659,16 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
 
 
+def _offloaded(mu, nu, hyperparams):
+  """Per leaf of a moment pair (whole leaves, not slices): in host memory?"""
+  min_size = hyperparams["offload_min_size"]
+  return _offload.offloaded_leaves(mu, min_size), _offload.offloaded_leaves(nu, min_size)
+
+
 def _fold_offloaded_leaf(grad, mu, nu, state, hyperparams, seeds):
   """:func:`_adama._fold_leaf` of a whole leaf, its moments brought in and
   sent back if they live in host memory."""
-  offload_min_size = hyperparams["offload_min_size"]
-  mu_off, nu_off = (_offload.offloaded_leaves(x, offload_min_size) for x in (mu, nu))
+  mu_off, nu_off = _offloaded(mu, nu, hyperparams)
   m, v, finite = _adama._fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
       hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"], seeds)
@@ -748,7 +750,6 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
         "per-parameter state.")
   emit = _adama._emitted(state)
   direction = _direction_hyperparams(state, hyperparams)
-  min_size = hyperparams["offload_min_size"]
 
   def leaf_direction(m, v, p, m_offloaded, v_offloaded):
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
@@ -768,15 +769,14 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
   (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
   outer_dirs = outer_def.unflatten([
-      leaf_direction(m, v, p, *(_offload.offloaded_leaves(x, min_size) for x in (m, v)))
+      leaf_direction(m, v, p, *_offloaded(m, v, hyperparams))
       for m, v, p in zip(outer_def.flatten_up_to(mu_outer),
                          outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer))])
   updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
   new_outer = optax.apply_updates(outer, staged.split(updates)[0])
 
   mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
-  flags = [(_offload.offloaded_leaves(m, min_size), _offload.offloaded_leaves(v, min_size))
-           for m, v in zip(mus, nus)]
+  flags = [_offloaded(m, v, hyperparams) for m, v in zip(mus, nus)]
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
   def update_layer(stacked, layer):
