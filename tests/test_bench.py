@@ -198,3 +198,28 @@ def test_state_methods_shrink_the_state_in_order():
   # Offloaded: the low-rank codes and the projectors (about 0.15 P) leave the count.
   assert total["adama_8bit_lowrank"] - total["adama_8bit_lowrank_offload"] > 0.1 * P
   assert total["scan_accumulation_bf16_8bit"] > total["adama_8bit_lowrank"]
+
+
+def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
+  """benchmarks/unrolled_residuals.py (its own process: it sets XLA_FLAGS to dump).
+
+  What it parses from the dumped buffer assignment (the buffers live at the temp
+  peak) must add up to the temp bytes `memory_analysis()` reports for the same
+  program, within the 10% that slot sharing and the 0.01 P cut leave.
+  """
+  import os
+  import subprocess
+  import sys
+  out = tmp_path / "residuals.json"
+  root = os.path.dirname(os.path.dirname(__file__))
+  subprocess.run(
+      [sys.executable, os.path.join("benchmarks", "unrolled_residuals.py"),
+       "--presets", "bert_test", "--json", str(out)],
+      check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+  (result,) = json.loads(out.read_text())
+  for program in ("grad", "fold", "step"):
+    live = sum(result[program]["live_at_peak_p"].values())
+    assert live == pytest.approx(result[program]["temp_p"], rel=0.1), program
+  # The MLP hidden activation (1 sequence of 32 tokens, width 512) is live at the
+  # fold's peak: the forward residuals the module docstring is about.
+  assert "f32[1,32,512]" in result["fold"]["live_at_peak_p"]
