@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec
 import optax_adama
 from conftest import MLP
 
-# One xdist worker runs this file (make test: --dist loadgroup), so the
-# 8-device subprocess behind the module fixture starts once, not per worker.
+# Meant to keep this file on one xdist worker (make test: --dist loadgroup);
+# inert under pytest 9, so the `eight_devices` fixture also shares its result.
 pytestmark = pytest.mark.xdist_group("eight_devices")
 
 NUM_DEVICES = 8
@@ -236,8 +236,7 @@ def _release_memory(mesh):
   return out
 
 
-@pytest.fixture(scope="module")
-def eight_devices():
+def _run_on_eight_devices():
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       f" --xla_force_host_platform_device_count={NUM_DEVICES}")
@@ -249,6 +248,27 @@ def eight_devices():
       capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def eight_devices(tmp_path_factory, worker_id):
+  """The subprocess's results, computed once per test run.
+
+  Under pytest-xdist each worker has its own session, and `--dist loadgroup`
+  cannot keep this file on one worker with pytest 9 (xdist 3.8 renames
+  `item._nodeid`, which pytest 9 no longer reads), so the first worker to get
+  here runs the subprocess (about 50 s) and the others wait on a file lock and
+  read its result from the run's shared temporary directory.
+  """
+  if worker_id == "master":  # not under xdist
+    return _run_on_eight_devices()
+  import fcntl  # POSIX; the suite runs on Linux and macOS
+  shared = tmp_path_factory.getbasetemp().parent / "eight_devices.json"
+  with open(shared.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not shared.exists():
+      shared.write_text(json.dumps(_run_on_eight_devices()))
+  return json.loads(shared.read_text())
 
 
 @pytest.mark.parametrize("stage", STAGES)
