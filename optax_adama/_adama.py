@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 import sys
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -88,6 +89,22 @@ def _check_num_micro_batches(num_micro_batches: Any) -> Optional[int]:
   if value < 1:
     raise ValueError(f"num_micro_batches must be >= 1, got {value}.")
   return value
+
+
+def _check_hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+  """Rejects decay rates outside [0, 1) and negative epsilons, quoting them.
+
+  ``b2 = 1`` would make v's bias correction ``1 - b2**t`` zero. Traced values
+  (``optax.inject_hyperparams`` inside ``jit``) cannot be checked and pass.
+  """
+  ranges = {"b1": (b1, 0.0, 1.0), "b2": (b2, 0.0, 1.0),
+            "eps": (eps, 0.0, math.inf), "eps_root": (eps_root, 0.0, math.inf)}
+  for name, (value, low, high) in ranges.items():
+    if isinstance(value, jax.core.Tracer) or jnp.ndim(value) != 0:
+      continue
+    if not low <= float(value) < high:
+      interval = f"[{low}, {high})" if high < math.inf else f">= {low}"
+      raise ValueError(f"{name} must be in {interval}, got {value!r}.")
 
 
 def _check_float_params(params: optax.Params) -> None:
@@ -464,8 +481,9 @@ def scale_by_adama(
   Raises:
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
       if a param leaf is not a real float; the message names the leaf.
-    ValueError: if ``num_micro_batches < 1``, or (at ``update``) if it
-      differs from the ``N`` the state was made with.
+    ValueError: if ``num_micro_batches < 1``, if ``b1`` or ``b2`` is outside
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or (at ``update``) if
+      ``num_micro_batches`` differs from the ``N`` the state was made with.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -486,6 +504,7 @@ def scale_by_adama(
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
   given_num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  _check_hyperparams(b1, b2, eps, eps_root)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   if quantization is not None and not isinstance(quantization, BlockQuantization):

@@ -1,5 +1,7 @@
 """AdamA as a plain Optax transformation: one ``update`` call per micro-batch."""
 
+import re
+
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -229,6 +231,24 @@ def test_num_micro_batches_below_one_raises_at_construction(bad):
 def test_num_micro_batches_must_be_an_integer(bad):
   with pytest.raises(TypeError, match="num_micro_batches must be an integer"):
     optax_adama.scale_by_adama(num_micro_batches=bad)
+
+
+@pytest.mark.parametrize("name, bad", [("b1", 1.0), ("b1", -0.1), ("b2", 1.0),
+                                       ("b2", np.float32(1.5)), ("eps", -1e-8),
+                                       ("eps_root", -1.0)])
+def test_out_of_range_hyperparams_raise_quoting_them(name, bad):
+  with pytest.raises(ValueError, match=f"{name} must be .*got {re.escape(repr(bad))}"):
+    optax_adama.adamaw(0.1, num_micro_batches=2, **{name: bad})
+
+
+def test_traced_hyperparams_are_not_checked_under_jit():
+  # inject_hyperparams hands the factory tracers inside jit: they must pass.
+  tx = optax.inject_hyperparams(optax_adama.adama)(
+      learning_rate=0.1, b1=0.9, b2=0.999, num_micro_batches=2)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  updates, _ = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+  assert updates["w"].shape == (3,)
 
 
 @pytest.mark.parametrize("integer", [np.int64(2), np.int32(2), jnp.array(2), np.array(2)])
