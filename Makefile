@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/python -m models.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
