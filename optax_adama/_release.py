@@ -582,7 +582,6 @@ def _leaf_seeds(hyperparams, state, mus, nus, reductions=_ONE_DEVICE):
 def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
                       reductions: _Reductions = _ONE_DEVICE):
   """One micro-batch: forward, then a backward that folds layer by layer."""
-  b1, b2, nu_estimator = hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"]
   outer, stacked = staged.split(params)
   x, embed_vjp = jax.vjp(lambda outer: staged.embed(outer, micro_batch), outer)
   x, layer_inputs = jax.lax.scan(
@@ -600,6 +599,35 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
 
   mu_outer, mu_stacked = staged.split(state.mu)
   nu_outer, nu_stacked = staged.split(state.nu)
+  x_grad, mu_stacked, nu_stacked, stack_finite = _release_stack(
+      staged, hyperparams, state, micro_batch, loss, stacked, layer_inputs, x_grad,
+      mu_stacked, nu_stacked, reductions)
+  (embed_grads,) = embed_vjp(x_grad)
+  outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
+  stacked_def = jax.tree.structure(stacked)
+  mu_outer, nu_outer, outer_finite = _fold_outer(
+      hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
+      stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
+      reductions)
+  all_finite = reductions.all_finite(outer_finite & stack_finite)
+  mu = _like(state.mu, staged.merge(mu_outer, mu_stacked))
+  nu = _like(state.nu, staged.merge(nu_outer, nu_stacked))
+  return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
+
+
+def _release_stack(staged, hyperparams, state, micro_batch, loss, stacked, layer_inputs,
+                   x_grad, mu_stacked, nu_stacked, reductions):
+  """The backward through the stack as a reverse scan over its layers.
+
+  Each step takes one layer's vjp from its saved input, folds that layer's
+  gradient into its slice of m and v (in place in the carry) and passes the
+  input cotangent down; one layer's gradient is alive at a time.
+
+  Returns:
+    The cotangent of the stack's input, the new stacked m and v, and whether
+    every layer's gradient was finite.
+  """
+  b1, b2, nu_estimator = hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"]
   stacked_def = jax.tree.structure(stacked)
   mu_leaves = stacked_def.flatten_up_to(mu_stacked)
   nu_leaves = stacked_def.flatten_up_to(nu_stacked)
@@ -637,26 +665,32 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   (x_grad, mu_leaves, nu_leaves), layer_finite = jax.lax.scan(
       release_layer, (x_grad, mu_leaves, nu_leaves),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
+  return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
+          jnp.all(layer_finite))
 
-  (embed_grads,) = embed_vjp(x_grad)
-  outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
+
+def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
+                stacked_mus, stacked_nus, reductions):
+  """Folds the unstacked leaves' gradients (embedding, head) whole.
+
+  ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
+  come first. Returns the new outer m and v and whether every gradient was
+  finite.
+  """
   outer_grads = _poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
   grads = reductions.outer_grads(grads)
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
+  num_stacked = len(stacked_mus)
   outer_seeds = _leaf_seeds(
-      hyperparams, state, mu_leaves + mus, nu_leaves + nus, reductions)
+      hyperparams, state, stacked_mus + mus, stacked_nus + nus, reductions)
   folded = [
       _fold_offloaded_leaf(g, m, v, state, hyperparams, leaf_seeds)
-      for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[len(mu_leaves):])]
+      for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[num_stacked:])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
-  all_finite = reductions.all_finite(
-      functools.reduce(operator.and_, finite, jnp.all(layer_finite)))
-  mu = staged.merge(outer_def.unflatten(new_mus), stacked_def.unflatten(mu_leaves))
-  nu = staged.merge(outer_def.unflatten(new_nus), stacked_def.unflatten(nu_leaves))
-  mu, nu = _like(state.mu, mu), _like(state.nu, nu)
-  return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
+  return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus),
+          functools.reduce(operator.and_, finite, jnp.array(True)))
 
 
 def _offloaded(mu, nu, hyperparams):
