@@ -179,6 +179,9 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     paired = [r["seed_losses"][s] / ref["seed_losses"][s] - 1 for s in common]
     r["paired_gaps"] = paired
     r["paired_gap_std"] = float(np.std(paired, ddof=1)) if len(paired) > 1 else float("nan")
+    # A run stuck on a loss plateau moves the mean gap by tens of percent; the
+    # median of three or more paired gaps is what a typical seed sees.
+    r["paired_gap_median"] = float(np.median(paired)) if paired else float("nan")
   # Per model: Adam first, then by split and arm.
   return sorted(rows, key=lambda r: (
       r["model"], r["arm"] != "adam", r["num_micro_batches"] * r["micro_batch_size"],
@@ -197,7 +200,8 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       "against Adam's best at the same mini-batch. With several seeds: the eval loss "
       "is the mean over the arm's seeds, the gap is over the seeds Adam has too, and "
       "its spread is taken seed by seed (each run against Adam's with the same init "
-      "and data order). *edge*: the best rate is at the edge of the grid, so the "
+      "and data order); from three seeds the median of those paired gaps follows, "
+      "which one seed stuck on a loss plateau does not move. *edge*: the best rate is at the edge of the grid, so the "
       "true best may lie outside it.",
       "",
       "| model | N | tokens / micro-batch | steps | arm | best lr | rates | seeds "
@@ -211,7 +215,10 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       tokens = f"{tokens * r['num_micro_batches']} (whole batch)"
     else:
       n, gap = r["num_micro_batches"], f"{100 * r['gap_to_adam']:+.2f}%"
-      if len(r["paired_gaps"]) > 1:
+      if len(r["paired_gaps"]) > 2:
+        gap += (f" (paired sd {100 * r['paired_gap_std']:.2f}, "
+                f"median {100 * r['paired_gap_median']:+.2f}%)")
+      elif len(r["paired_gaps"]) > 1:
         gap += f" (paired sd {100 * r['paired_gap_std']:.2f})"
     rates = ", ".join(f"{x:.2g}" for x in r["rates"])
     std = f" ± {r['eval_loss_std']:.4f}" if r["seeds"] > 1 else ""

@@ -78,3 +78,14 @@ def test_gaps_are_paired_by_seed():
   records.append(_record("adam", 2e-3, 3.00, seed=2))
   rows = {r["arm"]: r for r in study.best_rows({r["key"]: r for r in records})}
   assert rows["mean"]["gap_to_adam"] == pytest.approx((2.02 + 2.31) / (2.00 + 2.20) - 1)
+
+
+def test_median_paired_gap_is_not_moved_by_one_stuck_seed():
+  # Seed 2's AdamA run sat on a plateau (+30%); the others trail by 1-2%.
+  records = [_record("adam", 2e-3, loss, seed=s) for s, loss in enumerate([2.0, 2.1, 2.0])]
+  records += [_record("mean", 2e-3, loss, seed=s)
+              for s, loss in enumerate([2.02, 2.142, 2.6])]
+  rows = {r["arm"]: r for r in study.best_rows({r["key"]: r for r in records})}
+  assert rows["mean"]["paired_gap_median"] == pytest.approx(0.02)
+  assert rows["mean"]["gap_to_adam"] > 0.1  # the mean gap is the stuck seed's
+  assert "median +2.00%" in study.markdown(list(rows.values()), ["cmd"])
