@@ -201,8 +201,8 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
       "is the mean over the arm's seeds, the gap is over the seeds Adam has too, and "
       "its spread is taken seed by seed (each run against Adam's with the same init "
       "and data order); from three seeds the median of those paired gaps follows, "
-      "which one seed stuck on a loss plateau does not move. *edge*: the best rate is at the edge of the grid, so the "
-      "true best may lie outside it.",
+      "which one seed stuck on a loss plateau does not move. *edge*: the best rate "
+      "is at the edge of the grid, so the true best may lie outside it.",
       "",
       "| model | N | tokens / micro-batch | steps | arm | best lr | rates | seeds "
       "| eval loss | gap to Adam | edge |",

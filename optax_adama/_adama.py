@@ -103,8 +103,8 @@ def _check_hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
     if isinstance(value, jax.core.Tracer) or jnp.ndim(value) != 0:
       continue
     if not low <= float(value) < high:
-      interval = f"[{low}, {high})" if high < math.inf else f">= {low}"
-      raise ValueError(f"{name} must be in {interval}, got {value!r}.")
+      bound = f"in [{low}, {high})" if high < math.inf else f">= {low}"
+      raise ValueError(f"{name} must be {bound}, got {value!r}.")
 
 
 def _check_float_params(params: optax.Params) -> None:
