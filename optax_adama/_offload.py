@@ -30,15 +30,19 @@ def _offloads(leaf: Any, min_size: int) -> bool:
   return math.prod(jax.numpy.shape(leaf)) >= max(min_size, 1)
 
 
-def _put(tree: Any, space: Any, min_size: int) -> Any:
-  return jax.tree.map(
-      lambda x: jax.device_put(x, space) if _offloads(x, min_size) else x, tree)
-
-
 def offloaded_leaves(tree: Any, min_size: Optional[int]) -> Any:
   """Per leaf of ``tree``, whether :func:`offload_moments` keeps it in host
   memory (``min_size=None``: nothing is offloaded)."""
   return jax.tree.map(lambda x: min_size is not None and _offloads(x, min_size), tree)
+
+
+def _move(tree: Any, offloaded: Any, space: Any) -> Any:
+  return jax.tree.map(
+      lambda x, off: jax.device_put(x, space) if off else x, tree, offloaded)
+
+
+def _put(tree: Any, space: Any, min_size: int) -> Any:
+  return _move(tree, offloaded_leaves(tree, min_size), space)
 
 
 def to_device(tree: Any, offloaded: Any) -> Any:
@@ -47,16 +51,12 @@ def to_device(tree: Any, offloaded: Any) -> Any:
   ``tree`` may be a slice of the tree the flags were taken from (one layer
   of a stacked moment): the flags follow the whole leaf, not the slice.
   """
-  return jax.tree.map(
-      lambda x, off: jax.device_put(x, jax.memory.Space.Device) if off else x,
-      tree, offloaded)
+  return _move(tree, offloaded, jax.memory.Space.Device)
 
 
 def to_host(tree: Any, offloaded: Any) -> Any:
   """The inverse of :func:`to_device`: flagged leaves sent back to the host."""
-  return jax.tree.map(
-      lambda x, off: jax.device_put(x, jax.memory.Space.Host) if off else x,
-      tree, offloaded)
+  return _move(tree, offloaded, jax.memory.Space.Host)
 
 
 def offload_moments(
