@@ -288,22 +288,61 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
 
 def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   """One ``tx.update`` per micro-batch (AdamA, MultiSteps), in a scan."""
-  adama = find_adama_state(opt_state) is not None
+  adama_state = find_adama_state(opt_state)
+  adama = adama_state is not None
+  split = adama and _splits_halves(adama_state, placement, params, opt_state, micro_batches)
+  update = optax.with_extra_args_support(tx).update
 
   def body(carry, micro_batch):
     params, opt_state = carry
-    loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+    extra_args = {}
+    if split:
+      loss, aux, grads, difference = _loss_and_half_grads(
+          placement.loss_and_grads, params, micro_batch)
+      extra_args["half_difference"] = _poison_if_loss_nonfinite(loss, difference)
+    else:
+      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
     if adama:  # AdamA drops (and counts) non-finite gradients itself.
       grads, dropped = _poison_if_loss_nonfinite(loss, grads), jnp.array(False)
     else:
       grads, dropped = _zero_nonfinite(loss, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = update(grads, opt_state, params, **extra_args)
     emitted = _emitted(find_adama_state(opt_state)) if adama else None
     params = placement.apply_updates(params, updates, emitted)
     return (params, opt_state), (loss, aux, dropped)
 
   (params, opt_state), outputs = jax.lax.scan(body, (params, opt_state), micro_batches)
   return params, opt_state, outputs
+
+
+def _splits_halves(adama_state, placement, params, opt_state, micro_batches) -> bool:
+  """Whether AdamA's "split" estimator needs each micro-batch's halves."""
+  if adama_state.nu_estimator != "split" or adama_state.num_micro_batches == 1:
+    return False
+  if placement.shardings(params, opt_state) is not None:
+    raise NotImplementedError(
+        "nu_estimator='split' is not supported with a mesh yet; use 'mean' or "
+        "'momentum' for data-parallel and sharded steps.")
+  size = jax.tree.leaves(micro_batches)[0].shape[1]
+  if size % 2:
+    raise ValueError(
+        "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
+        f"the micro-batch size must be even, got {size}.")
+  return True
+
+
+def _loss_and_half_grads(loss_and_grads, params, micro_batch):
+  """(loss, aux, (g_a + g_b) / 2, (g_a - g_b) / 2) over the micro-batch's halves.
+
+  One vmapped backward over the two halves: the same FLOPs as the micro-batch's
+  own, and each leaf's two gradients are alive only until it is folded.
+  """
+  halves = jax.tree.map(
+      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+  loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, halves)
+  mean = lambda x: (x[0] + x[1]) / 2
+  return (mean(loss), jax.tree.map(mean, aux), jax.tree.map(mean, grads),
+          jax.tree.map(lambda x: (x[0] - x[1]) / 2, grads))
 
 
 def _accumulated_gradient_update(

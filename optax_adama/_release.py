@@ -133,6 +133,11 @@ def _adama_parts(tx: optax.GradientTransformation):
         "mini_batch_chain(scale_by_adama(...), ...), optionally under "
         "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
         "Pass transforms that must see AdamA's direction to mini_batch_chain.")
+  if hyperparams["nu_estimator"] == "split":
+    raise NotImplementedError(
+        "release_step does not take nu_estimator='split' yet (each layer's "
+        "backward would run on the micro-batch's two halves); use 'mean' or "
+        "'momentum', or microbatch_step.")
   return {**hyperparams, "offload_min_size": offload_min_size}, inner
 
 

@@ -57,7 +57,7 @@ def _adama_state(state):
   return found
 
 
-@pytest.mark.parametrize("nu_estimator", ["mean", "sum", "momentum"])
+@pytest.mark.parametrize("nu_estimator", optax_adama.NU_ESTIMATORS)
 @pytest.mark.parametrize("make", ["adam", "adamw"])
 def test_one_micro_batch_matches_optax(make, nu_estimator):
   params = _params()
@@ -154,6 +154,111 @@ def test_moments_and_params_match_float64_reference(
   # fraction of the smallest step (0.01).
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-4)
   assert int(adama_state.count) == num_steps
+
+
+def _reference_split_float64(params, halves, lrs, b1, b2, eps):
+  """The "split" estimator in float64; halves[t][i] = (g_a, g_b) per leaf."""
+  params = [np.asarray(p, np.float64) for p in params]
+  m = [np.zeros_like(p) for p in params]
+  v = [np.zeros_like(p) for p in params]
+  for t, micro in enumerate(halves, start=1):
+    n = len(micro)
+    m = [b1 * mk for mk in m]
+    v = [b2 * vk for vk in v]
+    for pair in micro:
+      for k, (a, b) in enumerate(pair):
+        g, d = (np.float64(a) + b) / 2, (np.float64(a) - b) / 2
+        m[k] = m[k] + (1 - b1) / n * g
+        v[k] = v[k] + (1 - b2) / n * (g**2 - (1 - 1 / n) * d**2)
+    m_hat = [mk / (1 - b1**t) for mk in m]
+    v_hat = [vk / (1 - b2**t) for vk in v]
+    if n > 1:
+      v_hat = [np.maximum(vh, mh**2) for vh, mh in zip(v_hat, m_hat)]
+    params = [p - lrs[t - 1] * mh / (np.sqrt(vh) + eps)
+              for p, mh, vh in zip(params, m_hat, v_hat)]
+  return params, m, v
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(
+    shapes=st.lists(
+        st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
+        min_size=1, max_size=3),
+    num_micro_batches=st.integers(1, 5),
+    b1=st.floats(0.5, 0.95),
+    b2=st.floats(0.9, 0.9999),
+    noise=st.floats(0.0, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_split_estimator_matches_float64_reference(
+    shapes, num_micro_batches, b1, b2, noise, seed):
+  rng = np.random.default_rng(seed)
+  num_steps, eps, lr = 4, 1e-8, 0.01
+  params = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  # Halves share a mean and differ by `noise`: large noise drives v below
+  # m_hat**2 (and below zero), where the floor of the direction acts.
+  halves = [[[(mean + noise * rng.normal(size=s), mean + noise * rng.normal(size=s))
+              for s in shapes for mean in [rng.normal(size=s)]]
+             for _ in range(num_micro_batches)] for _ in range(num_steps)]
+  halves = [[[(a.astype(np.float32), b.astype(np.float32)) for a, b in pair]
+             for pair in micro] for micro in halves]
+  tx = optax_adama.adama(lr, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches,
+                         nu_estimator="split")
+  got, state = [jnp.asarray(p) for p in params], None
+  state = tx.init(got)
+  for micro in halves:
+    for pair in micro:
+      g = [jnp.asarray((a + b) / 2) for a, b in pair]
+      d = [jnp.asarray((a - b) / 2) for a, b in pair]
+      updates, state = tx.update(g, state, got, half_difference=d)
+      got = optax.apply_updates(got, updates)
+  want, m, v = _reference_split_float64(params, halves, [lr] * num_steps, b1, b2, eps)
+  adama_state = _adama_state(state)
+  chex.assert_trees_all_close(adama_state.mu, m, rtol=1e-5, atol=1e-7)
+  # v is a difference of squares here: absolute error ~1e-7 of the squares.
+  chex.assert_trees_all_close(adama_state.nu, v, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_micro_batches", [2, 4, 8])
+def test_split_estimator_expects_adams_second_moment(num_micro_batches):
+  # Per coordinate: micro-batch gradient g_i ~ mu + N(0, sigma**2), its halves
+  # g_a, g_b ~ mu + N(0, 2 sigma**2). Adam's E[mean_i(g_i)**2] is mu**2 +
+  # sigma**2 / N; one mini-batch's fold should have that mean, where "mean"'s
+  # has mu**2 + sigma**2.
+  n, coords, sigma = num_micro_batches, 200_000, 1.0
+  rng = np.random.default_rng(0)
+  mu = rng.uniform(-1.0, 1.0, coords)
+  tx = optax_adama.scale_by_adama(b2=0.5, num_micro_batches=n, nu_estimator="split")
+  state = tx.init({"w": jnp.zeros(coords)})
+  for _ in range(n):
+    a, b = (mu + np.sqrt(2) * sigma * rng.normal(size=coords) for _ in range(2))
+    _, state = tx.update({"w": jnp.asarray((a + b) / 2, jnp.float32)}, state,
+                         half_difference={"w": jnp.asarray((a - b) / 2, jnp.float32)})
+  contribution = np.asarray(state.nu["w"], np.float64) / 0.5  # (1 - b2) v_in
+  want = np.mean(mu**2) + sigma**2 / n
+  # Five standard errors of the mean over the coordinates: fails by chance
+  # with probability below 1e-6; "mean"'s expectation is sigma**2 (1 - 1/N)
+  # above `want`, at least 100 standard errors away.
+  standard_error = np.std(contribution) / np.sqrt(coords)
+  assert abs(np.mean(contribution) - want) < 5 * standard_error
+  assert sigma**2 * (1 - 1 / n) > 100 * standard_error
+
+
+def test_split_estimator_rejects_what_it_cannot_take():
+  tx = optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="split")
+  params = {"w": jnp.ones(3)}
+  with pytest.raises(ValueError, match="needs update\\(..., half_difference=d\\)"):
+    tx.update(params, tx.init(params), params)
+  with pytest.raises(ValueError, match="does not combine with 8-bit moments"):
+    optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="split",
+                      quantization=optax_adama.BlockQuantization())
+  # N = 1 is Adam: no halves needed.
+  one = optax_adama.adama(0.1, num_micro_batches=1, nu_estimator="split")
+  updates, _ = one.update(params, one.init(params), params)
+  # float32 0.999 is 0.99900001: 1 - b2 is off by 1.3e-5 relative, the step
+  # by half that through the square root.
+  np.testing.assert_allclose(updates["w"], -0.1, rtol=1e-5)
 
 
 def test_first_moment_equals_adam_first_moment_of_mean_gradient():
