@@ -43,7 +43,7 @@ BASE: dict[str, dict[str, Any]] = {
     "bert": {"learning_rate": 1e-3, "seq_len": 64},
     "vit": {"learning_rate": 2e-3},
 }
-ARMS = ("adam", "adam_bf16acc", "mean", "sum", "momentum")
+ARMS = ("adam", "adam_bf16acc", "mean", "sum", "momentum", "split")
 
 
 @dataclasses.dataclass(frozen=True)

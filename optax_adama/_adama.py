@@ -499,7 +499,15 @@ def scale_by_adama(
       (:math:`E = (\mu^2 + \sigma^2)/N`, a PyTorch loop dividing each
       micro-batch loss by N); ``"momentum"`` is ``"sum"`` plus
       :math:`(1-1/N)\hat m^2` once per mini-batch (:math:`E \approx \mu^2 +
-      \sigma^2/N` where the mean gradient is steady).
+      \sigma^2/N` where the mean gradient is steady); ``"split"`` folds
+      :math:`(g_i^2 - (1-1/N) d_i^2)/N` with :math:`d_i = (g_a - g_b)/2` over
+      the gradients of micro-batch :math:`i`'s two halves (:math:`E[d_i^2] =
+      \sigma^2`, so :math:`E = \mu^2 + \sigma^2/N`, Adam's, from one
+      micro-batch at a time) and reads :math:`\hat v` as at least
+      :math:`\hat m^2`, since this v can dip below zero where noise dominates.
+      ``"split"`` needs ``update(g_i, state, half_difference=d_i)`` with
+      ``g_i = (g_a + g_b)/2`` (:func:`microbatch_step` does this: one vmapped
+      backward over the halves), and float or bfloat16 moments.
 
   Returns:
     A :class:`optax.GradientTransformation` with state
@@ -509,8 +517,10 @@ def scale_by_adama(
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
       if a param leaf is not a real float; the message names the leaf.
     ValueError: if ``num_micro_batches < 1``, if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or (at ``update``) if
-      ``num_micro_batches`` differs from the ``N`` the state was made with.
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``"split"`` is asked
+      with ``quantization``, or (at ``update``) if ``num_micro_batches``
+      differs from the ``N`` the state was made with or ``"split"`` gets no
+      ``half_difference`` (``N > 1``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -740,8 +750,8 @@ def adama(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"mean"``, ``"sum"`` or ``"momentum"``; see
-      :func:`scale_by_adama`.
+    nu_estimator: ``"mean"``, ``"sum"``, ``"momentum"`` or ``"split"``;
+      see :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -816,8 +826,8 @@ def adamaw(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"mean"``, ``"sum"`` or ``"momentum"``; see
-      :func:`scale_by_adama`.
+    nu_estimator: ``"mean"``, ``"sum"``, ``"momentum"`` or ``"split"``;
+      see :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.

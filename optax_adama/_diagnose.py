@@ -111,9 +111,10 @@ def diagnose_second_moment(
   :func:`microbatch_step` splits it), computes the micro-batch gradients,
   takes one Adam step on their mean (so rho is measured where Adam would go),
   and updates, beside Adam's :math:`v`, the :math:`v` of each estimator of
-  :func:`scale_by_adama` from the same gradients. It holds the mean gradient
-  and four second moments: a diagnostic, run it for tens to hundreds of
-  mini-batches, not as the optimizer.
+  :func:`scale_by_adama` from the same gradients (``"split"`` from each
+  micro-batch's two halves, where micro-batches have an even number of rows;
+  left out otherwise). It holds the mean gradient and five second moments: a
+  diagnostic, run it for tens to hundreds of mini-batches, not as the optimizer.
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch)``, the micro-batch mean loss (or
@@ -156,29 +157,43 @@ def diagnose_second_moment(
   for batch in batches:
     params, state, loss, quantiles = step(params, state, batch)
     losses.append(float(loss))
-    for name in NU_ESTIMATORS:
-      rho[name].append(np.asarray(quantiles[name]))
+    for name, values in quantiles.items():
+      rho[name].append(np.asarray(values))
   if not losses:
     raise ValueError("batches is empty: nothing to measure.")
   return SecondMomentDiagnosis(
       num_micro_batches=num_micro_batches,
-      rho={name: np.stack(values) for name, values in rho.items()},
+      rho={name: np.stack(values) for name, values in rho.items() if values},
       losses=np.asarray(losses))
 
 
 def _adam_step_with_estimators(
     value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps):
   micro_batches = split_micro_batches(batch, n)
+  # "split" needs each micro-batch's two halves: measured where they exist.
+  halves = jax.tree.leaves(micro_batches)[0].shape[1] % 2 == 0
 
   def body(sums, micro_batch):
-    out, grads = value_and_grad(params, micro_batch)
-    loss = out[0] if has_aux else out
-    grad_sum, square_sum = sums
+    if halves:
+      pairs = jax.tree.map(
+          lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+      out, pair_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, pairs)
+      grads = jax.tree.map(lambda x: (x[0] + x[1]) / 2, pair_grads)
+      split = jax.tree.map(  # g**2 - (1 - 1/N) d**2, d the half difference
+          lambda x: ((x[0] + x[1]) / 2) ** 2 - (1 - 1 / n) * ((x[0] - x[1]) / 2) ** 2,
+          pair_grads)
+    else:
+      out, grads = value_and_grad(params, micro_batch)
+      split = grads  # unused
+    loss = jnp.mean(out[0] if has_aux else out)
+    grad_sum, square_sum, split_sum = sums
     return (jax.tree.map(jnp.add, grad_sum, grads),
-            jax.tree.map(lambda s, g: s + g * g, square_sum, grads)), loss
+            jax.tree.map(lambda s, g: s + g * g, square_sum, grads),
+            jax.tree.map(jnp.add, split_sum, split)), loss
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grad_sum, square_sum), losses = jax.lax.scan(body, (zeros, zeros), micro_batches)
+  (grad_sum, square_sum, split_sum), losses = jax.lax.scan(
+      body, (zeros, zeros, zeros), micro_batches)
   mean = jax.tree.map(lambda s: s / n, grad_sum)
   mean_square = jax.tree.map(lambda s: s / n, square_sum)
   ema = lambda v, x: jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b, v, x)
@@ -194,20 +209,26 @@ def _adam_step_with_estimators(
       "sum": ema(state["sum"], by_n),
       "momentum": ema(state["momentum"], jax.tree.map(
           lambda x, mh: x + (1 - 1 / n) * mh * mh, by_n, m_hat)),
+      "split": ema(state["split"], jax.tree.map(lambda s: s / n, split_sum)),
   }
   v_hat = jax.tree.map(lambda v: v / (1 - b2**t), adam)
   params = jax.tree.map(
       lambda p, mh, vh: p - learning_rate * mh / (jnp.sqrt(vh) + eps),
       params, m_hat, v_hat)
-  return params, new_state, jnp.mean(losses), _rho_quantiles(new_state)
+  # "split"'s v as AdamA reads it: v_hat floored at m_hat**2 (in raw-moment
+  # units; rho's bias corrections cancel). The stored EMA stays unfloored.
+  read = {**new_state, "split": jax.tree.map(
+      lambda v, mh: jnp.maximum(v, (1 - b2**t) * mh * mh), new_state["split"], m_hat)}
+  names = NU_ESTIMATORS if halves else tuple(e for e in NU_ESTIMATORS if e != "split")
+  return params, new_state, jnp.mean(losses), _rho_quantiles(read, names)
 
 
-def _rho_quantiles(state):
+def _rho_quantiles(state, names):
   """Quantiles of v_estimator / v_adam over the coordinates where v_adam > 0."""
   adam = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state["adam"])])
   positive = adam > 0
   out = {}
-  for name in NU_ESTIMATORS:
+  for name in names:
     v = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state[name])])
     ratio = jnp.where(positive, v / jnp.where(positive, adam, 1.0), jnp.nan)
     out[name] = jnp.nanquantile(ratio, jnp.asarray(QUANTILES, ratio.dtype))

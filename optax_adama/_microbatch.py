@@ -104,7 +104,9 @@ def microbatch_step(
     micro-batch gradient is handed to ``tx.update`` and the (zero until the
     ``N``-th) updates applied. With AdamA the gradient is folded into the
     moments and dies there, so XLA can free each layer's gradient as soon as
-    it is folded.
+    it is folded. With AdamA's ``nu_estimator="split"`` (one device) each
+    micro-batch's gradient is taken as its two halves' in one vmapped
+    backward, and their half difference goes to ``update`` as well.
   * gradient accumulation (anything else, e.g. ``optax.adam``): the scan carries
     a gradient sum, and ``tx.update`` is called once with the mean gradient.
 
@@ -161,7 +163,9 @@ def microbatch_step(
       call, before any buffer is used: if ``num_micro_batches`` differs from
       the AdamA state's, is missing without an AdamA state, or does not split
       the batch; or if two leaves of params and state are the same array
-      (donation would hand one buffer over twice).
+      (donation would hand one buffer over twice); or if AdamA's ``"split"``
+      estimator meets micro-batches of odd size.
+    NotImplementedError: at the first call, for ``"split"`` with ``mesh``.
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama

@@ -56,9 +56,19 @@ def test_noise_dominated_gradients_make_mean_about_n_times_adam():
   # 200 steps of a b2 = 0.999 average: a spread of about 10%.)
   assert 0.7 * NUM_MICRO < diagnosis.median("mean") < 1.3 * NUM_MICRO
   assert 0.7 < diagnosis.median("sum") < 1.3
-  assert diagnosis.suggested_estimator() in ("sum", "momentum")
+  # "split" estimates Adam's v from each micro-batch's halves: rho ~ 1 too.
+  assert 0.7 < diagnosis.median("split") < 1.3
+  assert diagnosis.suggested_estimator() in ("sum", "momentum", "split")
   text = diagnosis.summary(learning_rate=1e-3)
   assert "Suggested: nu_estimator=" in text and "mean" in text
+
+
+def test_split_is_left_out_where_micro_batches_do_not_halve():
+  batches = [{"x": b["x"][:12], "y": b["y"][:12]}
+             for b in _batches(3, identical_micro_batches=False)]
+  diagnosis = optax_adama.diagnose_second_moment(  # micro-batches of 3 rows
+      loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO)
+  assert set(diagnosis.rho) == {"mean", "sum", "momentum"}
 
 
 def test_empty_batches_raise():

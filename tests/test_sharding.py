@@ -377,6 +377,9 @@ def test_bad_sharding_options_are_rejected():
         loss_fn, tx, num_micro_batches=2, mesh=mesh, shard_states="zero4")
   with pytest.raises(ValueError, match="not in the mesh"):
     optax_adama.step_shardings(_params(), None, mesh, data_axis="batch")
+  split = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="split")
+  with pytest.raises(NotImplementedError, match="'split' is not supported with a mesh"):
+    _run(split, _params(), steps=1, mesh=mesh, shard_states="zero1")
 
 
 @pytest.mark.parametrize("estimator,stage", [
