@@ -93,6 +93,11 @@ def test_adamaw_mask_and_weight_decay_once_per_mini_batch():
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+# One to three leaves, each a scalar or up to 4 x 4.
+_SHAPES = st.lists(
+    st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple), min_size=1, max_size=3)
+
+
 def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
   """DESIGN.md's math in float64 numpy; grads[t][i] is micro-batch i of step t."""
   params = [np.asarray(p, np.float64) for p in params]
@@ -119,9 +124,7 @@ def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
 
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(
-    shapes=st.lists(
-        st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
-        min_size=1, max_size=3),
+    shapes=_SHAPES,
     num_micro_batches=st.integers(1, 5),
     b1=st.floats(0.5, 0.95),
     b2=st.floats(0.9, 0.9999),
@@ -181,9 +184,7 @@ def _reference_split_float64(params, halves, lrs, b1, b2, eps):
 
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(
-    shapes=st.lists(
-        st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple),
-        min_size=1, max_size=3),
+    shapes=_SHAPES,
     num_micro_batches=st.integers(1, 5),
     b1=st.floats(0.5, 0.95),
     b2=st.floats(0.9, 0.9999),

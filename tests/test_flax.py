@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import linen
 from flax import nnx
 from flax.training import train_state
@@ -38,28 +39,6 @@ def _fused(loss_fn, params, tx, batches):
   return params
 
 
-def test_nnx_optimizer_matches_microbatch_step():
-  tx = optax_adama.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO)
-  batches = _batches(3)
-  model = models.create("gpt_test", rngs=nnx.Rngs(0))
-  loss_fn, params = models.split_loss_fn(model)
-  want = _fused(loss_fn, params, tx, batches)
-
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def train_micro_batch(model, optimizer, micro_batch):
-    optimizer.update(model, nnx.grad(lambda m: m.loss(micro_batch)[0])(model))
-
-  for batch in batches:
-    for i in range(NUM_MICRO):
-      train_micro_batch(model, optimizer, _micro(batch, i))
-  # "split"'s v is a difference of squares: where it nearly cancels, the
-  # rounding of g and d is amplified in the step (13 of 49k entries moved
-  # 1.5e-6 apart). Compared at 1% of one step (lr 3e-3).
-  _assert_same_model(model, want, batches, atol=3e-5)
-
-
 def _without_key_bias(state):
   """Params less the attention key bias: softmax is shift invariant, so its
   true gradient is 0 and Adam normalises rounding noise into lr-sized steps
@@ -84,19 +63,26 @@ def _assert_same_model(model, want, batches, atol=1e-6):
   chex.assert_trees_all_close(model(tokens), fused_model(tokens), rtol=1e-4, atol=1e-5)
 
 
-def test_nnx_optimizer_passes_the_split_estimators_half_difference():
+@pytest.mark.parametrize("nu_estimator", ["mean", "split"])
+def test_nnx_optimizer_matches_microbatch_step(nu_estimator):
   tx = optax_adama.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO,
-                          nu_estimator="split")
+                          nu_estimator=nu_estimator)
   batches = _batches(3)
   model = models.create("gpt_test", rngs=nnx.Rngs(0))
   loss_fn, params = models.split_loss_fn(model)
   want = _fused(loss_fn, params, tx, batches)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grad = lambda model, rows: nnx.grad(lambda m: m.loss(rows)[0])(model)
 
   @nnx.jit
   def train_micro_batch(model, optimizer, micro_batch):
+    if nu_estimator != "split":
+      optimizer.update(model, grad(model, micro_batch))
+      return
+    # "split" takes the gradients of the micro-batch's halves, as
+    # microbatch_step does, and their half difference as an extra argument.
     half = len(micro_batch["tokens"]) // 2
-    g_a, g_b = (nnx.grad(lambda m: m.loss(jax.tree.map(lambda x: x[rows], micro_batch))[0])(model)
+    g_a, g_b = (grad(model, jax.tree.map(lambda x: x[rows], micro_batch))
                 for rows in (slice(None, half), slice(half, None)))
     optimizer.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
                      half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
@@ -107,8 +93,7 @@ def test_nnx_optimizer_passes_the_split_estimators_half_difference():
   # "split"'s v is a difference of squares: where it nearly cancels, the
   # rounding of g and d is amplified in the step (13 of 49k entries moved
   # 1.5e-6 apart). Compared at 1% of one step (lr 3e-3).
-  _assert_same_model(model, want, batches, atol=3e-5)
-  assert bool(optax_adama.has_updated(optimizer.opt_state))
+  _assert_same_model(model, want, batches, atol=3e-5 if nu_estimator == "split" else 1e-6)
 
 
 class _MLP(linen.Module):
