@@ -106,7 +106,10 @@ def microbatch_step(
     moments and dies there, so XLA can free each layer's gradient as soon as
     it is folded. With AdamA's ``nu_estimator="split"`` (one device) each
     micro-batch's gradient is taken as its two halves' in one vmapped
-    backward, and their half difference goes to ``update`` as well.
+    backward, and their half difference goes to ``update`` as well. The
+    micro-batch's loss and gradient are then the mean of its halves' (its own
+    for a loss averaged over equally weighted examples; close to it for a loss
+    normalised by a data-dependent count, such as masked tokens).
   * gradient accumulation (anything else, e.g. ``optax.adam``): the scan carries
     a gradient sum, and ``tx.update`` is called once with the mean gradient.
 
