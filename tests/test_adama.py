@@ -113,13 +113,17 @@ def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
       v = [vk + nu_weight * gk**2 for vk, gk in zip(v, g)]
     if nu_estimator == "momentum":
       v = [vk + (1 - b2) * (1 - 1 / n) * (mk / (1 - b1**t)) ** 2 for vk, mk in zip(v, m)]
-    m_hat = [mk / (1 - b1**t) for mk in m]
-    v_hat = [vk / (1 - b2**t) for vk in v]
-    params = [
-        p - lrs[t - 1] * mh / (np.sqrt(vh) + eps)
-        for p, mh, vh in zip(params, m_hat, v_hat)
-    ]
+    params = _step_float64(params, m, v, t, lrs[t - 1], b1, b2, eps)
   return params, m, v
+
+
+def _step_float64(params, m, v, t, lr, b1, b2, eps, floor_nu=False):
+  """The bias-corrected Adam step from the moments; ``floor_nu``: "split"'s."""
+  m_hat = [mk / (1 - b1**t) for mk in m]
+  v_hat = [vk / (1 - b2**t) for vk in v]
+  if floor_nu:
+    v_hat = [np.maximum(vh, mh**2) for vh, mh in zip(v_hat, m_hat)]
+  return [p - lr * mh / (np.sqrt(vh) + eps) for p, mh, vh in zip(params, m_hat, v_hat)]
 
 
 @hypothesis.settings(max_examples=20, deadline=None)
@@ -173,12 +177,7 @@ def _reference_split_float64(params, halves, lrs, b1, b2, eps):
         g, d = (np.float64(a) + b) / 2, (np.float64(a) - b) / 2
         m[k] = m[k] + (1 - b1) / n * g
         v[k] = v[k] + (1 - b2) / n * (g**2 - (1 - 1 / n) * d**2)
-    m_hat = [mk / (1 - b1**t) for mk in m]
-    v_hat = [vk / (1 - b2**t) for vk in v]
-    if n > 1:
-      v_hat = [np.maximum(vh, mh**2) for vh, mh in zip(v_hat, m_hat)]
-    params = [p - lrs[t - 1] * mh / (np.sqrt(vh) + eps)
-              for p, mh, vh in zip(params, m_hat, v_hat)]
+    params = _step_float64(params, m, v, t, lrs[t - 1], b1, b2, eps, floor_nu=n > 1)
   return params, m, v
 
 
