@@ -223,3 +223,19 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
   # The MLP hidden activation (1 sequence of 32 tokens, width 512) is live at the
   # fold's peak: the forward residuals the module docstring is about.
   assert "f32[1,32,512]" in result["fold"]["live_at_peak_p"]
+
+
+def test_estimator_memory_script_compiles_every_estimator():
+  """benchmarks/estimator_memory.py on the 1-layer GPT: "sum" is "mean" with other
+  weights (the same program bytes), "split" holds the halves' second gradient."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                      "estimator_memory.py")
+  spec = importlib.util.spec_from_file_location("estimator_memory", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  totals = module.estimator_totals("gpt_test", batch_size=8)
+  assert set(totals) == set(optax_adama.NU_ESTIMATORS)
+  assert totals["sum"] == totals["mean"]
+  assert totals["split"] >= totals["mean"]
