@@ -110,6 +110,25 @@ def _check_hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
       raise ValueError(f"{name} must be {bound}, got {value!r}.")
 
 
+def _check_storage_options(quantization: Any, nu_estimator: Any,
+                           stochastic_rounding: Any) -> None:
+  """Raises for a bad ``quantization`` / ``nu_estimator`` / ``stochastic_rounding``."""
+  if quantization is not None and not isinstance(quantization, BlockQuantization):
+    raise TypeError(
+        f"quantization must be a BlockQuantization or None, got {quantization!r}.")
+  if nu_estimator not in NU_ESTIMATORS:
+    raise ValueError(
+        f"nu_estimator must be one of {NU_ESTIMATORS}, got {nu_estimator!r}.")
+  if nu_estimator == "split" and quantization is not None:
+    raise ValueError(
+        "nu_estimator='split' does not combine with 8-bit moments: its v may "
+        "dip below zero where noise dominates, and a quantized v is stored as "
+        "sqrt(v). Use nu_dtype=jnp.bfloat16 to narrow v instead.")
+  if not isinstance(stochastic_rounding, (bool, np.bool_)):
+    raise TypeError(
+        f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
+
+
 def _check_float_params(params: optax.Params) -> None:
   """Raises a ``TypeError`` naming every leaf that is not a real float."""
   bad = [
@@ -544,20 +563,7 @@ def scale_by_adama(
   _check_hyperparams(b1, b2, eps, eps_root)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
-  if quantization is not None and not isinstance(quantization, BlockQuantization):
-    raise TypeError(
-        f"quantization must be a BlockQuantization or None, got {quantization!r}.")
-  if nu_estimator not in NU_ESTIMATORS:
-    raise ValueError(
-        f"nu_estimator must be one of {NU_ESTIMATORS}, got {nu_estimator!r}.")
-  if nu_estimator == "split" and quantization is not None:
-    raise ValueError(
-        "nu_estimator='split' does not combine with 8-bit moments: its v may "
-        "dip below zero where noise dominates, and a quantized v is stored as "
-        "sqrt(v). Use nu_dtype=jnp.bfloat16 to narrow v instead.")
-  if not isinstance(stochastic_rounding, (bool, np.bool_)):
-    raise TypeError(
-        f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
+  _check_storage_options(quantization, nu_estimator, stochastic_rounding)
 
   def init_moment(param, dtype):
     if quantization is not None and quantization.quantizes(jnp.shape(param)):
