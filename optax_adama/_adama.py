@@ -598,7 +598,7 @@ def scale_by_adama(
     grads, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(state.mu)
     nus = treedef.flatten_up_to(state.nu)
-    differences = _half_differences(half_difference, treedef, state, nu_estimator)
+    differences = _half_differences(half_difference, treedef, state)
     seeds = _leaf_seeds(rounding_seed, state, mus, nus, stochastic_rounding)
     folded = [_fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds, d)
               for g, m, v, leaf_seeds, d in zip(grads, mus, nus, seeds, differences)]
@@ -609,7 +609,7 @@ def scale_by_adama(
         state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
     emit = _emitted(new_state)
     hyperparams = dict(count=new_state.count, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                       floor_nu=nu_estimator == "split" and state.num_micro_batches > 1)
+                       floor_nu=_takes_halves(state))
     return treedef.unflatten([
         _gated_direction(m, v, g, emit, **hyperparams)
         for m, v, g in zip(new_mus, new_nus, grads)]), new_state
@@ -621,11 +621,17 @@ def scale_by_adama(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _half_differences(half_difference, treedef, state: ScaleByAdamAState,
-                      nu_estimator: str) -> list[Optional[jax.Array]]:
+def _takes_halves(state: ScaleByAdamAState) -> bool:
+  """Whether ``update`` folds a half difference: "split" at ``N > 1`` (at
+  ``N = 1`` the estimator is Adam's g**2 and needs none)."""
+  return state.nu_estimator == "split" and state.num_micro_batches > 1
+
+
+def _half_differences(half_difference, treedef,
+                      state: ScaleByAdamAState) -> list[Optional[jax.Array]]:
   """The "split" estimator's half differences, one per leaf (``None``: unused)."""
-  if nu_estimator != "split" or state.num_micro_batches == 1:
-    return [None] * treedef.num_leaves  # at N = 1 the estimator is Adam's g**2.
+  if not _takes_halves(state):
+    return [None] * treedef.num_leaves
   if half_difference is None:
     raise ValueError(
         "nu_estimator='split' needs update(..., half_difference=d) with "

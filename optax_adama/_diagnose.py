@@ -24,6 +24,7 @@ import optax
 
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import _check_num_micro_batches
+from optax_adama._microbatch import _loss_and_half_grads
 from optax_adama._microbatch import split_micro_batches
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
@@ -173,27 +174,24 @@ def _adam_step_with_estimators(
   # "split" needs each micro-batch's two halves: measured where they exist.
   halves = jax.tree.leaves(micro_batches)[0].shape[1] % 2 == 0
 
+  def loss_and_grads(params, micro_batch):
+    out, grads = value_and_grad(params, micro_batch)
+    return (out[0] if has_aux else out), None, grads
+
   def body(sums, micro_batch):
-    if halves:
-      pairs = jax.tree.map(
-          lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
-      out, pair_grads = jax.vmap(value_and_grad, in_axes=(None, 0))(params, pairs)
-      grads = jax.tree.map(lambda x: (x[0] + x[1]) / 2, pair_grads)
-      split = jax.tree.map(  # g**2 - (1 - 1/N) d**2, d the half difference
-          lambda x: ((x[0] + x[1]) / 2) ** 2 - (1 - 1 / n) * ((x[0] - x[1]) / 2) ** 2,
-          pair_grads)
-    else:
-      out, grads = value_and_grad(params, micro_batch)
-      split = grads  # unused
-    loss = jnp.mean(out[0] if has_aux else out)
     grad_sum, square_sum, split_sum = sums
+    if halves:  # as microbatch_step takes them; g**2 - (1 - 1/N) d**2
+      loss, _, grads, difference = _loss_and_half_grads(loss_and_grads, params, micro_batch)
+      split_sum = jax.tree.map(lambda s, g, d: s + g * g - (1 - 1 / n) * d * d,
+                               split_sum, grads, difference)
+    else:
+      loss, _, grads = loss_and_grads(params, micro_batch)
     return (jax.tree.map(jnp.add, grad_sum, grads),
-            jax.tree.map(lambda s, g: s + g * g, square_sum, grads),
-            jax.tree.map(jnp.add, split_sum, split)), loss
+            jax.tree.map(lambda s, g: s + g * g, square_sum, grads), split_sum), loss
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grad_sum, square_sum, split_sum), losses = jax.lax.scan(
-      body, (zeros, zeros, zeros), micro_batches)
+  (grad_sum, square_sum, split_sum), losses = jax.lax.scan(  # no "split" sum: None
+      body, (zeros, zeros, zeros if halves else None), micro_batches)
   mean = jax.tree.map(lambda s: s / n, grad_sum)
   mean_square = jax.tree.map(lambda s: s / n, square_sum)
   ema = lambda v, x: jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b, v, x)
@@ -209,7 +207,8 @@ def _adam_step_with_estimators(
       "sum": ema(state["sum"], by_n),
       "momentum": ema(state["momentum"], jax.tree.map(
           lambda x, mh: x + (1 - 1 / n) * mh * mh, by_n, m_hat)),
-      "split": ema(state["split"], jax.tree.map(lambda s: s / n, split_sum)),
+      "split": (ema(state["split"], jax.tree.map(lambda s: s / n, split_sum))
+                if halves else state["split"]),
   }
   v_hat = jax.tree.map(lambda v: v / (1 - b2**t), adam)
   params = jax.tree.map(

@@ -24,6 +24,7 @@ from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import _emitted
 from optax_adama._adama import _check_num_micro_batches
 from optax_adama._adama import find_adama_state
+from optax_adama._adama import _takes_halves
 
 __all__ = ["microbatch_step", "split_micro_batches", "updates_every_micro_batch"]
 
@@ -324,7 +325,7 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
 
 def _splits_halves(adama_state, placement, params, opt_state, micro_batches) -> bool:
   """Whether AdamA's "split" estimator needs each micro-batch's halves."""
-  if adama_state.nu_estimator != "split" or adama_state.num_micro_batches == 1:
+  if not _takes_halves(adama_state):
     return False
   if placement.shardings(params, opt_state) is not None:
     raise NotImplementedError(
