@@ -105,9 +105,10 @@ def microbatch_step(
     micro-batch gradient is handed to ``tx.update`` and the (zero until the
     ``N``-th) updates applied. With AdamA the gradient is folded into the
     moments and dies there, so XLA can free each layer's gradient as soon as
-    it is folded. With AdamA's ``nu_estimator="split"`` (one device) each
-    micro-batch's gradient is taken as its two halves' in one vmapped
-    backward, and their half difference goes to ``update`` as well. The
+    it is folded. With AdamA's ``nu_estimator="split"`` each micro-batch's
+    gradient is taken as its two halves' (its first and second half of rows)
+    in one vmapped backward, and their half difference goes to ``update`` as
+    well; on a mesh each half's rows are split over the devices. The
     micro-batch's loss and gradient are then the mean of its halves' (its own
     for a loss averaged over equally weighted examples; close to it for a loss
     normalised by a data-dependent count, such as masked tokens).
@@ -168,8 +169,8 @@ def microbatch_step(
       the AdamA state's, is missing without an AdamA state, or does not split
       the batch; or if two leaves of params and state are the same array
       (donation would hand one buffer over twice); or if AdamA's ``"split"``
-      estimator meets micro-batches of odd size.
-    NotImplementedError: at the first call, for ``"split"`` with ``mesh``.
+      estimator meets micro-batches of odd size (on a mesh: of a size that
+      is not a multiple of twice the data axis).
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
@@ -221,6 +222,8 @@ class _Placement(NamedTuple):
   place_micro_batches: Callable[[Batch], Batch]
   # (params, updates, emitted) -> params.
   apply_updates: Callable[[Any, Any, jax.Array], Any]
+  # How many devices share each micro-batch's rows.
+  num_devices: int = 1
 
 
 def _single_device_placement(value_and_grad, has_aux) -> _Placement:
@@ -262,7 +265,8 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
     # shard it after the sharded update and gather it in every forward.
     return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
 
-  return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates)
+  return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates,
+                    _num_devices(mesh, data_axis))
 
 
 def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,
@@ -298,7 +302,7 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   """One ``tx.update`` per micro-batch (AdamA, MultiSteps), in a scan."""
   adama_state = find_adama_state(opt_state)
   adama = adama_state is not None
-  split = adama and _splits_halves(adama_state, placement, params, opt_state, micro_batches)
+  split = adama and _splits_halves(adama_state, placement, micro_batches)
   update = optax.with_extra_args_support(tx).update
 
   def body(carry, micro_batch):
@@ -323,20 +327,39 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   return params, opt_state, outputs
 
 
-def _splits_halves(adama_state, placement, params, opt_state, micro_batches) -> bool:
+def _splits_halves(adama_state, placement, micro_batches) -> bool:
   """Whether AdamA's "split" estimator needs each micro-batch's halves."""
   if not _takes_halves(adama_state):
     return False
-  if placement.shardings(params, opt_state) is not None:
-    raise NotImplementedError(
-        "nu_estimator='split' is not supported with a mesh yet; use 'mean' or "
-        "'momentum' for data-parallel and sharded steps.")
+  _check_halvable(micro_batches, placement.num_devices)
+  return True
+
+
+def _check_halvable(micro_batches, num_devices: int = 1) -> None:
+  """Raises unless ``[N, B, ...]`` micro-batches split into two halves whose
+  rows split evenly over ``num_devices`` devices."""
   size = jax.tree.leaves(micro_batches)[0].shape[1]
-  if size % 2:
+  if size % (2 * num_devices):
+    rule = "even" if num_devices == 1 else f"a multiple of 2 x {num_devices} devices"
     raise ValueError(
         "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
-        f"the micro-batch size must be even, got {size}.")
-  return True
+        f"the micro-batch size must be {rule}, got {size}.")
+
+
+def _halves(micro_batch):
+  """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves."""
+  return jax.tree.map(
+      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+
+
+def _mean_of_halves(pairs):
+  """``(x_a + x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
+  return jax.tree.map(lambda x: (x[0] + x[1]) / 2, pairs)
+
+
+def _half_difference(pairs):
+  """``(x_a - x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
+  return jax.tree.map(lambda x: (x[0] - x[1]) / 2, pairs)
 
 
 def _loss_and_half_grads(loss_and_grads, params, micro_batch):
@@ -345,12 +368,8 @@ def _loss_and_half_grads(loss_and_grads, params, micro_batch):
   One vmapped backward over the two halves: the same FLOPs as the micro-batch's
   own, and each leaf's two gradients are alive only until it is folded.
   """
-  halves = jax.tree.map(
-      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
-  loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, halves)
-  mean = lambda x: (x[0] + x[1]) / 2
-  return (mean(loss), jax.tree.map(mean, aux), jax.tree.map(mean, grads),
-          jax.tree.map(lambda x: (x[0] - x[1]) / 2, grads))
+  loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, _halves(micro_batch))
+  return (*_mean_of_halves((loss, aux)), _mean_of_halves(grads), _half_difference(grads))
 
 
 def _accumulated_gradient_update(

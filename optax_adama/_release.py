@@ -32,6 +32,10 @@ from optax_adama import _sharding
 from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._microbatch import _axis_names
+from optax_adama._microbatch import _check_halvable
+from optax_adama._microbatch import _half_difference
+from optax_adama._microbatch import _halves
+from optax_adama._microbatch import _mean_of_halves
 from optax_adama._microbatch import _num_devices
 from optax_adama._microbatch import _place_micro_batch_rows
 from optax_adama._microbatch import _poison_if_loss_nonfinite
@@ -133,11 +137,6 @@ def _adama_parts(tx: optax.GradientTransformation):
         "mini_batch_chain(scale_by_adama(...), ...), optionally under "
         "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
         "Pass transforms that must see AdamA's direction to mini_batch_chain.")
-  if hyperparams["nu_estimator"] == "split":
-    raise NotImplementedError(
-        "release_step does not take nu_estimator='split' yet (each layer's "
-        "backward would run on the micro-batch's two halves); use 'mean' or "
-        "'momentum', or microbatch_step.")
   return {**hyperparams, "offload_min_size": offload_min_size}, inner
 
 
@@ -270,11 +269,17 @@ def release_step(
       state = opt_state.adama if chained else opt_state
     n = state.num_micro_batches
     micro_batches = split_micro_batches(batch, n)
+    if _adama._takes_halves(state):
+      _check_halvable(micro_batches, 1 if mesh is None else _num_devices(mesh, data_axis))
     if mesh is not None:
       micro_batches = _place_micro_batch_rows(micro_batches, mesh, data_axis)
     dropped_before = state.num_dropped
 
     def body(state, micro_batch):
+      if _adama._takes_halves(state):
+        # Halved before the devices take their rows: each device then holds
+        # rows of both halves, and the halves are the micro-batch's own.
+        micro_batch = _halves(micro_batch)
       if mesh is None:
         state, loss, aux = _fold_micro_batch(
             staged, hyperparams, has_aux, params, state, micro_batch)
@@ -400,8 +405,9 @@ def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_a
                              reductions)
 
   replicated = PartitionSpec()
+  rows = PartitionSpec(None, data_axis) if _adama._takes_halves(state) else PartitionSpec(data_axis)
   return jax.shard_map(
-      local, mesh=mesh, in_specs=(replicated, state_specs, PartitionSpec(data_axis)),
+      local, mesh=mesh, in_specs=(replicated, state_specs, rows),
       out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
 
 
@@ -586,17 +592,25 @@ def _leaf_seeds(hyperparams, state, mus, nus, reductions=_ONE_DEVICE):
 
 def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
                       reductions: _Reductions = _ONE_DEVICE):
-  """One micro-batch: forward, then a backward that folds layer by layer."""
+  """One micro-batch: forward, then a backward that folds layer by layer.
+
+  For AdamA's "split" estimator ``micro_batch`` comes as its two halves
+  (``[2, B / 2, ...]`` leaves) and each stage runs on both (vmapped, the
+  same FLOPs): activations and cotangents carry the leading axis of two, and
+  each gradient leaf is taken per half, folded as their mean and half
+  difference and dropped.
+  """
+  halves = _adama._takes_halves(state)
+  per_half = lambda fn, in_axes: jax.vmap(fn, in_axes) if halves else fn
   outer, stacked = staged.split(params)
-  x, embed_vjp = jax.vjp(lambda outer: staged.embed(outer, micro_batch), outer)
+  x = per_half(staged.embed, (None, 0))(outer, micro_batch)
+  block = per_half(staged.block, (None, 0, 0))
   x, layer_inputs = jax.lax.scan(
-      lambda x, layer_params: (staged.block(layer_params, x, micro_batch), x), x, stacked)
-  head = lambda outer, x: staged.head(outer, x, micro_batch)
-  if has_aux:
-    loss, head_vjp, aux = jax.vjp(head, outer, x, has_aux=True)
-  else:
-    (loss, head_vjp), aux = jax.vjp(head, outer, x), None
-  outer_grads, x_grad = head_vjp(jnp.ones_like(loss))
+      lambda x, layer_params: (block(layer_params, x, micro_batch), x), x, stacked)
+  head = functools.partial(_head_loss_and_grads, staged.head, has_aux)
+  loss, aux, (outer_grads, x_grad) = per_half(head, (None, 0, 0))(outer, x, micro_batch)
+  if halves:
+    loss, aux = _mean_of_halves((loss, aux))
   # The gradients below are of this device's mean loss; each is reduced to
   # the micro-batch's before it is folded, so the guard reads the global loss.
   loss = reductions.loss(loss)
@@ -604,29 +618,65 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
 
   mu_outer, mu_stacked = staged.split(state.mu)
   nu_outer, nu_stacked = staged.split(state.nu)
+  layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
   x_grad, mu_stacked, nu_stacked, stack_finite = _release_stack(
-      staged, hyperparams, state, micro_batch, loss, stacked, layer_inputs, x_grad,
-      mu_stacked, nu_stacked, reductions)
-  (embed_grads,) = embed_vjp(x_grad)
+      hyperparams, state, micro_batch, loss, stacked, layer_inputs, x_grad,
+      mu_stacked, nu_stacked, reductions, layer_pullback, halves)
+  embed_pullback = per_half(functools.partial(_pullback, staged.embed), ((None,), 0, 0))
+  (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
   outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
   stacked_def = jax.tree.structure(stacked)
   mu_outer, nu_outer, outer_finite = _fold_outer(
       hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
-      reductions)
+      reductions, halves)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
   mu = _like(state.mu, staged.merge(mu_outer, mu_stacked))
   nu = _like(state.nu, staged.merge(nu_outer, nu_stacked))
   return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
 
 
-def _release_stack(staged, hyperparams, state, micro_batch, loss, stacked, layer_inputs,
-                   x_grad, mu_stacked, nu_stacked, reductions):
+def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
+  """``(loss, aux, (outer cotangent, x cotangent))`` of the head stage."""
+  if has_aux:
+    loss, head_vjp, aux = jax.vjp(lambda o, x: head(o, x, micro_batch), outer, x,
+                                  has_aux=True)
+  else:
+    (loss, head_vjp), aux = jax.vjp(lambda o, x: head(o, x, micro_batch), outer, x), None
+  return loss, aux, head_vjp(jnp.ones_like(loss))
+
+
+def _pullback(stage, primals, micro_batch, cotangent):
+  """Cotangents of ``stage(*primals, micro_batch)`` for ``cotangent``.
+
+  The stage's forward is recomputed from ``primals``: only they were kept.
+  """
+  _, stage_vjp = jax.vjp(lambda *p: stage(*p, micro_batch), *primals)
+  return stage_vjp(cotangent)
+
+
+def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, list]:
+  """Flat gradient leaves as folded: ``(g, d)``, both reduced by ``reduce``.
+
+  With ``halves`` each leaf is ``[2, ...]``, one gradient per half; ``g`` is
+  their mean and ``d`` their half difference (reductions are linear, so on a
+  mesh ``d`` is the half difference of the whole micro-batch's halves).
+  Otherwise ``d`` is ``None`` per leaf.
+  """
+  if not halves:
+    return reduce(grads), [None] * len(grads)
+  return reduce(_mean_of_halves(grads)), reduce(_half_difference(grads))
+
+
+def _release_stack(hyperparams, state, micro_batch, loss, stacked, layer_inputs,
+                   x_grad, mu_stacked, nu_stacked, reductions, layer_pullback, halves):
   """The backward through the stack as a reverse scan over its layers.
 
   Each step takes one layer's vjp from its saved input, folds that layer's
   gradient into its slice of m and v (in place in the carry) and passes the
   input cotangent down; one layer's gradient is alive at a time.
+  ``layer_pullback((layer_params, layer_input), micro_batch, x_grad)`` gives
+  ``(layer cotangent, input cotangent)``, per half with ``halves``.
 
   Returns:
     The cotangent of the stack's input, the new stacked m and v, and whether
@@ -645,21 +695,20 @@ def _release_stack(staged, hyperparams, state, micro_batch, loss, stacked, layer
   def release_layer(carry, xs):
     x_grad, mus, nus = carry
     layer, layer_params, layer_input = xs
-    _, layer_vjp = jax.vjp(
-        lambda p, x: staged.block(p, x, micro_batch), layer_params, layer_input)
-    layer_grads, x_grad = layer_vjp(x_grad)
-    layer_grads = reductions.layer_grads(
-        stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)))
+    layer_grads, x_grad = layer_pullback((layer_params, layer_input), micro_batch, x_grad)
+    layer_grads, differences = _gradient_and_difference(
+        stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)), halves,
+        reductions.layer_grads)
     new_mus, new_nus, finite = [], [], []
-    for grad, mu, nu, (mu_off, nu_off), leaf_seeds in zip(
-        layer_grads, mus, nus, offloaded, seeds):
+    for grad, d, mu, nu, (mu_off, nu_off), leaf_seeds in zip(
+        layer_grads, differences, mus, nus, offloaded, seeds):
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       # Offloaded moments: only this layer's slice comes to the device.
       m, v, leaf_finite = _adama._fold_leaf(
           grad, _offload.to_device(_layer_slice(mu, layer, num_layers), mu_off),
           _offload.to_device(_layer_slice(nu, layer, num_layers), nu_off),
-          state, b1, b2, nu_estimator, layer_seeds)
+          state, b1, b2, nu_estimator, layer_seeds, d)
       new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
       new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
       finite.append(leaf_finite)
@@ -675,7 +724,7 @@ def _release_stack(staged, hyperparams, state, micro_batch, loss, stacked, layer
 
 
 def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
-                stacked_mus, stacked_nus, reductions):
+                stacked_mus, stacked_nus, reductions, halves):
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
   ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
@@ -684,15 +733,16 @@ def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
   """
   outer_grads = _poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
-  grads = reductions.outer_grads(grads)
+  grads, differences = _gradient_and_difference(grads, halves, reductions.outer_grads)
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
   num_stacked = len(stacked_mus)
   outer_seeds = _leaf_seeds(
       hyperparams, state, stacked_mus + mus, stacked_nus + nus, reductions)
   folded = [
-      _fold_offloaded_leaf(g, m, v, state, hyperparams, leaf_seeds)
-      for g, m, v, leaf_seeds in zip(grads, mus, nus, outer_seeds[num_stacked:])]
+      _fold_offloaded_leaf(g, m, v, state, hyperparams, leaf_seeds, d)
+      for g, d, m, v, leaf_seeds in zip(
+          grads, differences, mus, nus, outer_seeds[num_stacked:])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus),
           functools.reduce(operator.and_, finite, jnp.array(True)))
@@ -704,13 +754,14 @@ def _offloaded(mu, nu, hyperparams):
   return _offload.offloaded_leaves(mu, min_size), _offload.offloaded_leaves(nu, min_size)
 
 
-def _fold_offloaded_leaf(grad, mu, nu, state, hyperparams, seeds):
+def _fold_offloaded_leaf(grad, mu, nu, state, hyperparams, seeds, half_difference=None):
   """:func:`_adama._fold_leaf` of a whole leaf, its moments brought in and
   sent back if they live in host memory."""
   mu_off, nu_off = _offloaded(mu, nu, hyperparams)
   m, v, finite = _adama._fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
-      hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"], seeds)
+      hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"], seeds,
+      half_difference)
   return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite
 
 
@@ -731,7 +782,8 @@ def _like(reference: Any, tree: Any) -> Any:
 
 def _direction_hyperparams(state, hyperparams):
   return dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
-              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"])
+              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"],
+              floor_nu=_adama._takes_halves(state))
 
 
 def _gated(m, v, p, emit, direction):

@@ -76,13 +76,13 @@ def run_both(tx, batches, *, has_aux=False):
   return results
 
 
-@pytest.mark.parametrize(
-    "nu_estimator", [e for e in optax_adama.NU_ESTIMATORS if e != "split"])
+@pytest.mark.parametrize("nu_estimator", optax_adama.NU_ESTIMATORS)
 @pytest.mark.parametrize("num_micro_batches", [1, 3, 4])
 def test_equals_microbatch_step(num_micro_batches, nu_estimator):
   tx = optax_adama.adamaw(
       1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches, nu_estimator=nu_estimator)
-  batches = [make_batch(seed) for seed in range(3)]
+  # 24 rows: micro-batches of 24, 8 and 6, each of two halves for "split".
+  batches = [make_batch(seed, size=24) for seed in range(3)]
   (params, state, metrics), (ref_params, ref_state, ref_metrics) = run_both(tx, batches)
   assert_trees_close(params, ref_params)
   assert_trees_close(state, ref_state)
@@ -152,9 +152,9 @@ def test_unsupported_combinations_raise():
   with pytest.raises(ValueError, match="needs a mesh"):
     optax_adama.release_step(
         staged, optax_adama.adama(1e-2, num_micro_batches=2), shard_states="zero1")
-  with pytest.raises(NotImplementedError, match="nu_estimator='split'"):
-    optax_adama.release_step(
-        staged, optax_adama.adama(1e-2, num_micro_batches=2, nu_estimator="split"))
+  split_tx = optax_adama.adama(1e-2, num_micro_batches=4, nu_estimator="split")
+  with pytest.raises(ValueError, match="micro-batch size must be even, got 3"):
+    optax_adama.release_step(staged, split_tx)(params, split_tx.init(params), make_batch(0))
   tx = optax_adama.adama(
       1e-2, num_micro_batches=2, quantization=optax_adama.BlockQuantization(min_size=16))
   # The stacked bias [8, 64] is one block of 512: it straddles the layers.
