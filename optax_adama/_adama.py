@@ -525,7 +525,8 @@ def scale_by_adama(
       micro-batch at a time) and reads :math:`\hat v` as at least
       :math:`\hat m^2`, since this v can dip below zero where noise dominates.
       ``"split"`` needs ``update(g_i, state, half_difference=d_i)`` with
-      ``g_i = (g_a + g_b)/2`` (:func:`microbatch_step` does this: one vmapped
+      ``g_i = (g_a + g_b)/2`` (:func:`microbatch_step` and
+      :func:`release_step` do this, on one device or a mesh: one vmapped
       backward over the halves), and float or bfloat16 moments.
 
   Returns:

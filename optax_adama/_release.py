@@ -166,7 +166,11 @@ def release_step(
   guard, ``nu_estimator``, counters, direction, and the transforms of
   :func:`mini_batch_chain` (learning rate, weight decay) on the emitted
   direction. Each layer's forward is computed twice (as with
-  ``remat="full"``): the price of keeping only its input.
+  ``remat="full"``): the price of keeping only its input. With
+  ``nu_estimator="split"`` every stage runs on the micro-batch's two halves
+  at once (vmapped) and each layer's gradient is taken per half, folded as
+  their mean and half difference and dropped: the stack's gradient is never
+  held, twice or once.
 
   What it asks of the model: a :class:`StagedLoss`, i.e. the loss written
   as embed, one block, head, with the block's params stacked. Flax NNX models
@@ -211,7 +215,9 @@ def release_step(
 
   Raises:
     TypeError: if ``tx`` is not an AdamA transformation.
-    ValueError: for ``shard_states`` without a mesh, or an unknown stage.
+    ValueError: for ``shard_states`` without a mesh, or an unknown stage;
+      at the first call, for ``nu_estimator="split"`` and micro-batches that
+      do not split into two halves (of rows for every device, on a mesh).
     NotImplementedError: for ``shard_states="fsdp"``, for offloaded
       moments on a mesh, or (at the first call) for a chained transform with
       a per-parameter state under :func:`offload_moments`, or for 8-bit
