@@ -12,15 +12,18 @@ both halves:
 
 1. Training: the tiny GPT on the offline corpus, N = 4 micro-batches of 32
    sequences x 64 tokens (2,048 tokens each), 300 mini-batch steps, AdamA
-   (with the `"momentum"` second-moment estimator, the README's choice at
-   this micro-batch size) against Adam with a float32 gradient accumulator,
-   at the same learning rate; held-out loss of both and their gap.
+   (with the `"split"` second-moment estimator, the README's choice wherever
+   micro-batches hold two or more examples) against Adam with a float32
+   gradient accumulator, at the same learning rate; held-out loss of both
+   and their gap.
 2. Memory: the same step (same N, 2,048 tokens per micro-batch, here two
-   sequences of 1,024) for GPT-2 small with scanned layers and full
-   rematerialization, compiled only (`memory_analysis()`, nothing allocated):
-   the bytes each optimizer's step needs, and what AdamA saves, in GiB, in P
-   and in percent. Rematerialization changes what a step keeps, not what it
-   computes, so the tiny training runs without it.
+   sequences of 1,024) for GPT-2 small with scanned layers, compiled only
+   (`memory_analysis()`, nothing allocated): Adam + accumulator under
+   `microbatch_step` with full rematerialization, AdamA under `release_step`
+   (which recomputes each layer as full rematerialization does, and folds
+   one layer's gradient at a time); the bytes each step needs, and what
+   AdamA saves, in GiB, in P and in percent. Rematerialization changes what
+   a step keeps, not what it computes, so the tiny training runs without it.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ class DemoConfig:
   micro_batch_size: int = 32  # sequences of 64 tokens: 2,048 tokens.
   learning_rate: float = 2e-3
   seed: int = 0
-  # The README's rule for micro-batches of 2,048+ tokens (benchmarks/study.md).
-  nu_estimator: str = "momentum"
+  # The README's rule where micro-batches hold two or more examples.
+  nu_estimator: str = "split"
   memory_preset: str = "gpt2_small"
   memory_seq_len: int = 1024
   memory_micro_batch_size: int = 2  # sequences of memory_seq_len.
@@ -78,25 +81,23 @@ class DemoConfig:
 
 
 def step_memory(config: DemoConfig) -> dict[str, optax_adama.MemoryReport]:
-  """Compile-only memory of the scanned, rematerialized step, per optimizer."""
+  """Compile-only memory of the scanned, rematerialized step, per optimizer:
+  Adam + accumulator's ``microbatch_step``, AdamA's ``release_step``."""
   model_config = models.get_config(config.memory_preset, remat="full", scan_layers=True)
   loss_fn, params = bench.split_model(model_config)
   batch = bench.abstract_batch(
       model_config, config.memory_micro_batch_size * config.num_micro_batches,
       config.memory_seq_len)
+  adam, adama = optax.adam(config.learning_rate), config.adama()
   steps = {
       # Adam with a float32 gradient accumulator: the hand-written scan.
-      "adam": (optax.adam(config.learning_rate), False),
-      "adama": (config.adama(), True),
+      "adam": (adam, optax_adama.microbatch_step(
+          loss_fn, adam, num_micro_batches=config.num_micro_batches,
+          update_every_micro_batch=False)),
+      "adama": (adama, optax_adama.release_step(loss_fn, adama)),
   }
-  reports = {}
-  for name, (tx, update_every_micro_batch) in steps.items():
-    step = optax_adama.microbatch_step(
-        loss_fn, tx, num_micro_batches=config.num_micro_batches,
-        update_every_micro_batch=update_every_micro_batch)
-    reports[name] = optax_adama.memory_report(
-        step, params, jax.eval_shape(tx.init, params), batch)
-  return reports
+  return {name: optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params), batch)
+          for name, (tx, step) in steps.items()}
 
 
 def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
@@ -119,6 +120,7 @@ def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
           "preset": config.memory_preset,
           "scan_layers": True,
           "remat": "full",
+          "adama_step": "release_step",
           "tokens_per_micro_batch": config.memory_micro_batch_size * config.memory_seq_len,
           "param_bytes": adama.param_bytes,
           "total_bytes": {"adam": adam.total_bytes, "adama": adama.total_bytes},
@@ -143,7 +145,7 @@ def report(result: dict[str, Any]) -> str:
       f"Step memory of {m['preset']} (scanned layers, remat full, "
       f"{m['tokens_per_micro_batch']:,} tokens per micro-batch), compile-only:",
       f"  Adam + float32 accumulator {format_bytes(adam_bytes)} ({adam_bytes / p:.2f} P), "
-      f"AdamA {format_bytes(adama_bytes)} ({adama_bytes / p:.2f} P)",
+      f"AdamA with gradient release {format_bytes(adama_bytes)} ({adama_bytes / p:.2f} P)",
       f"  AdamA saves {format_bytes(m['saved_bytes'])} ({m['saved_bytes'] / p:.2f} P), "
       f"{100 * m['saved_fraction']:.1f}% of the step.",
   ])

@@ -17,14 +17,16 @@ def _standard_promotion():
 
 def test_demo_reports_the_gap_and_the_saving_from_its_own_runs(tmp_path, capsys):
   out = tmp_path / "demo.json"
-  result = demo.main(["--steps", "2", "--micro-batch-size", "4", "--memory-preset", "gpt_test", "--memory-seq-len", "16",
+  result = demo.main(["--steps", "2", "--micro-batch-size", "4", "--memory-preset", "gpt_tiny", "--memory-seq-len", "16",
                       "--json", str(out), "--no-progress"])
   training, memory = result["training"], result["memory"]
   assert training["tokens_per_micro_batch"] == 4 * 64
-  assert training["nu_estimator"] == "momentum"
+  assert training["nu_estimator"] == "split"
   losses = training["eval_loss"]
   assert training["eval_gap"] == pytest.approx(losses["adama"] / losses["adam"] - 1)
-  # The accumulator is one P of float32 gradients; AdamA's step has none.
+  # The accumulator is one P of float32 gradients; AdamA's release step holds
+  # one layer's (measured: 0.66 P saved on gpt_tiny; on the 1-layer gpt_test,
+  # where one layer is the whole stack, 0.14 P).
   saved = memory["total_bytes"]["adam"] - memory["total_bytes"]["adama"]
   assert saved == memory["saved_bytes"]
   assert 0.5 * memory["param_bytes"] < saved <= 1.5 * memory["param_bytes"]
