@@ -1,6 +1,6 @@
 """The project's main job (`make demo`): AdamA in its use case, against Adam.
 
-    python -m models.demo                      # about 4 minutes on 2 CPU cores
+    python -m models.demo                      # about 5 minutes on 2 CPU cores
     python -m models.demo --steps 20 --memory-preset gpt_tiny   # a quick look
 
 AdamA earns its place when two things hold at once: the gradient buffer it
