@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/estimator_memory.py --presets gpt_test gpt2_small
     PYTHONPATH=. python benchmarks/estimator_memory.py --presets gpt2_small \
-        --scan-layers --remat full
+        --scan-layers --remat full [--loss-chunks 8]
 
 `adama(nu_estimator=...)`, N = 4, `memory_analysis()` on the default backend.
 Unrolled layers: `microbatch_step`. With `--scan-layers` the layers are stacked
@@ -60,12 +60,15 @@ def main() -> None:
   parser.add_argument("--scan-layers", action="store_true",
                       help="stack the layers under one scan; compile release_step too")
   parser.add_argument("--remat", default="none", help="the models' remat policy")
+  parser.add_argument("--loss-chunks", type=int, default=1,
+                      help="gpt presets: the LM head's loss over this many chunks of tokens")
   parser.add_argument("--estimators", nargs="+", default=list(optax_adama.NU_ESTIMATORS),
                       choices=optax_adama.NU_ESTIMATORS)
   args = parser.parse_args()
   for preset in args.presets:
     totals = estimator_totals(preset, args.batch_size, scan_layers=args.scan_layers,
-                              remat=args.remat, estimators=args.estimators)
+                              remat=args.remat, estimators=args.estimators,
+                              **({"loss_chunks": args.loss_chunks} if args.loss_chunks != 1 else {}))
     params = nnx.eval_shape(lambda: models.create(models.get_config(preset), rngs=nnx.Rngs(0)))
     param_bytes = optax_adama.tree_bytes(nnx.state(params, nnx.Param))
     print(preset)

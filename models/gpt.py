@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import savers
 
 Array = jax.Array
 
@@ -34,10 +35,20 @@ class GPTConfig(layers.TransformerConfig):
   Attributes:
     vocab_size: number of token ids (50257 for GPT-2's BPE, 256 for bytes).
     max_len: context length (number of learned positions).
+    loss_chunks: 1 forms the whole ``[tokens, vocab]`` logits for the loss;
+      more takes the loss over that many chunks of tokens
+      (``models.savers.chunked_cross_entropy``: one chunk's logits alive at
+      a time, recomputed in the backward). Same loss and gradient.
   """
 
   vocab_size: int = 50257
   max_len: int = 1024
+  loss_chunks: int = 1
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
+      raise ValueError(f"loss_chunks must be a positive int, got {self.loss_chunks!r}")
 
   @classmethod
   def gpt2_small(cls, **overrides: Any) -> GPTConfig:
@@ -167,5 +178,11 @@ class GPT(nnx.Module):
     return self.attention_mask(x)
 
   def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    loss, accuracy = layers.cross_entropy(self.logits(x), batch["tokens"][:, 1:])
+    labels = batch["tokens"][:, 1:]
+    if self.config.loss_chunks == 1:
+      loss, accuracy = layers.cross_entropy(self.logits(x), labels)
+    else:
+      loss, accuracy = savers.chunked_cross_entropy(
+          self.final_norm(x), self.token_embed.embedding[...], labels,
+          num_chunks=self.config.loss_chunks, dtype=self.token_embed.dtype)
     return loss, {"accuracy": accuracy}

@@ -60,6 +60,7 @@ class TrainConfig:
   remat: str = "none"
   gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
   linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
+  loss_chunks: int = 1  # gpt: the LM head's loss over this many chunks of tokens.
   scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
   # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
@@ -218,9 +219,12 @@ def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
 
 def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   """Trains one model and returns its metrics (see the module docstring)."""
+  if config.loss_chunks != 1 and config.model != "gpt":
+    raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
+  chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
   model_config = models.get_config(config.preset_name, remat=config.remat,
                                    gelu_bits=config.gelu_bits, scan_layers=config.scan_layers,
-                                   linear_keep_ratio=config.linear_keep_ratio)
+                                   linear_keep_ratio=config.linear_keep_ratio, **chunks)
   model = models.create(model_config, rngs=nnx.Rngs(config.seed))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   del model  # the loss merges params back into a fresh module each call
@@ -345,6 +349,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--linear-keep-ratio", type=float, default=None,
                       help="MLP output projection's weight gradient from this share of its "
                            "input rows (models.savers.sampled_matmul); default: exact")
+  parser.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
+                      help="gpt: the LM head's loss over this many chunks of tokens, one "
+                           "chunk's logits alive at a time (models.savers)")
   parser.add_argument("--scan-layers", action="store_true",
                       help="blocks' params stacked and run under one lax.scan")
   parser.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",

@@ -126,3 +126,19 @@ def test_moment_options_are_checked_and_quote_the_bad_value():
     train.TrainConfig(optimizer="adam", quantize_moments=True)
   with pytest.raises(ValueError, match="nu_dtype='bfloat16'.*'multisteps'"):
     train.TrainConfig(optimizer="multisteps", nu_dtype="bfloat16")
+
+
+def test_loss_chunks_train_gpt_as_the_whole_logits_do(tmp_path):
+  runs = []
+  for chunks in ("1", "4"):
+    out = tmp_path / f"run{chunks}.json"
+    train.main([
+        "--model", "gpt", "--preset", "gpt_test", "--optimizer", "adama",
+        "--num-micro-batches", "2", "--batch-size", "8", "--seq-len", "16",
+        "--steps", "3", "--eval-batches", "2", "--max-bytes", "200000",
+        "--loss-chunks", chunks, "--metrics-out", str(out), "--no-progress"])
+    runs.append(json.loads(out.read_text()))
+  # The same sums in another order; three steps of lr 1e-3-scale updates.
+  np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
+  with pytest.raises(ValueError, match="loss_chunks is GPT's"):
+    train.train(train.TrainConfig(model="bert", loss_chunks=2))
