@@ -411,7 +411,8 @@ def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_a
                              reductions)
 
   replicated = PartitionSpec()
-  rows = PartitionSpec(None, data_axis) if _adama._takes_halves(state) else PartitionSpec(data_axis)
+  halves = _adama._takes_halves(state)  # [2, rows, ...]: each half's rows split
+  rows = PartitionSpec(None, data_axis) if halves else PartitionSpec(data_axis)
   return jax.shard_map(
       local, mesh=mesh, in_specs=(replicated, state_specs, rows),
       out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
