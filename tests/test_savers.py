@@ -292,25 +292,21 @@ def test_chunked_cross_entropy_rejects_chunks_that_do_not_divide_the_tokens():
     models.get_config("gpt_test", loss_chunks=0)
 
 
-def test_gpt_loss_chunks_keep_the_loss_and_cut_the_release_step_memory():
+def test_gpt_loss_chunks_cut_the_release_step_memory():
   """gpt_test with a 4,096-token vocabulary, scanned, remat full, AdamA's
   release step, N = 2 micro-batches of 8 x 32 tokens: the [256, 4096] logits
   (4 MB a copy) are most of the step; 8 chunks keep 1/8 of them. Measured:
-  29.5 MB whole, 17.5 MB in 8 chunks (params 2.9 MB)."""
-  batch = {"tokens": jax.random.randint(jax.random.key(1), (16, 33), 0, 4096)}
-  losses, totals = {}, {}
+  29.5 MB whole, 17.5 MB in 8 chunks (params 2.9 MB). (That the chunked model
+  trains as the whole one: tests/test_train.py.)"""
+  batch = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
+  totals = {}
   for chunks in (1, 8):
     config = models.get_config("gpt_test", vocab_size=4096, scan_layers=True, remat="full",
                                loss_chunks=chunks)
-    model = models.create(config, rngs=nnx.Rngs(0))
-    staged, params = models.staged_loss(model)
-    losses[chunks] = jax.value_and_grad(staged)(params, batch)
+    staged, params = models.staged_loss(models.create_abstract(config))
     tx = optax_adama.adama(1e-3, num_micro_batches=2)
     step = optax_adama.release_step(staged, tx)
     totals[chunks] = optax_adama.memory_report(
         step, params, jax.eval_shape(tx.init, params), batch).total_bytes
-  np.testing.assert_allclose(losses[8][0], losses[1][0], rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
-               losses[8][1], losses[1][1])
   logits_bytes = 8 * 32 * 4096 * 4
   assert totals[8] <= totals[1] - 2 * logits_bytes, totals
