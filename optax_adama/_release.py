@@ -273,12 +273,7 @@ def release_step(
       params, opt_state = jax.lax.with_sharding_constraint(
           (params, opt_state), (shardings.params, shardings.opt_state))
       state = opt_state.adama if chained else opt_state
-    n = state.num_micro_batches
-    micro_batches = split_micro_batches(batch, n)
-    if _adama._takes_halves(state):
-      _check_halvable(micro_batches, 1 if mesh is None else _num_devices(mesh, data_axis))
-    if mesh is not None:
-      micro_batches = _place_micro_batch_rows(micro_batches, mesh, data_axis)
+    micro_batches = _micro_batches(state, batch, mesh, data_axis)
     dropped_before = state.num_dropped
 
     def body(state, micro_batch):
@@ -321,6 +316,16 @@ def release_step(
     jitted = jax.jit(step, donate_argnums=(0, 1),
                      in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
   return _with_distinct_buffers(jitted)
+
+
+def _micro_batches(state, batch, mesh, data_axis):
+  """The state's ``N`` micro-batches of ``batch``, checked for "split" and placed."""
+  micro_batches = split_micro_batches(batch, state.num_micro_batches)
+  if _adama._takes_halves(state):
+    _check_halvable(micro_batches, 1 if mesh is None else _num_devices(mesh, data_axis))
+  if mesh is None:
+    return micro_batches
+  return _place_micro_batch_rows(micro_batches, mesh, data_axis)
 
 
 RELEASE_SHARD_STATES = (None, "zero1", "zero2")
