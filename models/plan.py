@@ -6,10 +6,12 @@
 
 `plan` searches the settings this project can switch without changing the
 model's forward pass: the number of micro-batches N (the mini-batch is fixed),
-the remat policy, the few-bit GELU backward (`models.savers`) and the storage
-of AdamA's moments (float32, bfloat16, 8-bit blocks). Every number comes from
-compiling the real AdamA step (`optax_adama.microbatch_step` with the optimizer
-`models.train` builds) for abstract inputs: nothing is allocated or run.
+the remat policy or AdamA's gradient release (`optax_adama.release_step`), the
+few-bit GELU backward and GPT's chunked LM-head loss (`models.savers`) and the
+storage of AdamA's moments (float32, bfloat16, 8-bit blocks). Every number
+comes from compiling the real AdamA step (`models.train.make_step`: the
+`microbatch_step` or `release_step` `models.train` runs, with its optimizer) for
+abstract inputs: nothing is allocated or run.
 
 - Memory: `memory_analysis()` of the compiled step; device bytes are argument +
   output + temp - alias, host bytes (what "offload" moves to pinned host
@@ -22,7 +24,9 @@ compiling the real AdamA step (`optax_adama.microbatch_step` with the optimizer
   `N * 2 * host_bytes / host_bandwidth`. XLA counts a loop body once, so the
   step's flops are taken per micro-batch and multiplied by N, and the layer
   scan's body (the model is planned with `scan_layers`) is completed with the
-  flops of one more layer's forward and backward, compiled alone, times L - 1.
+  flops of one more layer's forward and backward, compiled alone, times L - 1
+  (under the release, with remat "full": it recomputes each layer), and the
+  chunked loss's scan with one more chunk's, times chunks - 1.
   XLA's "bytes accessed" is recorded but not used: on the CPU backend it counts
   every unfused elementwise op's traffic and ranks remat "full" faster than no
   remat on gpt2_small (a GPU fuses most of that traffic away).
@@ -32,13 +36,15 @@ gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
 shows in the compiled memory only under a scan (XLA's CPU scheduler keeps an
 unrolled model's activations alive whatever the policy saves).
 
-Search, per activation setting (remat policy, GELU bits): the smallest N that
-fits with float32 moments, by bisection over the divisors of the batch size
-(memory falls as N grows, predicted time grows with N: each micro-batch pays
-AdamA's fold over all moments); then bfloat16 and 8-bit moments, only where
-they let a smaller N fit. Narrower moments change the optimizer's numerics, so
-they are a memory lever, not a speed one. The fastest predicted candidate wins
-and is compiled once more, uncached, to verify it fits.
+Search, per activation setting (remat policy or release, GELU bits): the
+smallest N that fits with float32 moments, by bisection over the divisors of
+the batch size (memory falls as N grows, predicted time grows with N: each
+micro-batch pays AdamA's fold over all moments); then the memory levers, each
+only where it lets a smaller N fit: the loss in chunks (exact, one more head
+forward), then bfloat16 and 8-bit moments (with the chunks). Narrower moments
+change the optimizer's numerics, so they are a memory lever, not a speed one.
+The fastest predicted candidate wins and is compiled once more, uncached, to
+verify it fits.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ import optax_adama
 from flax import nnx
 
 import models
-from models import bench, train
+from models import bench, savers, train
 
 # Activation settings: (remat policy, few-bit GELU bits). Few-bit GELU only
 # changes what is saved where the GELU input would be saved: with no remat.
@@ -69,13 +75,25 @@ from models import bench, train
 # 6.3% worse on one seed of two (benchmarks/savers_convergence.md), so the
 # planner does not pick it; `survey` measures it too. The sampled projection is left out for the
 # same reason (its gradient noise is not yet measured in training).
+#
+# RELEASE is AdamA's gradient release (`optax_adama.release_step`, `models.train
+# --release`) in place of a remat policy: it keeps each layer's input only,
+# recomputes the layer in the backward scan (remat "full"'s work) and folds and
+# drops each layer's gradient there, so the stack's gradient is never whole.
+RELEASE = "release"
 ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
     ("none", None), ("none", 4), ("dots_no_batch", None), ("dots", None),
-    ("minimal", None), ("offload", None), ("full", None),
+    ("minimal", None), ("offload", None), ("full", None), (RELEASE, None),
 )
 SURVEY_SETTINGS = ACTIVATION_SETTINGS[:2] + (("none", 2),) + ACTIVATION_SETTINGS[2:]
 # Moment storage, most precise first: the planner narrows only to fit.
 MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
+# GPT's LM-head loss over this many chunks of tokens (`models.savers.
+# chunked_cross_entropy`): the same loss up to summation order, one chunk's
+# logits alive instead of all (0.83 P a copy on GPT-2 small at 2,048 tokens), for
+# one more forward of the head. A memory lever like narrower moments: tried
+# where it lets a smaller N fit, before the moments are narrowed.
+LOSS_CHUNKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +116,26 @@ class Candidate:
   """One setting of the step: what `models.train` takes as flags."""
 
   num_micro_batches: int
-  remat: str = "none"
+  remat: str = "none"  # a policy of models.REMAT_POLICIES, or RELEASE
   gelu_bits: int | None = None
   moments: str = "float32"  # one of MOMENT_STORAGES
+  loss_chunks: int = 1
 
   def describe(self) -> str:
-    saver = f"gelu {self.gelu_bits}-bit" if self.gelu_bits else "-"
-    return f"N={self.num_micro_batches} remat={self.remat} savers={saver} moments={self.moments}"
+    savers = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
+    savers += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
+    activations = RELEASE if self.remat == RELEASE else f"remat={self.remat}"
+    return (f"N={self.num_micro_batches} {activations} savers={' + '.join(savers) or '-'} "
+            f"moments={self.moments}")
 
   def train_overrides(self) -> dict[str, Any]:
     """The `models.train.TrainConfig` fields of this setting."""
     narrow = "bfloat16" if self.moments == "bfloat16" else None
-    return {"num_micro_batches": self.num_micro_batches, "remat": self.remat,
-            "gelu_bits": self.gelu_bits, "mu_dtype": narrow, "nu_dtype": narrow,
+    release = self.remat == RELEASE
+    return {"num_micro_batches": self.num_micro_batches,
+            "remat": "none" if release else self.remat, "release": release,
+            "gelu_bits": self.gelu_bits, "loss_chunks": self.loss_chunks,
+            "mu_dtype": narrow, "nu_dtype": narrow,
             "quantize_moments": self.moments == "8bit", "scan_layers": True}
 
 
@@ -227,25 +252,30 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
     Its `Measurement`.
   """
   run = train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-  config = models.get_config(preset, remat=candidate.remat, gelu_bits=candidate.gelu_bits,
-                             scan_layers=True)
+  config = train.model_config_of(run)
   if seq_len is not None and hasattr(config, "max_len"):
     seq_len = min(seq_len, config.max_len)  # as models.train reads its batches
   model = models.create_abstract(config)
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   tx = train.make_optimizer(run)
-  step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=run.num_micro_batches,
-                                     has_aux=True)
+  step = train.make_step(run, model, loss_fn, tx)
   batch = bench.abstract_batch(config, batch_size, seq_len)
   state = jax.eval_shape(tx.init, params)
   start = time.perf_counter()
   compiled = step.lower(params, state, batch).compile()
+  micro_batch_size = batch_size // run.num_micro_batches
+  # XLA counts a loop body once: complete the layer scan (and the loss's chunk
+  # scan) with one more body's work, compiled alone, per uncounted iteration.
+  # The release recomputes each layer in its backward scan, as remat "full".
+  layer_remat = "full" if run.release else candidate.remat
   step_flops, step_bytes = _cost(compiled)
   layer_flops, layer_bytes = _layer_cost(
-      preset, candidate.remat, candidate.gelu_bits, batch_size // run.num_micro_batches, seq_len)
+      preset, layer_remat, candidate.gelu_bits, micro_batch_size, seq_len)
+  chunk_flops, chunk_bytes = (0.0, 0.0) if run.loss_chunks == 1 else _loss_chunk_cost(
+      preset, run.loss_chunks, micro_batch_size, seq_len)
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  extra_layers = config.num_layers - 1
+  extra_layers, extra_chunks = config.num_layers - 1, run.loss_chunks - 1
   n = run.num_micro_batches
   return Measurement(
       device_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -254,8 +284,8 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
                      + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
       param_bytes=optax_adama.tree_bytes(params),
       state_bytes=optax_adama.tree_bytes(state),
-      flops=n * (step_flops + extra_layers * layer_flops),
-      bytes_accessed=n * (step_bytes + extra_layers * layer_bytes),
+      flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
+      bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
       compile_s=compile_s)
 
 
@@ -290,6 +320,28 @@ def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size
   return _cost(jax.jit(forward_and_backward).lower(layer_params, x).compile())
 
 
+@functools.lru_cache(maxsize=None)
+def _loss_chunk_cost(preset: str, num_chunks: int, micro_batch_size: int,
+                     seq_len: int | None) -> tuple[float, float]:
+  """(flops, bytes) of the chunked LM-head loss's forward and backward, compiled alone.
+
+  The loss's scans count one chunk (a forward, and a recomputed forward and
+  backward): what each of the other num_chunks - 1 chunks adds to the step.
+  """
+  config = models.get_config(preset)
+  tokens = micro_batch_size * (seq_len or config.max_len)
+  sds = jax.ShapeDtypeStruct
+  features = sds((tokens, config.hidden), jnp.float32)
+  table = sds((config.vocab_size, config.hidden), jnp.float32)
+  labels = sds((tokens,), jnp.int32)
+
+  def loss_and_grads(features, table, labels):
+    loss = lambda f, t: savers.chunked_cross_entropy(f, t, labels, num_chunks=num_chunks)[0]
+    return jax.value_and_grad(loss, argnums=(0, 1))(features, table)
+
+  return _cost(jax.jit(loss_and_grads).lower(features, table, labels).compile())
+
+
 def divisors(n: int) -> list[int]:
   """The divisors of n, increasing: the N that split a batch of n evenly."""
   return [d for d in range(1, n + 1) if n % d == 0]
@@ -304,6 +356,7 @@ def plan(
     machine: Machine = Machine(),
     activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
     moment_storages: Sequence[str] = MOMENT_STORAGES,
+    loss_chunks: Sequence[int] | None = None,
     measure_fn: Callable[[Candidate], Measurement] | None = None,
     verify_fn: Callable[[Candidate], Measurement] | None = None,
     progress: bool = False,
@@ -321,6 +374,8 @@ def plan(
     machine: the rates of the time predictor.
     activation_settings: (remat, gelu_bits) pairs to consider.
     moment_storages: moment storages to consider, most precise first.
+    loss_chunks: LM-head loss chunk counts to consider, 1 first; None: (1,
+      LOSS_CHUNKS) for a GPT whose sequence length they divide, else (1,).
     measure_fn: `measure_fn(candidate) -> Measurement`; pass a cached one to
       share compiles between calls (tests do).
     verify_fn: measures the choice once more; default: `measure`, uncached.
@@ -351,16 +406,19 @@ def plan(
               file=sys.stderr)
     return considered[candidate]
 
+  if loss_chunks is None:
+    loss_chunks = default_loss_chunks(preset, seq_len)
   splits = divisors(batch_size)
   fitting: list[Considered] = []
   for remat, gelu_bits in activation_settings:
-    # Smallest fitting N with each storage; a narrower one must beat the last.
+    # Smallest fitting N with each memory lever; each must beat the last.
     upper = len(splits)
-    for moments in moment_storages:
-      index = _smallest_fitting(
-          lambda i: consider(Candidate(splits[i], remat, gelu_bits, moments)).fits, upper)
+    for moments, chunks in memory_levers(moment_storages, loss_chunks):
+      def candidate(i: int) -> Candidate:
+        return Candidate(splits[i], remat, gelu_bits, moments, chunks)
+      index = _smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
       if index is not None:
-        found = considered[Candidate(splits[index], remat, gelu_bits, moments)]
+        found = considered[candidate(index)]
         if found.measurable:
           fitting.append(found)
         upper = index
@@ -374,7 +432,8 @@ def plan(
         f"{smallest.measurement.device_bytes / 1e9:.3g} GB. Raise the budget or the "
         "batch's divisibility (a larger N), or shorten the sequences.")
   precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
-  best = min(fitting, key=lambda r: (r.predicted_s, precision[r.candidate.moments]))
+  best = min(fitting, key=lambda r: (r.predicted_s, precision[r.candidate.moments],
+                                     r.candidate.loss_chunks))
   if verify_fn is None:
     verify_fn = functools.partial(measure, preset, batch_size=batch_size, seq_len=seq_len)
   verified = verify_fn(best.candidate)
@@ -383,6 +442,25 @@ def plan(
                        f"{verified.device_bytes:,} B on recompiling, over the budget.")
   return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
               best.predicted_s, tuple(considered.values()))
+
+
+def default_loss_chunks(preset: str, seq_len: int | None) -> tuple[int, ...]:
+  """(1, LOSS_CHUNKS) for a GPT whose sequences they divide into chunks, else (1,)."""
+  config = models.get_config(preset)
+  if not isinstance(config, models.GPTConfig):
+    return (1,)
+  return (1, LOSS_CHUNKS) if (seq_len or config.max_len) % LOSS_CHUNKS == 0 else (1,)
+
+
+def memory_levers(moment_storages: Sequence[str],
+                  loss_chunks: Sequence[int]) -> list[tuple[str, int]]:
+  """(moment storage, loss chunks) pairs, in the order the planner pulls them.
+
+  Exact levers first: the loss's chunk counts with the most precise moments,
+  then narrower moments (which change the numerics) with the most chunks.
+  """
+  levers = [(moment_storages[0], chunks) for chunks in loss_chunks]
+  return levers + [(moments, loss_chunks[-1]) for moments in moment_storages[1:]]
 
 
 def _smallest_fitting(fits: Callable[[int], bool], upper: int) -> int | None:
@@ -446,9 +524,13 @@ def time_settings(
   """
   runners = {}
   for remat, gelu_bits in activation_settings:
-    config = models.get_config(preset, remat=remat, gelu_bits=gelu_bits, scan_layers=True)
-    loss_fn, params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
-    step, tx = bench.make_step("adama", loss_fn, num_micro_batches=num_micro_batches)
+    release = remat == RELEASE
+    config = models.get_config(preset, remat="none" if release else remat,
+                               gelu_bits=gelu_bits, scan_layers=True)
+    model = models.create(config, rngs=nnx.Rngs(0))
+    loss_fn, params = models.staged_loss(model) if release else models.split_loss_fn(model)
+    step, tx = bench.make_step("adama_release" if release else "adama", loss_fn,
+                               num_micro_batches=num_micro_batches)
     batch = bench.random_batch(config, bench.abstract_batch(config, batch_size, seq_len))
     state = tx.init(params)
     runners[setting_label(remat, gelu_bits)] = [step.lower(params, state, batch).compile(),
@@ -474,12 +556,15 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
+  def is_saver(label: str) -> bool:
+    return "gelu" in label or label == RELEASE
+
   remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
-                      if "gelu" not in k and k in step_s)
+                      if not is_saver(k) and k in step_s)
   ax.plot(*zip(*remat_only), color="0.6", zorder=1, label="remat policies alone")
   for label in memory_p:
     if label in step_s:
-      saver = "gelu" in label
+      saver = is_saver(label)
       ax.scatter(memory_p[label], step_s[label] * 1e3, zorder=2,
                  marker="*" if saver else "o", s=120 if saver else 40)
       ax.annotate(label, (memory_p[label], step_s[label] * 1e3), fontsize=8,

@@ -6,7 +6,8 @@
 
 Every optimizer runs through `optax_adama.microbatch_step`, so the comparison is
 on equal terms: the same micro-batches, the same donation, one jitted call per
-mini-batch. `--compare` trains AdamA and Adam with gradient accumulation on the
+mini-batch (`--scan-layers --release`: AdamA through `optax_adama.release_step`,
+the same updates with one layer's gradient alive at a time). `--compare` trains AdamA and Adam with gradient accumulation on the
 same data and prints their compiled memory and final losses side by side (the
 project's main job, `make demo`).
 """
@@ -20,7 +21,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,9 @@ class TrainConfig:
   linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
   loss_chunks: int = 1  # gpt: the LM head's loss over this many chunks of tokens.
   scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
+  # AdamA's gradient release (optax_adama.release_step): each scanned layer's
+  # gradient folded and dropped in the backward scan. Needs scan_layers, adama.
+  release: bool = False
   # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
   nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
@@ -102,6 +106,10 @@ class TrainConfig:
     if self.nu_estimator not in optax_adama.NU_ESTIMATORS:
       raise ValueError(f"nu_estimator must be one of {optax_adama.NU_ESTIMATORS}, "
                        f"got {self.nu_estimator!r}.")
+    if self.release and not (self.scan_layers and self.optimizer == "adama"):
+      raise ValueError(
+          "release (optax_adama.release_step) needs scan_layers=True and optimizer='adama', "
+          f"got scan_layers={self.scan_layers}, optimizer={self.optimizer!r}.")
     if self.accumulation_dtype is not None:
       if self.accumulation_dtype not in MOMENT_DTYPES:
         raise ValueError(f"accumulation_dtype must be one of {MOMENT_DTYPES} or None, "
@@ -171,6 +179,31 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   return adamw  # microbatch_step accumulates the mean gradient for it.
 
 
+def model_config_of(config: TrainConfig) -> models.Config:
+  """The model config of a run: its preset with the run's remat, savers and layout."""
+  if config.loss_chunks != 1 and config.model != "gpt":
+    raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
+  chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
+  return models.get_config(config.preset_name, remat=config.remat, gelu_bits=config.gelu_bits,
+                           scan_layers=config.scan_layers,
+                           linear_keep_ratio=config.linear_keep_ratio, **chunks)
+
+
+def make_step(config: TrainConfig, model: nnx.Module, loss_fn: Callable,
+              tx: optax.GradientTransformation) -> Callable:
+  """The jitted training step: `release_step` on the model's stages, or `microbatch_step`.
+
+  Both take and return the same (params, opt_state, batch) and metrics with
+  "loss"; the release's loss is the head's (it has no accuracy aux).
+  """
+  if config.release:
+    staged, _ = models.staged_loss(model)
+    return optax_adama.release_step(staged, tx)
+  return optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
+      accumulation_dtype=config.accumulation_dtype)
+
+
 def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], list[dict]]:
   """(training batch stream, fixed list of held-out batches) for a run."""
   if config.model == "vit":
@@ -219,20 +252,13 @@ def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
 
 def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   """Trains one model and returns its metrics (see the module docstring)."""
-  if config.loss_chunks != 1 and config.model != "gpt":
-    raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
-  chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
-  model_config = models.get_config(config.preset_name, remat=config.remat,
-                                   gelu_bits=config.gelu_bits, scan_layers=config.scan_layers,
-                                   linear_keep_ratio=config.linear_keep_ratio, **chunks)
+  model_config = model_config_of(config)
   model = models.create(model_config, rngs=nnx.Rngs(config.seed))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
-  del model  # the loss merges params back into a fresh module each call
   tx = make_optimizer(config)
+  step = make_step(config, model, loss_fn, tx)
+  del model  # the loss merges params back into a fresh module each call
   opt_state = tx.init(params)
-  step = optax_adama.microbatch_step(
-      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
-      accumulation_dtype=config.accumulation_dtype)
   train_batches, eval_batches = make_data(config, model_config)
 
   first = next(train_batches)
@@ -354,6 +380,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "chunk's logits alive at a time (models.savers)")
   parser.add_argument("--scan-layers", action="store_true",
                       help="blocks' params stacked and run under one lax.scan")
+  parser.add_argument("--release", action="store_true",
+                      help="with --scan-layers, adama: gradient release (optax_adama."
+                           "release_step), one layer's gradient alive at a time")
   parser.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",
                       help="models.plan chooses N, remat, savers and moment storage to fit "
                            "this many GB at the best predicted step time (overrides them)")

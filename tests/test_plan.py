@@ -36,6 +36,9 @@ ACTIVATIONS = {("none", None): 16.0, ("none", 2): 12.0, ("dots", None): 9.0, ("f
 COMPUTE = {("none", None): 10.0, ("none", 2): 10.1, ("dots", None): 11.0, ("full", None): 13.0}
 STATE = {"float32": 3.0, "bfloat16": 2.0, "8bit": 1.5}
 FOLD = {"float32": 0.5, "bfloat16": 0.35, "8bit": 0.6}
+# The chunked loss: a share of the activations gone, one more head forward.
+CHUNKED_ACTIVATIONS, CHUNKED_COMPUTE = 0.45, 0.3
+LOSS_CHUNKS = (1, 8)
 
 
 class SyntheticSteps:
@@ -48,8 +51,10 @@ class SyntheticSteps:
     self.calls += 1
     setting = (candidate.remat, candidate.gelu_bits)
     n = candidate.num_micro_batches
-    memory = 1.0 + STATE[candidate.moments] + ACTIVATIONS[setting] / n
-    seconds = COMPUTE[setting] + n * FOLD[candidate.moments]
+    chunked = candidate.loss_chunks > 1
+    activations = ACTIVATIONS[setting] * (CHUNKED_ACTIVATIONS if chunked else 1.0)
+    memory = 1.0 + STATE[candidate.moments] + activations / n
+    seconds = COMPUTE[setting] + chunked * CHUNKED_COMPUTE + n * FOLD[candidate.moments]
     # The fold's traffic is the predictor's own: N * (P + 2 * state) / bandwidth.
     seconds -= n * (1.0 + 2 * STATE[candidate.moments]) * 1e6 / MACHINE.memory_bandwidth
     return plan.Measurement(device_bytes=int(memory * 1e6), host_bytes=0, param_bytes=10**6,
@@ -60,7 +65,8 @@ class SyntheticSteps:
 def synthetic_plan(budget_bytes: float, steps: SyntheticSteps | None = None) -> plan.Plan:
   steps = steps or SyntheticSteps()
   return plan.plan("gpt_test", budget_bytes, batch_size=16, machine=MACHINE,
-                   activation_settings=SETTINGS, measure_fn=steps, verify_fn=steps)
+                   activation_settings=SETTINGS, loss_chunks=LOSS_CHUNKS, measure_fn=steps,
+                   verify_fn=steps)
 
 
 def best_remat_only(measure_fn, budget_bytes: float, batch_size: int,
@@ -84,28 +90,31 @@ def test_plan_fits_and_is_never_slower_than_remat_alone(budget_mb):
       SyntheticSteps(), budget, 16, ("none", "dots", "full")) + 1e-12
   # The choice is the best of everything that fits (exhaustive over the grid).
   steps = SyntheticSteps()
-  every = [plan.Candidate(n, remat, bits, moments)
-           for (remat, bits), n, moments in itertools.product(
-               SETTINGS, plan.divisors(16), plan.MOMENT_STORAGES)]
+  every = [plan.Candidate(n, remat, bits, moments, chunks)
+           for (remat, bits), n, moments, chunks in itertools.product(
+               SETTINGS, plan.divisors(16), plan.MOMENT_STORAGES, LOSS_CHUNKS)]
   fitting = [steps(c).predicted_s(MACHINE, c.num_micro_batches) for c in every
              if steps(c).device_bytes <= budget]
   # Narrower moments are considered only where they buy a smaller N, so the
-  # choice may be float32 where bfloat16 at the same N predicts a little less.
-  narrow_gain = max(FOLD["float32"] - FOLD["bfloat16"], 0.0) * 16
+  # choice may be float32 where bfloat16 at the same N predicts a little less;
+  # and only with the loss in chunks, which may cost one head forward more
+  # than narrower moments alone would have.
+  narrow_gain = max(FOLD["float32"] - FOLD["bfloat16"], 0.0) * 16 + CHUNKED_COMPUTE
   assert result.predicted_s <= min(fitting) + narrow_gain
 
 
 def test_plan_compiles_far_fewer_candidates_than_the_grid():
   steps = SyntheticSteps()
   result = synthetic_plan(6e6, steps)
-  grid = len(SETTINGS) * len(plan.divisors(16)) * len(plan.MOMENT_STORAGES)
+  grid = (len(SETTINGS) * len(plan.divisors(16))
+          * len(plan.memory_levers(plan.MOMENT_STORAGES, LOSS_CHUNKS)))
   assert steps.calls == len(result.considered) + 1  # + the verification
   assert steps.calls <= grid // 2
 
 
 def test_tight_budget_narrows_the_moments_and_the_table_says_why():
-  # 4.3 MB: with float32 moments only remat "full" at N = 16 fits (21 s);
-  # bfloat16 moments let "dots" fit at N = 8 (13.8 s).
+  # 4.3 MB: with float32 moments the fastest fit is remat "full" with the loss
+  # in chunks at N = 8 (17.3 s); bfloat16 moments let "dots" fit at N = 4 (12.7 s).
   result = synthetic_plan(4.3e6)
   assert result.choice.moments != "float32"
   table = result.table()
@@ -118,12 +127,34 @@ def test_impossible_budget_raises_a_clear_error():
 
 
 def test_train_overrides_are_train_config_fields():
-  candidate = plan.Candidate(4, "none", 2, "8bit")
+  candidate = plan.Candidate(4, "none", 2, "8bit", loss_chunks=8)
   config = plan.train_config("gpt_test", candidate, batch_size=8, seq_len=16)
   assert (config.num_micro_batches, config.remat, config.gelu_bits, config.quantize_moments,
-          config.scan_layers) == (4, "none", 2, True, True)
+          config.scan_layers, config.loss_chunks, config.release) == (
+              4, "none", 2, True, True, 8, False)
   assert plan.train_config("gpt_test", dataclasses.replace(candidate, moments="bfloat16"),
                            batch_size=8, seq_len=16).nu_dtype == "bfloat16"
+  released = plan.train_config("gpt_test", plan.Candidate(2, plan.RELEASE), batch_size=8,
+                               seq_len=16)
+  assert (released.release, released.remat, released.scan_layers) == (True, "none", True)
+  assert "N=2 release" in plan.Candidate(2, plan.RELEASE).describe()
+
+
+def test_exact_levers_come_before_narrower_moments():
+  assert plan.memory_levers(plan.MOMENT_STORAGES, (1, 8)) == [
+      ("float32", 1), ("float32", 8), ("bfloat16", 8), ("8bit", 8)]
+  assert plan.memory_levers(("float32",), (1,)) == [("float32", 1)]
+  assert plan.default_loss_chunks("gpt_test", None) == (1, plan.LOSS_CHUNKS)
+  assert plan.default_loss_chunks("gpt_test", 30) == (1,)  # 8 does not divide 30
+  assert plan.default_loss_chunks("bert_test", None) == (1,)
+
+
+def test_the_chunked_loss_lets_a_smaller_n_fit():
+  # 5.3 MB, float32 moments: "dots" (9 units of activations) needs N = 8;
+  # with the loss in chunks (4.05) N = 4 fits, which the search must find.
+  result = synthetic_plan(5.3e6)
+  assert plan.Candidate(4, "dots", None, "float32", 8) in {
+      row.candidate for row in result.considered if row.fits}
 
 
 def test_measure_matches_memory_report_and_counts_every_layer():
@@ -140,6 +171,20 @@ def test_measure_matches_memory_report_and_counts_every_layer():
   block_params = 12 * config.hidden**2 * config.num_layers
   assert measurement.flops >= 6 * block_params * 4 * 32
   assert measurement.flops <= 3 * 6 * models.param_count(config) * 4 * 32 + 1e9
+
+
+def test_measure_completes_the_loss_chunks_and_the_release_scans():
+  """Flops: chunks add one head forward; the release does remat "full"'s work."""
+  config = models.get_config("gpt_test")
+  flops = {c: plan.measure("gpt_test", c, batch_size=4, seq_len=16).flops
+           for c in (plan.Candidate(2), plan.Candidate(2, loss_chunks=4),
+                     plan.Candidate(2, "full"), plan.Candidate(2, plan.RELEASE))}
+  head_forward = 2 * (2 * 16) * config.vocab_size * config.hidden  # per micro-batch
+  extra = flops[plan.Candidate(2, loss_chunks=4)] - flops[plan.Candidate(2)]
+  # Uncompleted, the chunk scans would count a quarter of the head: -3/4 of it.
+  assert extra == pytest.approx(2 * head_forward, rel=0.1)
+  released, full = flops[plan.Candidate(2, plan.RELEASE)], flops[plan.Candidate(2, "full")]
+  assert released == pytest.approx(full, rel=0.05)
 
 
 @pytest.mark.slow
