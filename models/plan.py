@@ -634,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
              f"{c.device_bytes / 1e9:.2f} GB ({c.device_bytes / c.param_bytes:.2f} P) of "
              f"{args.budget_gb:g} GB, predicted {result.predicted_s * 1e3:.1f} ms a step\n"
              f"train with: python -m models.train --preset {args.preset} "
-             f"--batch-size {args.batch_size} --plan {args.budget_gb:g}")
+             f"--batch-size {args.batch_size}"
+             f"{f' --seq-len {args.seq_len}' if args.seq_len else ''} --plan {args.budget_gb:g}")
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
                "plan": result.to_dict()}
   print(header)
