@@ -15,15 +15,17 @@ both halves:
    (with the `"split"` second-moment estimator, the README's choice wherever
    micro-batches hold two or more examples) against Adam with a float32
    gradient accumulator, at the same learning rate; held-out loss of both
-   and their gap.
+   and their gap. Both run the scanned model with the LM-head loss in 8
+   chunks; AdamA trains through `release_step`, the step measured below.
 2. Memory: the same step (same N, 2,048 tokens per micro-batch, here two
-   sequences of 1,024) for GPT-2 small with scanned layers, compiled only
-   (`memory_analysis()`, nothing allocated): Adam + accumulator under
-   `microbatch_step` with full rematerialization, AdamA under `release_step`
-   (which recomputes each layer as full rematerialization does, and folds
-   one layer's gradient at a time); the bytes each step needs, and what
-   AdamA saves, in GiB, in P and in percent. Rematerialization changes what
-   a step keeps, not what it computes, so the tiny training runs without it.
+   sequences of 1,024) for GPT-2 small, compiled only (`memory_analysis()`,
+   nothing allocated): Adam + accumulator under `microbatch_step` with full
+   rematerialization, AdamA under `release_step` (which recomputes each layer
+   as full rematerialization does, and folds one layer's gradient at a
+   time); the bytes each step needs, and what AdamA saves, in GiB, in P and
+   in percent. Rematerialization changes what a step keeps, not what it
+   computes, so the tiny training runs without it. The chunked loss keeps
+   the LM head's logits (0.83 P a copy here) from hiding the gradient buffer.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class DemoConfig:
   memory_preset: str = "gpt2_small"
   memory_seq_len: int = 1024
   memory_micro_batch_size: int = 2  # sequences of memory_seq_len.
+  # The LM head's loss in chunks (models.savers.chunked_cross_entropy), both
+  # optimizers, both halves: exact up to summation order.
+  loss_chunks: int = 8
 
   def train_config(self, optimizer: str) -> train.TrainConfig:
     adama_options = {"nu_estimator": self.nu_estimator} if optimizer == "adama" else {}
@@ -73,6 +78,7 @@ class DemoConfig:
         model="gpt", optimizer=optimizer, num_micro_batches=self.num_micro_batches,
         batch_size=self.num_micro_batches * self.micro_batch_size, seq_len=64,
         steps=self.steps, learning_rate=self.learning_rate, seed=self.seed,
+        scan_layers=True, release=optimizer == "adama", loss_chunks=self.loss_chunks,
         **adama_options)
 
   def adama(self) -> optax.GradientTransformation:
@@ -83,7 +89,8 @@ class DemoConfig:
 def step_memory(config: DemoConfig) -> dict[str, optax_adama.MemoryReport]:
   """Compile-only memory of the scanned, rematerialized step, per optimizer:
   Adam + accumulator's ``microbatch_step``, AdamA's ``release_step``."""
-  model_config = models.get_config(config.memory_preset, remat="full", scan_layers=True)
+  model_config = models.get_config(config.memory_preset, remat="full", scan_layers=True,
+                                   loss_chunks=config.loss_chunks)
   loss_fn, params = bench.split_model(model_config)
   batch = bench.abstract_batch(
       model_config, config.memory_micro_batch_size * config.num_micro_batches,
@@ -120,6 +127,7 @@ def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
           "preset": config.memory_preset,
           "scan_layers": True,
           "remat": "full",
+          "loss_chunks": config.loss_chunks,
           "adama_step": "release_step",
           "tokens_per_micro_batch": config.memory_micro_batch_size * config.memory_seq_len,
           "param_bytes": adama.param_bytes,
@@ -142,8 +150,9 @@ def report(result: dict[str, Any]) -> str:
       f"AdamA's estimator {t['nu_estimator']!r}",
       f"  held-out loss: Adam + accumulation {t['eval_loss']['adam']:.4f}, "
       f"AdamA {t['eval_loss']['adama']:.4f} ({100 * t['eval_gap']:+.2f}%)",
-      f"Step memory of {m['preset']} (scanned layers, remat full, "
-      f"{m['tokens_per_micro_batch']:,} tokens per micro-batch), compile-only:",
+      f"Step memory of {m['preset']} (scanned layers, remat full, loss in "
+      f"{m['loss_chunks']} chunks, {m['tokens_per_micro_batch']:,} tokens per micro-batch), "
+      "compile-only:",
       f"  Adam + float32 accumulator {format_bytes(adam_bytes)} ({adam_bytes / p:.2f} P), "
       f"AdamA with gradient release {format_bytes(adama_bytes)} ({adama_bytes / p:.2f} P)",
       f"  AdamA saves {format_bytes(m['saved_bytes'])} ({m['saved_bytes'] / p:.2f} P), "
@@ -167,13 +176,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--memory-preset", default=defaults.memory_preset,
                       choices=sorted(models.PRESETS), help="the model of the memory half")
   parser.add_argument("--memory-seq-len", type=int, default=defaults.memory_seq_len)
+  parser.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
+                      help="the LM head's loss over this many chunks of tokens (both halves)")
   parser.add_argument("--json", type=Path, default=None, help="write the summary here")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   config = DemoConfig(steps=args.steps, seed=args.seed, learning_rate=args.learning_rate,
                       micro_batch_size=args.micro_batch_size,
                       nu_estimator=args.nu_estimator, memory_preset=args.memory_preset,
-                      memory_seq_len=args.memory_seq_len)
+                      memory_seq_len=args.memory_seq_len, loss_chunks=args.loss_chunks)
   runs = {name: train.train(config.train_config(name), progress=not args.no_progress)
           for name in ("adama", "adam")}
   result = summary(config, runs, step_memory(config))
