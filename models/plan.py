@@ -122,10 +122,11 @@ class Candidate:
   loss_chunks: int = 1
 
   def describe(self) -> str:
-    savers = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
-    savers += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
+    saver_names = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
+    saver_names += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
     activations = RELEASE if self.remat == RELEASE else f"remat={self.remat}"
-    return (f"N={self.num_micro_batches} {activations} savers={' + '.join(savers) or '-'} "
+    return (f"N={self.num_micro_batches} {activations} "
+            f"savers={' + '.join(saver_names) or '-'} "
             f"moments={self.moments}")
 
   def train_overrides(self) -> dict[str, Any]:
