@@ -7,9 +7,10 @@
 Every optimizer runs through `optax_adama.microbatch_step`, so the comparison is
 on equal terms: the same micro-batches, the same donation, one jitted call per
 mini-batch (`--scan-layers --release`: AdamA through `optax_adama.release_step`,
-the same updates with one layer's gradient alive at a time). `--compare` trains AdamA and Adam with gradient accumulation on the
-same data and prints their compiled memory and final losses side by side (the
-project's main job, `make demo`).
+the same updates with one layer's gradient alive at a time). `--compare` trains
+AdamA and Adam with gradient accumulation on the same data and prints their
+compiled memory and final losses side by side (the project's main job, `make
+demo`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class TrainConfig:
 
 
 # Options only one side of `--compare` takes; the other side keeps its default.
-ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator")
+ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator", "release")
 ACCUMULATION_ONLY = ("accumulation_dtype",)
 
 

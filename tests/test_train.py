@@ -159,6 +159,10 @@ def test_release_trains_as_the_fused_scanned_step(tmp_path):
   # per leaf after it): float32 rounding over three steps.
   np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
   np.testing.assert_allclose(runs[1]["eval_loss"], runs[0]["eval_loss"], rtol=1e-5)
+  # --compare: AdamA through the release against Adam's microbatch_step.
+  options = {"scan_layers": True, "release": True}
+  assert train.config_for(options, "adama").release
+  assert not train.config_for(options, "adam").release
   for bad in ({"optimizer": "adam", "scan_layers": True}, {"scan_layers": False}):
     with pytest.raises(ValueError, match="release .* needs scan_layers=True and optimizer"):
       train.TrainConfig(release=True, **bad)
