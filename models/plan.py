@@ -525,13 +525,14 @@ def time_settings(
   """
   runners = {}
   for remat, gelu_bits in activation_settings:
-    release = remat == RELEASE
-    config = models.get_config(preset, remat="none" if release else remat,
-                               gelu_bits=gelu_bits, scan_layers=True)
+    # The step models.train runs for this setting (as `measure` compiles it).
+    run = train_config(preset, Candidate(num_micro_batches, remat, gelu_bits),
+                       batch_size=batch_size, seq_len=seq_len)
+    config = train.model_config_of(run)
     model = models.create(config, rngs=nnx.Rngs(0))
-    loss_fn, params = models.staged_loss(model) if release else models.split_loss_fn(model)
-    step, tx = bench.make_step("adama_release" if release else "adama", loss_fn,
-                               num_micro_batches=num_micro_batches)
+    loss_fn, params = models.split_loss_fn(model, has_aux=True)
+    tx = train.make_optimizer(run)
+    step = train.make_step(run, model, loss_fn, tx)
     batch = bench.random_batch(config, bench.abstract_batch(config, batch_size, seq_len))
     state = tx.init(params)
     runners[setting_label(remat, gelu_bits)] = [step.lower(params, state, batch).compile(),
@@ -556,10 +557,10 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4.5))
   def is_saver(label: str) -> bool:
     return "gelu" in label or label == RELEASE
 
+  fig, ax = plt.subplots(figsize=(7, 4.5))
   remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
                       if not is_saver(k) and k in step_s)
   ax.plot(*zip(*remat_only), color="0.6", zorder=1, label="remat policies alone")

@@ -241,3 +241,11 @@ def test_offload_without_host_memory_is_not_chosen():
                      activation_settings=settings, measure_fn=steps, verify_fn=steps)
   assert result.choice.remat == "minimal"
   assert "offload not measurable here" in result.table()
+
+
+def test_time_settings_times_the_step_models_train_runs_for_each_setting():
+  settings = (("none", None), (plan.RELEASE, None))
+  times = plan.time_settings("gpt_test", settings, num_micro_batches=2, batch_size=4,
+                             seq_len=16, rounds=1, steps_per_round=1)
+  assert set(times) == {"none", plan.RELEASE}
+  assert all(seconds > 0 for seconds in times.values())
