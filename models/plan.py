@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax_adama
 from flax import nnx
+from tqdm import tqdm
 
 import models
 from models import bench, savers, train
@@ -73,8 +74,9 @@ from models import bench, savers, train
 # Every other policy saves the matmul outputs (the GELU input among them) or
 # recomputes the block. Only 4 bits: 2 bits left bert_tiny's held-out loss
 # 6.3% worse on one seed of two (benchmarks/savers_convergence.md), so the
-# planner does not pick it; `survey` measures it too. The sampled projection is left out for the
-# same reason (its gradient noise is not yet measured in training).
+# planner does not pick it; `survey` measures it too. The sampled projection is
+# left out of the plan for the same reason (+2.9% on bert_tiny at keep ratio 0.5,
+# +3.8% on gpt_tiny at 0.25); `survey` measures it.
 #
 # RELEASE is AdamA's gradient release (`optax_adama.release_step`, `models.train
 # --release`) in place of a remat policy: it keeps each layer's input only,
@@ -85,7 +87,6 @@ ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
     ("none", None), ("none", 4), ("dots_no_batch", None), ("dots", None),
     ("minimal", None), ("offload", None), ("full", None), (RELEASE, None),
 )
-SURVEY_SETTINGS = ACTIVATION_SETTINGS[:2] + (("none", 2),) + ACTIVATION_SETTINGS[2:]
 # Moment storage, most precise first: the planner narrows only to fit.
 MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
 # GPT's LM-head loss over this many chunks of tokens (`models.savers.
@@ -120,14 +121,24 @@ class Candidate:
   gelu_bits: int | None = None
   moments: str = "float32"  # one of MOMENT_STORAGES
   loss_chunks: int = 1
+  linear_keep_ratio: float | None = None  # sampled MLP projection; survey only
+
+  def saver_names(self) -> list[str]:
+    names = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
+    names += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
+    if self.linear_keep_ratio:
+      names.append(f"sampled dW {self.linear_keep_ratio:g}")
+    return names
 
   def describe(self) -> str:
-    saver_names = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
-    saver_names += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
     activations = RELEASE if self.remat == RELEASE else f"remat={self.remat}"
     return (f"N={self.num_micro_batches} {activations} "
-            f"savers={' + '.join(saver_names) or '-'} "
+            f"savers={' + '.join(self.saver_names()) or '-'} "
             f"moments={self.moments}")
+
+  def label(self) -> str:
+    """The activation setting alone: "none + gelu 4-bit", "release", "full"."""
+    return " + ".join([self.remat] + self.saver_names())
 
   def train_overrides(self) -> dict[str, Any]:
     """The `models.train.TrainConfig` fields of this setting."""
@@ -136,6 +147,7 @@ class Candidate:
     return {"num_micro_batches": self.num_micro_batches,
             "remat": "none" if release else self.remat, "release": release,
             "gelu_bits": self.gelu_bits, "loss_chunks": self.loss_chunks,
+            "linear_keep_ratio": self.linear_keep_ratio,
             "mu_dtype": narrow, "nu_dtype": narrow,
             "quantize_moments": self.moments == "8bit", "scan_layers": True}
 
@@ -489,45 +501,48 @@ def cached_measure(preset: str, *, batch_size: int,
   return measure_candidate
 
 
-def survey(preset: str, *, num_micro_batches: int, batch_size: int,
-           seq_len: int | None = None,
-           activation_settings: Sequence[tuple[str, int | None]] = SURVEY_SETTINGS,
-           machine: Machine = Machine()) -> list[Considered]:
-  """Every activation setting at one N with float32 moments (fits: always True)."""
+def survey_candidates(num_micro_batches: int) -> list[Candidate]:
+  """What `survey` measures at one N, float32 moments: every activation setting of
+  the planner, 2-bit GELU, GPT's loss in chunks under remat "full" and the release,
+  and the sampled projection (keep ratio 0.5) with no remat."""
+  settings = [Candidate(num_micro_batches, remat, bits) for remat, bits in ACTIVATION_SETTINGS]
+  settings.insert(2, Candidate(num_micro_batches, "none", 2))
+  settings += [Candidate(num_micro_batches, remat, loss_chunks=LOSS_CHUNKS)
+               for remat in ("full", RELEASE)]
+  return settings + [Candidate(num_micro_batches, "none", linear_keep_ratio=0.5)]
+
+
+def survey(preset: str, candidates: Sequence[Candidate], *, batch_size: int,
+           seq_len: int | None = None, machine: Machine = Machine()) -> list[Considered]:
+  """Each candidate compiled and measured, in order (fits: always True)."""
   rows = []
-  for remat, gelu_bits in activation_settings:
-    candidate = Candidate(num_micro_batches, remat, gelu_bits)
+  for candidate in candidates:
     measurement = measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
     rows.append(Considered(candidate, measurement,
-                           measurement.predicted_s(machine, num_micro_batches), True))
+                           measurement.predicted_s(machine, candidate.num_micro_batches),
+                           True))
   return rows
-
-
-def setting_label(remat: str, gelu_bits: int | None) -> str:
-  return remat + (f" + gelu {gelu_bits}-bit" if gelu_bits else "")
 
 
 def time_settings(
     preset: str,
-    activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
+    candidates: Sequence[Candidate],
     *,
-    num_micro_batches: int,
     batch_size: int,
     seq_len: int | None = None,
     rounds: int = 5,
     steps_per_round: int = 3,
 ) -> dict[str, float]:
-  """Median measured AdamA step time (s) of each activation setting, on this machine.
+  """Median measured AdamA step time (s) of each candidate on this machine, by label.
 
   The settings are run round by round, interleaved, so drift of a shared
   machine's load hits every setting alike (as `models.bench throughput` does
   for its methods).
   """
   runners = {}
-  for remat, gelu_bits in activation_settings:
+  for candidate in candidates:
     # The step models.train runs for this setting (as `measure` compiles it).
-    run = train_config(preset, Candidate(num_micro_batches, remat, gelu_bits),
-                       batch_size=batch_size, seq_len=seq_len)
+    run = train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
     config = train.model_config_of(run)
     model = models.create(config, rngs=nnx.Rngs(0))
     loss_fn, params = models.split_loss_fn(model, has_aux=True)
@@ -535,11 +550,11 @@ def time_settings(
     step = train.make_step(run, model, loss_fn, tx)
     batch = bench.random_batch(config, bench.abstract_batch(config, batch_size, seq_len))
     state = tx.init(params)
-    runners[setting_label(remat, gelu_bits)] = [step.lower(params, state, batch).compile(),
-                                                params, state, batch]
+    runners[candidate.label()] = [step.lower(params, state, batch).compile(),
+                                  params, state, batch]
   times: dict[str, list[float]] = {label: [] for label in runners}
-  for round_index in range(rounds + 1):  # round 0 warms up, untimed
-    for label, (compiled, params, state, batch) in runners.items():
+  for round_index in tqdm(range(rounds + 1), desc="timing rounds", file=sys.stderr):
+    for label, (compiled, params, state, batch) in runners.items():  # round 0: warm-up
       start = time.perf_counter()
       for _ in range(steps_per_round):
         params, state, metrics = compiled(params, state, batch)
@@ -558,7 +573,7 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   import matplotlib.pyplot as plt
 
   def is_saver(label: str) -> bool:
-    return "gelu" in label or label == RELEASE
+    return " + " in label or label == RELEASE
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
@@ -603,6 +618,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="instead: time --preset's step on this machine for every setting "
                            "of a --survey JSON and plot survey memory against step time")
   parser.add_argument("--plot", type=Path, default=None, help="the --frontier PNG")
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="--frontier: timed rounds (medians over them)")
   parser.add_argument("--json", type=Path, default=None)
   parser.add_argument("--markdown", type=Path, default=None)
   args = parser.parse_args(argv)
@@ -619,8 +636,11 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
   if args.frontier:
     return _frontier(args)
   if args.survey:
-    rows = survey(args.preset, num_micro_batches=args.num_micro_batches,
-                  batch_size=args.batch_size, seq_len=args.seq_len, machine=machine)
+    candidates = survey_candidates(args.num_micro_batches)
+    if not isinstance(models.get_config(args.preset), models.GPTConfig):
+      candidates = [c for c in candidates if c.loss_chunks == 1]
+    rows = survey(args.preset, candidates, batch_size=args.batch_size,
+                  seq_len=args.seq_len, machine=machine)
     p = rows[0].measurement.param_bytes
     lines = ["| setting | device memory | host memory | predicted step |", "|---|---|---|---|"]
     lines += [f"| {r.candidate.describe()} | {r.measurement.device_bytes:,} B "
@@ -653,14 +673,15 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
 
 def _frontier(args: argparse.Namespace) -> dict[str, Any]:
   surveyed = json.loads(args.frontier.read_text())
-  memory_p, settings = {}, []
+  memory_p, candidates = {}, []
   for row in surveyed["rows"]:
-    candidate, measurement = row["candidate"], row["measurement"]
-    settings.append((candidate["remat"], candidate["gelu_bits"]))
-    memory_p[setting_label(*settings[-1])] = (measurement["device_bytes"]
-                                              / measurement["param_bytes"])
-  step_s = time_settings(args.preset, settings, num_micro_batches=args.num_micro_batches,
-                         batch_size=args.batch_size, seq_len=args.seq_len)
+    # Timed at this command's N; the memory is the survey's.
+    candidates.append(dataclasses.replace(Candidate(**row["candidate"]),
+                                          num_micro_batches=args.num_micro_batches))
+    measurement = row["measurement"]
+    memory_p[candidates[-1].label()] = measurement["device_bytes"] / measurement["param_bytes"]
+  step_s = time_settings(args.preset, candidates, batch_size=args.batch_size,
+                         seq_len=args.seq_len, rounds=args.rounds)
   header = (f"memory: {surveyed['header']}; time: {args.preset}, batch {args.batch_size}, "
             f"N={args.num_micro_batches}, seq_len {args.seq_len or 'preset'}, on "
             f"{train.cpu_name()} ({jax.default_backend()})")

@@ -244,8 +244,27 @@ def test_offload_without_host_memory_is_not_chosen():
 
 
 def test_time_settings_times_the_step_models_train_runs_for_each_setting():
-  settings = (("none", None), (plan.RELEASE, None))
-  times = plan.time_settings("gpt_test", settings, num_micro_batches=2, batch_size=4,
-                             seq_len=16, rounds=1, steps_per_round=1)
-  assert set(times) == {"none", plan.RELEASE}
+  candidates = (plan.Candidate(2, "none"), plan.Candidate(2, plan.RELEASE, loss_chunks=2))
+  times = plan.time_settings("gpt_test", candidates, batch_size=4, seq_len=16, rounds=1,
+                             steps_per_round=1)
+  assert set(times) == {"none", "release + loss in 2 chunks"}
   assert all(seconds > 0 for seconds in times.values())
+
+
+def test_survey_candidates_cover_every_saver_and_reach_train():
+  candidates = plan.survey_candidates(4)
+  labels = [c.label() for c in candidates]
+  assert len(set(labels)) == len(labels)
+  assert {"none + gelu 2-bit", "full + loss in 8 chunks", "release + loss in 8 chunks",
+          "none + sampled dW 0.5"} <= set(labels)
+  assert {c.label() for c in candidates} >= {r for r, _ in plan.ACTIVATION_SETTINGS}
+  sampled = plan.train_config("gpt_test", candidates[-1], batch_size=8, seq_len=16)
+  assert sampled.linear_keep_ratio == 0.5 and sampled.num_micro_batches == 4
+
+
+def test_survey_measures_what_the_savers_save():
+  """The chunked loss keeps less than the whole logits (gpt_test: 256-token vocab)."""
+  candidates = [plan.Candidate(1, "full"), plan.Candidate(1, "full", loss_chunks=4)]
+  whole, chunked = plan.survey("gpt_test", candidates, batch_size=4, seq_len=32)
+  assert chunked.measurement.device_bytes < whole.measurement.device_bytes
+  assert chunked.predicted_s > 0 and chunked.candidate == candidates[1]
