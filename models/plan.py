@@ -124,8 +124,11 @@ class Candidate:
   linear_keep_ratio: float | None = None  # sampled MLP projection; survey only
 
   def saver_names(self) -> list[str]:
-    names = [f"gelu {self.gelu_bits}-bit"] * bool(self.gelu_bits)
-    names += [f"loss in {self.loss_chunks} chunks"] * (self.loss_chunks > 1)
+    names = []
+    if self.gelu_bits:
+      names.append(f"gelu {self.gelu_bits}-bit")
+    if self.loss_chunks > 1:
+      names.append(f"loss in {self.loss_chunks} chunks")
     if self.linear_keep_ratio:
       names.append(f"sampled dW {self.linear_keep_ratio:g}")
     return names
