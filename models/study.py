@@ -257,8 +257,9 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
-                steps: int, seed: int = 0) -> optax_adama.SecondMomentDiagnosis:
-  """rho along Adam's path on one of our tiny models."""
+                steps: int, seed: int = 0,
+                follow: str = "adam") -> optax_adama.SecondMomentDiagnosis:
+  """rho along Adam's path (or `follow`'s: an estimator's) on one of our tiny models."""
   config = Run(model_kind, "adam", num_micro_batches, micro_batch_size,
                BASE[model_kind]["learning_rate"], seed, steps).config()
   model_config = models.get_config(config.preset_name)
@@ -269,7 +270,7 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
   with jax.numpy_dtype_promotion("standard"):
     return optax_adama.diagnose_second_moment(
         loss_fn, params, batches, num_micro_batches=num_micro_batches,
-        learning_rate=config.learning_rate, has_aux=True)
+        learning_rate=config.learning_rate, has_aux=True, follow=follow)
 
 
 def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path) -> None:
@@ -292,7 +293,7 @@ def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_title(f"{name}: rho = v / v_adam (N={diagnosis.num_micro_batches})")
-    ax.set_xlabel("mini-batch step (Adam's path)")
+    ax.set_xlabel("mini-batch step")
     ax.set_ylabel("rho: median, quartiles, 5th percentile (dotted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -309,7 +310,10 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[4],
                       help="examples per micro-batch")
   parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0],
+                      help="study: seeds of every run; rho: the first is its seed")
+  parser.add_argument("--follow", choices=("adam",) + optax_adama.NU_ESTIMATORS,
+                      default="adam", help="rho: whose path to follow (default: Adam's)")
   parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
                       help="extra seeds, run at each arm's best rate only")
   parser.add_argument("--steps", type=int, default=300)
@@ -322,8 +326,10 @@ def main(argv: Sequence[str]) -> None:
     diagnoses = {}
     for kind in args.models:
       for n in args.num_micro_batches:
-        d = measure_rho(kind, n, args.micro_batch_sizes[0], args.steps)
-        diagnoses[f"{kind} N={n}"] = d
+        d = measure_rho(kind, n, args.micro_batch_sizes[0], args.steps, args.seeds[0],
+                        args.follow)
+        path = "" if args.follow == "adam" else f", {args.follow!r}'s path"
+        diagnoses[f"{kind} N={n}{path}"] = d
         print(f"{kind}, N={n}:\n{d.summary()}\n")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_rho(diagnoses, args.out_dir / "rho.png")

@@ -36,7 +36,7 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 @dataclasses.dataclass(frozen=True)
 class SecondMomentDiagnosis:
-  """rho = v_estimator / v_adam along Adam's path, per mini-batch.
+  """rho = v_estimator / v_adam along a path (Adam's or an estimator's), per mini-batch.
 
   Attributes:
     num_micro_batches: ``N``.
@@ -105,6 +105,7 @@ def diagnose_second_moment(
     b2: float = 0.999,
     eps: float = 1e-8,
     has_aux: bool = False,
+    follow: str = "adam",
 ) -> SecondMomentDiagnosis:
   r"""Measures rho = v / v_Adam for every AdamA estimator along Adam's path.
 
@@ -128,12 +129,16 @@ def diagnose_second_moment(
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    follow: whose steps the path takes: ``"adam"`` (Adam's, the default) or an
+      estimator's (AdamA's path with that ``nu_estimator``; ``"split"`` read as
+      AdamA reads it, at least ``m_hat**2``). rho is always against Adam's v
+      from the same gradients.
 
   Returns:
     A :class:`SecondMomentDiagnosis`; ``print(diagnosis.summary())``.
 
   Raises:
-    ValueError: if ``batches`` is empty.
+    ValueError: if ``batches`` is empty, or ``follow`` names no estimator.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -147,10 +152,12 @@ def diagnose_second_moment(
     True
   """
   num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  if follow not in ("adam",) + NU_ESTIMATORS:
+    raise ValueError(f"follow must be 'adam' or one of {NU_ESTIMATORS}, got {follow!r}.")
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
   step = jax.jit(lambda p, s, b: _adam_step_with_estimators(
       value_and_grad, has_aux, p, s, b, num_micro_batches,
-      learning_rate, b1, b2, eps))
+      learning_rate, b1, b2, eps, follow))
   zeros = lambda: jax.tree.map(jnp.zeros_like, params)
   state = {"count": jnp.zeros([], jnp.int32), "m": zeros(), "adam": zeros(),
            **{name: zeros() for name in NU_ESTIMATORS}}
@@ -169,10 +176,13 @@ def diagnose_second_moment(
 
 
 def _adam_step_with_estimators(
-    value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps):
+    value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps,
+    follow="adam"):
   micro_batches = split_micro_batches(batch, n)
   # "split" needs each micro-batch's two halves: measured where they exist.
   halves = jax.tree.leaves(micro_batches)[0].shape[1] % 2 == 0
+  if follow == "split" and not halves:
+    raise ValueError("follow='split' needs micro-batches of an even number of rows.")
 
   def loss_and_grads(params, micro_batch):
     out, grads = value_and_grad(params, micro_batch)
@@ -210,14 +220,14 @@ def _adam_step_with_estimators(
       "split": (ema(state["split"], jax.tree.map(lambda s: s / n, split_sum))
                 if halves else state["split"]),
   }
-  v_hat = jax.tree.map(lambda v: v / (1 - b2**t), adam)
-  params = jax.tree.map(
-      lambda p, mh, vh: p - learning_rate * mh / (jnp.sqrt(vh) + eps),
-      params, m_hat, v_hat)
   # "split"'s v as AdamA reads it: v_hat floored at m_hat**2 (in raw-moment
   # units; rho's bias corrections cancel). The stored EMA stays unfloored.
   read = {**new_state, "split": jax.tree.map(
       lambda v, mh: jnp.maximum(v, (1 - b2**t) * mh * mh), new_state["split"], m_hat)}
+  v_hat = jax.tree.map(lambda v: v / (1 - b2**t), read[follow])
+  params = jax.tree.map(
+      lambda p, mh, vh: p - learning_rate * mh / (jnp.sqrt(vh) + eps),
+      params, m_hat, v_hat)
   names = NU_ESTIMATORS if halves else tuple(e for e in NU_ESTIMATORS if e != "split")
   return params, new_state, jnp.mean(losses), _rho_quantiles(read, names)
 

@@ -75,3 +75,36 @@ def test_empty_batches_raise():
   with pytest.raises(ValueError, match="batches is empty"):
     optax_adama.diagnose_second_moment(
         loss_fn, {"w": jnp.zeros(DIM)}, [], num_micro_batches=NUM_MICRO)
+
+
+@pytest.mark.parametrize("estimator", ["mean", "split"])
+def test_following_an_estimator_is_adamas_own_path(estimator):
+  """follow=e takes the steps AdamA with nu_estimator=e takes on the same batches."""
+  batches = _batches(12, identical_micro_batches=False)
+  params = {"w": jnp.zeros(DIM)}
+  diagnosis = optax_adama.diagnose_second_moment(
+      loss_fn, params, batches, num_micro_batches=NUM_MICRO, learning_rate=0.05,
+      follow=estimator)
+  tx = optax_adama.adama(0.05, num_micro_batches=NUM_MICRO, nu_estimator=estimator)
+  step = optax_adama.microbatch_step(loss_fn, tx)
+  state, losses = tx.init(params), []
+  for batch in batches:
+    params, state, metrics = step(params, state, batch)
+    losses.append(float(metrics["loss"]))
+  # Same math, folds summed in another order: float32 rounding only.
+  np.testing.assert_allclose(diagnosis.losses, losses, rtol=1e-5)
+  adams_path = optax_adama.diagnose_second_moment(
+      loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO,
+      learning_rate=0.05)
+  assert np.max(np.abs(adams_path.losses - diagnosis.losses)) > 1e-3
+
+
+def test_follow_rejects_what_it_cannot_follow():
+  batches = _batches(2, identical_micro_batches=False)
+  with pytest.raises(ValueError, match="follow must be"):
+    optax_adama.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, batches,
+                                       num_micro_batches=NUM_MICRO, follow="adamw")
+  odd = [{"x": b["x"][:12], "y": b["y"][:12]} for b in batches]  # 3 rows a micro-batch
+  with pytest.raises(ValueError, match="even number of rows"):
+    optax_adama.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, odd,
+                                       num_micro_batches=NUM_MICRO, follow="split")
