@@ -140,8 +140,10 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
   """Per (model, N, micro-batch size, arm): the best rate and its loss vs Adam's best."""
   groups: dict[tuple, list[dict]] = {}
   for r in results.values():
-    groups.setdefault((r["model"], r["num_micro_batches"], r["micro_batch_size"],
-                       r["steps"], r["arm"]), []).append(r)
+    n, size = r["num_micro_batches"], r["micro_batch_size"]
+    if r["arm"] == "adam":  # one group per batch, whichever split ran it (see Run.key)
+      n, size = 1, n * size
+    groups.setdefault((r["model"], n, size, r["steps"], r["arm"]), []).append(r)
   rows = []
   for (model, n, size, steps, arm), group in sorted(groups.items()):
     by_lr: dict[float, list[float]] = {}
@@ -156,7 +158,7 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     seed_losses = {r["seed"]: r["eval_loss"] for r in group if r["learning_rate"] == best_lr}
     rows.append({
         "model": model, "num_micro_batches": n, "micro_batch_size": size,
-        "tokens_per_micro_batch": group[0]["tokens_per_micro_batch"], "steps": steps,
+        "tokens_per_micro_batch": _tokens_per_example(model) * size, "steps": steps,
         "arm": arm, "best_lr": best_lr,
         "best_on_edge": len(rates) > 1 and best_lr in (rates[0], rates[-1]),
         "rates": rates, "seeds": len(losses),

@@ -89,3 +89,19 @@ def test_median_paired_gap_is_not_moved_by_one_stuck_seed():
   assert rows["mean"]["paired_gap_median"] == pytest.approx(0.02)
   assert rows["mean"]["gap_to_adam"] > 0.1  # the mean gap is the stuck seed's
   assert "median +2.00%" in study.markdown(list(rows.values()), ["cmd"])
+
+
+def test_adam_runs_of_one_batch_are_one_row_whichever_split_ran_them():
+  """Adam's rates and seeds at batch 32, run by commands naming N=4 and N=8."""
+  records = [_record("adam", 2e-3, 2.00), _record("adam", 2e-3, 2.02, seed=1),
+             _record("adam", 1e-3, 2.10, n=8, size=4),
+             _record("adam", 1.9e-3, 2.30, n=8, size=4, seed=1),
+             _record("mean", 2e-3, 2.04, n=8, size=4), _record("mean", 2e-3, 2.04, n=8, size=4,
+                                                             seed=1)]
+  rows = study.best_rows({r["key"]: r for r in records})
+  adam = [r for r in rows if r["arm"] == "adam"]
+  assert len(adam) == 1 and adam[0]["rates"] == [1e-3, 1.9e-3, 2e-3]
+  assert adam[0]["best_lr"] == 2e-3 and adam[0]["seeds"] == 2
+  (mean,) = [r for r in rows if r["arm"] == "mean"]
+  assert mean["gap_to_adam"] == pytest.approx(2.04 / 2.01 - 1)
+  assert "| gpt | 1 | 2048 (whole batch) |" in study.markdown(rows, ["cmd"])
