@@ -581,7 +581,11 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   fig, ax = plt.subplots(figsize=(7, 4.5))
   remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
                       if not is_saver(k) and k in step_s)
-  ax.plot(*zip(*remat_only), color="0.6", zorder=1, label="remat policies alone")
+  # The frontier: each remat point faster than every smaller one.
+  frontier = [p for i, p in enumerate(remat_only)
+              if all(p[1] < q[1] for q in remat_only[:i])]
+  ax.step(*zip(*frontier), where="post", color="0.6", zorder=1,
+          label="remat policies alone: frontier")
   for label in memory_p:
     if label in step_s:
       saver = is_saver(label)
