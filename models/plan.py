@@ -504,14 +504,16 @@ def cached_measure(preset: str, *, batch_size: int,
   return measure_candidate
 
 
-def survey_candidates(num_micro_batches: int) -> list[Candidate]:
+def survey_candidates(num_micro_batches: int,
+                      loss_chunks: Sequence[int] = (1, LOSS_CHUNKS)) -> list[Candidate]:
   """What `survey` measures at one N, float32 moments: every activation setting of
-  the planner, 2-bit GELU, GPT's loss in chunks under remat "full" and the release,
-  and the sampled projection (keep ratio 0.5) with no remat."""
+  the planner, 2-bit GELU, the loss in each chunk count above 1 of `loss_chunks`
+  (`default_loss_chunks`: GPT's) under remat "full" and the release, and the
+  sampled projection (keep ratio 0.5) with no remat."""
   settings = [Candidate(num_micro_batches, remat, bits) for remat, bits in ACTIVATION_SETTINGS]
   settings.insert(2, Candidate(num_micro_batches, "none", 2))
-  settings += [Candidate(num_micro_batches, remat, loss_chunks=LOSS_CHUNKS)
-               for remat in ("full", RELEASE)]
+  settings += [Candidate(num_micro_batches, remat, loss_chunks=chunks)
+               for chunks in loss_chunks if chunks > 1 for remat in ("full", RELEASE)]
   return settings + [Candidate(num_micro_batches, "none", linear_keep_ratio=0.5)]
 
 
@@ -643,9 +645,8 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
   if args.frontier:
     return _frontier(args)
   if args.survey:
-    candidates = survey_candidates(args.num_micro_batches)
-    if not isinstance(models.get_config(args.preset), models.GPTConfig):
-      candidates = [c for c in candidates if c.loss_chunks == 1]
+    candidates = survey_candidates(args.num_micro_batches,
+                                   default_loss_chunks(args.preset, args.seq_len))
     rows = survey(args.preset, candidates, batch_size=args.batch_size,
                   seq_len=args.seq_len, machine=machine)
     p = rows[0].measurement.param_bytes

@@ -107,7 +107,7 @@ def diagnose_second_moment(
     has_aux: bool = False,
     follow: str = "adam",
 ) -> SecondMomentDiagnosis:
-  r"""Measures rho = v / v_Adam for every AdamA estimator along Adam's path.
+  r"""Measures rho = v / v_Adam for every AdamA estimator along Adam's path (or AdamA's).
 
   For each mini-batch of ``batches`` (each split into ``N`` micro-batches as
   :func:`microbatch_step` splits it), computes the micro-batch gradients,
