@@ -212,8 +212,11 @@ def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], l
     train = data.image_batches(
         digits.train_images, digits.train_labels, batch_size=config.batch_size,
         seed=config.seed)
+    # Capped at the held-out split (359 digits), so a mini-batch larger than it
+    # is scored on the whole split, in one batch; smaller ones as before.
     valid = data.image_batches(
-        digits.valid_images, digits.valid_labels, batch_size=config.batch_size,
+        digits.valid_images, digits.valid_labels,
+        batch_size=min(config.batch_size, len(digits.valid_labels)),
         shuffle=False, epochs=1)
   else:
     text = (data.load_text(config.data_path) if config.data_path

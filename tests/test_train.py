@@ -61,6 +61,17 @@ def test_an_adama_only_option_without_compare_is_still_an_error():
     train.main(["--optimizer", "adam", "--nu-estimator", "momentum", "--steps", "1"])
 
 
+def test_vit_mini_batch_larger_than_the_held_out_split_is_scored_on_all_of_it():
+  # 359 held-out digits: a 512-image mini-batch is scored on one batch of all
+  # 359, a 128-image one on two full batches as before (the study's cells).
+  config = train.TrainConfig(model="vit", batch_size=512, num_micro_batches=4)
+  _, held_out = train.make_data(config, train.model_config_of(config))
+  assert [b["labels"].shape[0] for b in held_out] == [359]
+  config = train.TrainConfig(model="vit", batch_size=128, num_micro_batches=4)
+  _, held_out = train.make_data(config, train.model_config_of(config))
+  assert [b["labels"].shape[0] for b in held_out] == [128, 128]
+
+
 def test_bad_config_is_rejected_with_both_numbers():
   with pytest.raises(ValueError, match=r"batch size 10 .*num_micro_batches=4"):
     train.TrainConfig(batch_size=10, num_micro_batches=4)
