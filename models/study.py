@@ -136,6 +136,21 @@ def _tokens_per_example(model: str) -> int:
   return BASE[model]["seq_len"]  # positions (a GPT batch's extra token is a target)
 
 
+def best_seed_runs(runs: Sequence[Run], rows: Sequence[dict[str, Any]],
+                   seeds: Sequence[int]) -> list[Run]:
+  """``runs`` at their arm's best rate in ``rows``, once per seed of ``seeds``."""
+  best = {(r["model"], r["num_micro_batches"] * r["micro_batch_size"],
+           r["num_micro_batches"], r["steps"], r["arm"]): r["best_lr"] for r in rows}
+
+  def best_lr(run):
+    # Adam's row is its batch's (N = 1), whichever split's command ran it.
+    n = 1 if run.arm == "adam" else run.num_micro_batches
+    return best.get((run.model, run.batch_size, n, run.steps, run.arm))
+
+  return [dataclasses.replace(run, seed=seed) for run in runs for seed in seeds
+          if best_lr(run) == run.learning_rate]
+
+
 def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
   """Per (model, N, micro-batch size, arm): the best rate and its loss vs Adam's best."""
   groups: dict[tuple, list[dict]] = {}
@@ -345,12 +360,7 @@ def main(argv: Sequence[str]) -> None:
               args.lr_factors, args.seeds, args.steps)
   run_grid(runs, args.results, command=command, progress=not args.no_progress)
   if args.best_seeds:
-    best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["arm"]):
-            r["best_lr"] for r in best_rows(load_results(args.results))}
-    extra = [dataclasses.replace(run, seed=seed) for run in runs
-             for seed in args.best_seeds
-             if best.get((run.model, run.num_micro_batches, run.micro_batch_size,
-                          run.arm)) == run.learning_rate]
+    extra = best_seed_runs(runs, best_rows(load_results(args.results)), args.best_seeds)
     run_grid(extra, args.results, command=command, progress=not args.no_progress)
   results = load_results(args.results)
   rows = best_rows(results)

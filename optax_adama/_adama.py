@@ -424,6 +424,34 @@ def _advance_counters(
   )
 
 
+def fold_micro_batch(grads, state: ScaleByAdamAState, hyperparams: dict,
+                     half_difference=None) -> ScaleByAdamAState:
+  """``state`` after folding one micro-batch's gradient: AdamA's update without its direction.
+
+  ``hyperparams`` as :func:`adama_parts` returns them; ``half_difference``
+  for the ``"split"`` estimator.
+  """
+  given = hyperparams["num_micro_batches"]
+  if given not in (None, state.num_micro_batches):
+    raise ValueError(
+        f"num_micro_batches={given} but the state was made "
+        f"with num_micro_batches={state.num_micro_batches}.")
+  leaves, treedef = jax.tree.flatten(grads)
+  mus = treedef.flatten_up_to(state.mu)
+  nus = treedef.flatten_up_to(state.nu)
+  differences = _half_differences(half_difference, treedef, state)
+  seeds = _leaf_seeds(hyperparams["rounding_seed"], state, mus, nus,
+                      hyperparams["stochastic_rounding"])
+  folded = [_fold_leaf(g, m, v, state, hyperparams["b1"], hyperparams["b2"],
+                       hyperparams["nu_estimator"], leaf_seeds, d)
+            for g, m, v, leaf_seeds, d in zip(leaves, mus, nus, seeds, differences)]
+  new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
+  # Combines one boolean per leaf; no gradient waits on it.
+  all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
+  return _advance_counters(
+      state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
+
+
 def scale_by_adama(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -590,35 +618,25 @@ def scale_by_adama(
         nu_estimator=nu_estimator,
     )
 
+  hyperparams = dict(
+      b1=b1, b2=b2, eps=eps, eps_root=eps_root, nu_estimator=nu_estimator,
+      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed,
+      num_micro_batches=given_num_micro_batches)
+
   def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
     del params, extra_args  # optax.chain hands every extra argument to all.
-    if given_num_micro_batches not in (None, state.num_micro_batches):
-      raise ValueError(
-          f"num_micro_batches={given_num_micro_batches} but the state was made "
-          f"with num_micro_batches={state.num_micro_batches}.")
-    grads, treedef = jax.tree.flatten(updates)
-    mus = treedef.flatten_up_to(state.mu)
-    nus = treedef.flatten_up_to(state.nu)
-    differences = _half_differences(half_difference, treedef, state)
-    seeds = _leaf_seeds(rounding_seed, state, mus, nus, stochastic_rounding)
-    folded = [_fold_leaf(g, m, v, state, b1, b2, nu_estimator, leaf_seeds, d)
-              for g, m, v, leaf_seeds, d in zip(grads, mus, nus, seeds, differences)]
-    new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
-    # Combines one boolean per leaf; no gradient waits on it.
-    all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
-    new_state = _advance_counters(
-        state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
+    new_state = fold_micro_batch(updates, state, hyperparams, half_difference)
     emit = _emitted(new_state)
-    hyperparams = dict(count=new_state.count, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                       floor_nu=_takes_halves(state))
+    direction = direction_hyperparams(new_state, hyperparams)
+    grads, treedef = jax.tree.flatten(updates)
+    new_mus = treedef.flatten_up_to(new_state.mu)
+    new_nus = treedef.flatten_up_to(new_state.nu)
     return treedef.unflatten([
-        _gated_direction(m, v, g, emit, **hyperparams)
+        _gated_direction(m, v, g, emit, **direction)
         for m, v, g in zip(new_mus, new_nus, grads)]), new_state
 
-  # Read by optax_adama.release_step, which folds layer slices itself.
-  update_fn.adama_hyperparams = dict(
-      b1=b1, b2=b2, eps=eps, eps_root=eps_root, nu_estimator=nu_estimator,
-      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
+  # Read by the steps that fold themselves (microbatch_step, release_step).
+  update_fn.adama_hyperparams = hyperparams
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -656,6 +674,58 @@ def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
     if is_adama(leaf):
       return leaf
   return None
+
+
+def adama_parts(tx: optax.GradientTransformation, caller: Optional[str] = None):
+  """``(hyperparams, inner)`` of a bare AdamA transformation.
+
+  For steps that fold into AdamA's moments and apply its direction
+  themselves: ``tx`` as made by :func:`adama`, :func:`adamaw`,
+  :func:`scale_by_adama` or ``mini_batch_chain(scale_by_adama(...), ...)``,
+  optionally under ``offload_moments`` (then ``hyperparams["offload_min_size"]``
+  is its ``min_size``, else ``None``). ``inner`` is the chain after AdamA, or
+  ``None``. For any other ``tx``: ``None`` without ``caller``, else a
+  ``TypeError`` naming it.
+  """
+  tx, offload_min_size = getattr(tx.update, "offloaded", (tx, None))
+  head, inner = getattr(tx.update, "mini_batch_chain", (tx, None))
+  hyperparams = getattr(head.update, "adama_hyperparams", None)
+  if hyperparams is None:
+    if caller is None:
+      return None
+    raise TypeError(
+        f"{caller} folds into AdamA's moments itself, so it needs an AdamA "
+        "transformation as made by adama, adamaw, scale_by_adama or "
+        "mini_batch_chain(scale_by_adama(...), ...), optionally under "
+        "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
+        "Pass transforms that must see AdamA's direction to mini_batch_chain.")
+  return {**hyperparams, "offload_min_size": offload_min_size}, inner
+
+
+def direction_hyperparams(state: ScaleByAdamAState, hyperparams: dict) -> dict:
+  """The keyword arguments of :func:`_direction` for ``state``'s step."""
+  return dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
+              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"],
+              floor_nu=_takes_halves(state))
+
+
+def gated_direction_of_leaf(m, v, p, emit, direction: dict) -> jax.Array:
+  """One leaf's direction where ``emit``, exact zeros elsewhere."""
+  # For steps that fold in a scan and apply after it: 8-bit moments are read
+  # from their codes anyway there, so a select fuses into the update, where
+  # _gated_direction's branch would materialize a float32 direction.
+  u = _direction(m, v, jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), **direction)
+  return jnp.where(emit, u, jnp.zeros_like(u))
+
+
+def emitted_direction(state: ScaleByAdamAState, params, hyperparams: dict):
+  """AdamA's direction for every leaf of ``params`` (zeros unless ``state`` emits)."""
+  emit = _emitted(state)
+  direction = direction_hyperparams(state, hyperparams)
+  leaves, treedef = jax.tree.flatten(params)
+  mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+  return treedef.unflatten(
+      [gated_direction_of_leaf(m, v, p, emit, direction) for m, v, p in zip(mus, nus, leaves)])
 
 
 class MiniBatchChainState(NamedTuple):

@@ -121,25 +121,6 @@ def _merge(outer, stacked, path):
   return type(outer)({**outer, key: value})
 
 
-def _adama_parts(tx: optax.GradientTransformation):
-  """``(hyperparams, inner)`` of an AdamA transformation; raises for any other.
-
-  ``hyperparams["offload_min_size"]`` is :func:`offload_moments`' ``min_size``
-  when ``tx`` keeps its moments in host memory, else ``None``.
-  """
-  tx, offload_min_size = getattr(tx.update, "offloaded", (tx, None))
-  head, inner = getattr(tx.update, "mini_batch_chain", (tx, None))
-  hyperparams = getattr(head.update, "adama_hyperparams", None)
-  if hyperparams is None:
-    raise TypeError(
-        "release_step folds into AdamA's moments itself, so it needs an AdamA "
-        "transformation as made by adama, adamaw, scale_by_adama or "
-        "mini_batch_chain(scale_by_adama(...), ...), optionally under "
-        "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
-        "Pass transforms that must see AdamA's direction to mini_batch_chain.")
-  return {**hyperparams, "offload_min_size": offload_min_size}, inner
-
-
 def release_step(
     staged: StagedLoss,
     tx: optax.GradientTransformation,
@@ -248,7 +229,7 @@ def release_step(
     section 3 ("gradient release").
   """
   _check_release_stage(mesh, shard_states)
-  hyperparams, inner = _adama_parts(tx)
+  hyperparams, inner = _adama.adama_parts(tx, "release_step")
   if mesh is not None and hyperparams["offload_min_size"] is not None:
     raise NotImplementedError(
         "release_step with offload_moments runs on one device: on a mesh each "
@@ -792,31 +773,6 @@ def _like(reference: Any, tree: Any) -> Any:
   return treedef.unflatten(leaves)
 
 
-def _direction_hyperparams(state, hyperparams):
-  return dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
-              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"],
-              floor_nu=_adama._takes_halves(state))
-
-
-def _gated(m, v, p, emit, direction):
-  """One leaf's direction where ``emit``, exact zeros elsewhere."""
-  # Here the folds ran inside the scans, so 8-bit moments are read from
-  # their codes anyway: a select fuses into the update, where
-  # _adama._gated_direction's branch would materialize a float32 direction.
-  u = _adama._direction(m, v, jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), **direction)
-  return jnp.where(emit, u, jnp.zeros_like(u))
-
-
-def _emitted_direction(state, params, hyperparams):
-  """AdamA's direction for every leaf (zeros unless the mini-batch emits)."""
-  emit = _adama._emitted(state)
-  direction = _direction_hyperparams(state, hyperparams)
-  leaves, treedef = jax.tree.flatten(params)
-  mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-  return treedef.unflatten(
-      [_gated(m, v, p, emit, direction) for m, v, p in zip(mus, nus, leaves)])
-
-
 def _apply_emitted(staged, hyperparams, inner, params, state, inner_state, sharded_update):
   """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
 
@@ -825,7 +781,7 @@ def _apply_emitted(staged, hyperparams, inner, params, state, inner_state, shard
   """
   if hyperparams["offload_min_size"] is not None:
     return _apply_by_layer(staged, hyperparams, inner, params, state, inner_state)
-  updates = _emitted_direction(state, params, hyperparams)
+  updates = _adama.emitted_direction(state, params, hyperparams)
   if inner is not None:
     updates, inner_state = _adama._per_mini_batch_update(
         inner, updates, state, inner_state, params)
@@ -852,11 +808,11 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
         "of scalars (learning rate, schedule, weight decay); this chain keeps "
         "per-parameter state.")
   emit = _adama._emitted(state)
-  direction = _direction_hyperparams(state, hyperparams)
+  direction = _adama.direction_hyperparams(state, hyperparams)
 
   def leaf_direction(m, v, p, m_offloaded, v_offloaded):
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
-    return _gated(m, v, p, emit, direction)
+    return _adama.gated_direction_of_leaf(m, v, p, emit, direction)
 
   def chained(outer, stacked, outer_params, stacked_params):
     """``inner`` on the tree of ``outer`` and ``stacked`` updates."""

@@ -105,3 +105,14 @@ def test_adam_runs_of_one_batch_are_one_row_whichever_split_ran_them():
   (mean,) = [r for r in rows if r["arm"] == "mean"]
   assert mean["gap_to_adam"] == pytest.approx(2.04 / 2.01 - 1)
   assert "| gpt | 1 | 2048 (whole batch) |" in study.markdown(rows, ["cmd"])
+
+
+def test_best_seeds_run_every_arm_at_its_best_rate_adam_included():
+  # Adam's row is its batch's (N = 1), so its best rate is looked up there:
+  # a command naming N = 4 still runs Adam's extra seeds.
+  records = [_record("adam", 1e-3, 2.10), _record("adam", 2e-3, 2.00),
+             _record("mean", 1e-3, 2.05), _record("mean", 2e-3, 2.10)]
+  runs = study.grid(["gpt"], ["adam", "mean"], [4], [8], [0.5, 1], [0], 300)
+  extra = study.best_seed_runs(runs, study.best_rows({r["key"]: r for r in records}), [1, 2])
+  assert sorted((r.arm, r.learning_rate, r.seed) for r in extra) == [
+      ("adam", 2e-3, 1), ("adam", 2e-3, 2), ("mean", 1e-3, 1), ("mean", 1e-3, 2)]
