@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _offload
 from optax_adama import _sharding
 from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
@@ -107,7 +108,14 @@ def microbatch_step(
     micro-batch gradient is handed to ``tx.update`` and the (zero until the
     ``N``-th) updates applied. With AdamA the gradient is folded into the
     moments and dies there, so XLA can free each layer's gradient as soon as
-    it is folded. With AdamA's ``nu_estimator="split"`` each micro-batch's
+    it is folded. A bare AdamA (``adama``, ``adamaw``, ``scale_by_adama``,
+    ``mini_batch_chain``, optionally under ``offload_moments``) is not called
+    per micro-batch: the scan only folds, with params fixed, and its
+    direction and the transforms after it run once, after the ``N``-th fold:
+    the same results without a params-sized read and write per micro-batch.
+    That path takes each call to start a mini-batch, as the previous call
+    leaves it; do not interleave your own ``tx.update`` calls on the same
+    state mid-mini-batch. With AdamA's ``nu_estimator="split"`` each micro-batch's
     gradient is taken as its two halves' (its first and second half of rows)
     in one vmapped backward, and their half difference goes to ``update`` as
     well; on a mesh each half's rows are split over the devices. The
@@ -303,7 +311,7 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
 def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   """One ``tx.update`` per micro-batch (AdamA, MultiSteps), in a scan."""
   parts = _adama.adama_parts(tx)
-  if parts is not None and parts[0]["offload_min_size"] is None:
+  if parts is not None:
     return _fold_then_update(*parts, placement, params, opt_state, micro_batches)
   adama_state = find_adama_state(opt_state)
   adama = adama_state is not None
@@ -312,17 +320,12 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
 
   def body(carry, micro_batch):
     params, opt_state = carry
-    extra_args = {}
-    if split:
-      loss, aux, grads, difference = _loss_and_half_grads(
-          placement.loss_and_grads, params, micro_batch)
-      extra_args["half_difference"] = _poison_if_loss_nonfinite(loss, difference)
+    if adama:  # AdamA drops (and counts) non-finite gradients itself.
+      loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
+      dropped = jnp.array(False)
     else:
       loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-    if adama:  # AdamA drops (and counts) non-finite gradients itself.
-      grads, dropped = _poison_if_loss_nonfinite(loss, grads), jnp.array(False)
-    else:
-      grads, dropped = _zero_nonfinite(loss, grads)
+      (grads, dropped), extra_args = _zero_nonfinite(loss, grads), {}
     updates, opt_state = update(grads, opt_state, params, **extra_args)
     emitted = _emitted(find_adama_state(opt_state)) if adama else None
     params = placement.apply_updates(params, updates, emitted)
@@ -335,38 +338,60 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
 def _fold_then_update(hyperparams, inner, placement, params, opt_state, micro_batches):
   """A bare AdamA: the scan only folds, then one update (``_per_micro_batch_updates``'s).
 
-  Its results are ``_per_micro_batch_updates``'s with ``tx.update`` called
-  per micro-batch, but params are a constant of the scan instead of its
-  carry: AdamA's direction, the transforms after it and the params add run
-  once, after the N-th fold, not gated to zero on every micro-batch (on an
-  H100 that per-micro-batch path cost GPT-2 small 7% of its step). It takes
-  the scan to start a mini-batch, as every call of this step leaves it.
+  The results of one ``tx.update`` per micro-batch, but params are a
+  constant of the scan instead of its carry: AdamA's direction, the
+  transforms after it and the params add run once, after the N-th fold,
+  instead of gated to zero on every micro-batch (a params-sized read and
+  write per micro-batch: on an H100 GPT-2 small's unrolled step was 7%
+  slower than scan accumulation with it). It takes the scan to start a
+  mini-batch, as every call of this step leaves it. Offloaded moments
+  (``offload_moments``) come to the device around each fold and the update,
+  as that wrapper's ``update`` brings them.
   """
+  to_device, to_host = _offload_moves(hyperparams["offload_min_size"])
   chained = isinstance(opt_state, MiniBatchChainState)
   state = opt_state.adama if chained else opt_state
   split = _splits_halves(state, placement, micro_batches)
 
   def body(state, micro_batch):
-    extra_args = {}
-    if split:
-      loss, aux, grads, difference = _loss_and_half_grads(
-          placement.loss_and_grads, params, micro_batch)
-      extra_args["half_difference"] = _poison_if_loss_nonfinite(loss, difference)
-    else:
-      loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-    state = _adama.fold_micro_batch(
-        _poison_if_loss_nonfinite(loss, grads), state, hyperparams, **extra_args)
-    return state, (loss, aux, jnp.array(False))
+    loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
+    state = _adama.fold_micro_batch(grads, to_device(state), hyperparams, **extra_args)
+    return to_host(state), (loss, aux, jnp.array(False))
 
   state, outputs = jax.lax.scan(body, state, micro_batches)
+  state = to_device(state)
   updates = _adama.emitted_direction(state, params, hyperparams)
   inner_state = None
   if inner is not None:
     updates, inner_state = _adama._per_mini_batch_update(
-        inner, updates, state, opt_state.inner, params)
+        inner, updates, state, to_device(opt_state.inner), params)
   params = placement.apply_updates(params, updates, _emitted(state))
   opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
-  return params, opt_state, outputs
+  return params, to_host(opt_state), outputs
+
+
+def _adama_gradient(placement, params, micro_batch, split: bool):
+  """``(loss, aux, grads, extra_args)`` of a micro-batch, as AdamA takes them.
+
+  A non-finite loss poisons the gradient (AdamA then drops the micro-batch);
+  with ``split`` the gradient is the mean of the halves' and ``extra_args``
+  holds their half difference.
+  """
+  if not split:
+    loss, aux, grads = placement.loss_and_grads(params, micro_batch)
+    return loss, aux, _poison_if_loss_nonfinite(loss, grads), {}
+  loss, aux, grads, difference = _loss_and_half_grads(
+      placement.loss_and_grads, params, micro_batch)
+  return (loss, aux, _poison_if_loss_nonfinite(loss, grads),
+          {"half_difference": _poison_if_loss_nonfinite(loss, difference)})
+
+
+def _offload_moves(min_size: Optional[int]):
+  """``(to_device, to_host)`` of ``offload_moments``' state leaves; identities without."""
+  if min_size is None:
+    return (lambda tree: tree), (lambda tree: tree)
+  return (lambda tree: _offload.put(tree, jax.memory.Space.Device, min_size),
+          lambda tree: _offload.put(tree, jax.memory.Space.Host, min_size))
 
 
 def _splits_halves(adama_state, placement, micro_batches) -> bool:

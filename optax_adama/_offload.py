@@ -41,7 +41,8 @@ def _move(tree: Any, offloaded: Any, space: Any) -> Any:
       lambda x, off: jax.device_put(x, space) if off else x, tree, offloaded)
 
 
-def _put(tree: Any, space: Any, min_size: int) -> Any:
+def put(tree: Any, space: Any, min_size: int) -> Any:
+  """``tree`` with its leaves of at least ``min_size`` elements moved to ``space``."""
   return _move(tree, offloaded_leaves(tree, min_size), space)
 
 
@@ -103,12 +104,12 @@ def offload_moments(
   """
 
   def init_fn(params):
-    return _put(inner.init(params), jax.memory.Space.Host, min_size)
+    return put(inner.init(params), jax.memory.Space.Host, min_size)
 
   def update_fn(updates, state, params=None):
-    on_device = _put(state, jax.memory.Space.Device, min_size)
+    on_device = put(state, jax.memory.Space.Device, min_size)
     new_updates, new_state = inner.update(updates, on_device, params)
-    return new_updates, _put(new_state, jax.memory.Space.Host, min_size)
+    return new_updates, put(new_state, jax.memory.Space.Host, min_size)
 
   # Read by optax_adama.release_step, which brings each layer's slice in itself.
   update_fn.offloaded = (inner, min_size)
