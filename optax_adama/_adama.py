@@ -11,7 +11,6 @@ to both, so the fold and the direction are written once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -49,15 +48,16 @@ Moment = Union[jax.Array, QuantizedArray]
     data_fields=["count", "micro_step", "mu", "nu", "mini_batch_accepted",
                  "num_dropped"],
     meta_fields=["num_micro_batches", "nu_estimator"])
-@dataclasses.dataclass(frozen=True)
-class ScaleByAdamAState:
+class ScaleByAdamAState(NamedTuple):
   """State of :func:`scale_by_adama`.
 
-  ``num_micro_batches`` and ``nu_estimator`` are static (part of the tree
-  structure, not leaves), so a jitted step can read them while tracing:
-  :func:`microbatch_step` takes ``N`` from here, and whether to hand each
-  update the difference of a micro-batch's halves (``"split"``), so a mismatch
-  cannot happen.
+  A ``NamedTuple``, as optax's states are, so ``optax.tree_utils.tree_get``
+  and ``tree_set`` find its fields (``tree_get(state, "count")``).
+  ``num_micro_batches`` and ``nu_estimator`` are static (registered as part of
+  the tree structure, not leaves), so a jitted step can read them while
+  tracing: :func:`microbatch_step` takes ``N`` from here, and whether to hand
+  each update the difference of a micro-batch's halves (``"split"``), so a
+  mismatch cannot happen.
   """
 
   count: chex.Array  # int32 []: mini-batches completed, dropped ones included; bias correction and schedules count these.

@@ -363,8 +363,8 @@ def release_shardings(
   chained = isinstance(opt_state, MiniBatchChainState)
   state_shardings = base.opt_state.adama if chained else base.opt_state
   state = opt_state.adama if chained else opt_state
-  state_shardings = dataclasses.replace(
-      state_shardings, mu=split(state.mu), nu=split(state.nu))
+  state_shardings = state_shardings._replace(
+      mu=split(state.mu), nu=split(state.nu))
   opt_state_shardings = (base.opt_state._replace(adama=state_shardings) if chained
                          else state_shardings)
   grads = split(params) if shard_states == "zero2" else base.grads

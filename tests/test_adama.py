@@ -558,6 +558,23 @@ def test_inject_hyperparams_rejects_factories_without_num_micro_batches():
     optax_adama.inject_hyperparams(optax.adam)
 
 
+def test_optax_tree_utils_find_and_set_state_fields_as_in_optax_adam():
+  # Loops log the step with tree_get(opt_state, "count") whatever the optimizer.
+  # (Under inject_hyperparams "count" is there twice, as it is for optax.adam.)
+  params = {"w": jnp.ones(3)}
+  tx = optax.chain(optax_adama.adama(0.1, num_micro_batches=2))
+  state = tx.init(params)
+  for call in range(5):
+    _, state = tx.update({"w": jnp.full(3, float(call))}, state, params)
+  assert int(optax.tree_utils.tree_get(state, "count")) == 2
+  assert int(optax.tree_utils.tree_get(state, "micro_step")) == 1
+  chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "mu"),
+                              optax_adama.find_adama_state(state).mu)
+  reset = optax.tree_utils.tree_set(state, micro_step=jnp.zeros([], jnp.int32))
+  assert int(optax_adama.find_adama_state(reset).micro_step) == 0
+  assert optax_adama.find_adama_state(reset).num_micro_batches == 2
+
+
 def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   params = _params()
