@@ -240,55 +240,28 @@ def release_step(
     mesh = _sharding.auto_mesh(mesh)
 
   def step(params, opt_state, batch):
-    chained = isinstance(opt_state, MiniBatchChainState)
-    state = opt_state.adama if chained else opt_state
-    if not isinstance(state, ScaleByAdamAState) or chained != (inner is not None):
-      raise TypeError(
-          f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
-          "pass tx.init(params).")
-    _check_moments(staged, params, state, on_mesh=mesh is not None)
+    _check_is_state_of_tx(opt_state, inner)
+    _check_moments(staged, params, _adama_of(opt_state), on_mesh=mesh is not None)
     shardings = None
     if mesh is not None:
       shardings = release_shardings(
           staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
-      params, opt_state = jax.lax.with_sharding_constraint(
-          (params, opt_state), (shardings.params, shardings.opt_state))
-      state = opt_state.adama if chained else opt_state
+      params, opt_state = _constrained((params, opt_state), shardings)
+    state = _adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
-    dropped_before = state.num_dropped
-
-    def body(state, micro_batch):
-      if _adama._takes_halves(state):
-        # Halved before the devices take their rows: each device then holds
-        # rows of both halves, and the halves are the micro-batch's own.
-        micro_batch = _halves(micro_batch)
-      if mesh is None:
-        state, loss, aux = _fold_micro_batch(
-            staged, hyperparams, has_aux, params, state, micro_batch)
-      else:
-        state_shardings = shardings.opt_state.adama if chained else shardings.opt_state
-        state, loss, aux = _data_parallel_fold(
-            staged, hyperparams, has_aux, mesh, shard_states, data_axis,
-            _specs(state_shardings), params, state, micro_batch)
-      return state, (loss, aux)
-
-    state, (losses, aux) = jax.lax.scan(body, state, micro_batches)
-    sharded_update = None
-    if shard_states is not None:
-      moment_shardings = (shardings.opt_state.adama if chained else shardings.opt_state).mu
-      sharded_update = lambda params, updates: _apply_sharded_updates(
-          staged, params, updates, moment_shardings, mesh, data_axis)
+    fold = _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states,
+                             data_axis, shardings)
+    folded, (losses, aux) = jax.lax.scan(fold, state, micro_batches)
     params, inner_state = _apply_emitted(
-        staged, hyperparams, inner, params, state, opt_state.inner if chained else None,
-        sharded_update)
-    opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
+        staged, hyperparams, inner, params, folded, _inner_of(opt_state),
+        _sharded_update(staged, shardings, shard_states, mesh, data_axis))
+    opt_state = _with_adama(opt_state, folded, inner_state)
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
-      params, opt_state = jax.lax.with_sharding_constraint(
-          (params, opt_state), (shardings.params, shardings.opt_state))
+      params, opt_state = _constrained((params, opt_state), shardings)
     metrics = _step_metrics(
-        losses, state.num_dropped - dropped_before, aux if has_aux else None)
+        losses, folded.num_dropped - state.num_dropped, aux if has_aux else None)
     return params, opt_state, metrics
 
   if mesh is None:
@@ -297,6 +270,67 @@ def release_step(
     jitted = jax.jit(step, donate_argnums=(0, 1),
                      in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
   return _with_distinct_buffers(jitted)
+
+
+def _adama_of(opt_state):
+  """The AdamA part of ``opt_state`` (or of a tree shaped like it)."""
+  return opt_state.adama if isinstance(opt_state, MiniBatchChainState) else opt_state
+
+
+def _inner_of(opt_state):
+  """The state of the transforms chained after AdamA; ``None`` if there are none."""
+  return opt_state.inner if isinstance(opt_state, MiniBatchChainState) else None
+
+
+def _with_adama(opt_state, state: ScaleByAdamAState, inner_state):
+  """``opt_state`` with its AdamA and chained parts replaced."""
+  if isinstance(opt_state, MiniBatchChainState):
+    return MiniBatchChainState(adama=state, inner=inner_state)
+  return state
+
+
+def _check_is_state_of_tx(opt_state, inner) -> None:
+  chained = isinstance(opt_state, MiniBatchChainState)
+  if not isinstance(_adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
+    raise TypeError(
+        f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
+        "pass tx.init(params).")
+
+
+def _constrained(params_and_state, shardings):
+  return jax.lax.with_sharding_constraint(
+      params_and_state, (shardings.params, shardings.opt_state))
+
+
+def _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states, data_axis,
+                      shardings):
+  """The scan body ``(state, micro_batch) -> (state, (loss, aux))``."""
+  def fold(state, micro_batch):
+    if _adama._takes_halves(state):
+      # Halved before the devices take their rows: each device then holds
+      # rows of both halves, and the halves are the micro-batch's own.
+      micro_batch = _halves(micro_batch)
+    if mesh is None:
+      state, loss, aux = _fold_micro_batch(
+          staged, hyperparams, has_aux, params, state, micro_batch)
+    else:
+      state, loss, aux = _data_parallel_fold(
+          staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+          _specs(_adama_of(shardings.opt_state)), params, state, micro_batch)
+    return state, (loss, aux)
+  return fold
+
+
+def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
+  """``(params, updates) -> params`` for updates split like ZeRO's moments.
+
+  ``None`` where params and updates are whole on every device.
+  """
+  if shard_states is None:
+    return None
+  moment_shardings = _adama_of(shardings.opt_state).mu
+  return lambda params, updates: _apply_sharded_updates(
+      staged, params, updates, moment_shardings, mesh, data_axis)
 
 
 def _micro_batches(state, batch, mesh, data_axis):
