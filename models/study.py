@@ -249,7 +249,6 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
 ARM_COLORS = {"adam_bf16acc": "tab:purple", "mean": "tab:blue", "sum": "tab:gray",
               "momentum": "tab:orange", "split": "tab:green"}
 N_MARKERS = {2: "s", 4: "o", 8: "^"}
-GAP_PLOT_TOKENS = (256, 512, 1024, 2048, 4096)
 GAP_PLOT_TICKS = (-20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50, 100)
 
 
@@ -280,6 +279,10 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
   fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds) + 1.7, 4.2),
                            squeeze=False)
   arms_seen, ns_seen = set(), set()
+  tokens = [r["tokens_per_micro_batch"] for r in rows if r["arm"] != "adam"] or [256]
+  # Powers of two spanning every model's cells, so the panels share one axis.
+  ticks = [2 ** k for k in range(int(np.floor(np.log2(min(tokens)))),
+                                 int(np.ceil(np.log2(max(tokens)))) + 1)]
   for ax, kind in zip(axes[0], kinds):
     ax.axhspan(-1, 1, color="tab:green", alpha=0.08, linewidth=0)
     ax.axhline(0.0, color="black", linewidth=0.8)
@@ -297,9 +300,9 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
                   marker=N_MARKERS.get(n, "D"), markersize=7, capsize=2, linewidth=1,
                   markerfacecolor=color if high > low else "none")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(GAP_PLOT_TOKENS, [f"{t:,}" for t in GAP_PLOT_TOKENS])
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
     ax.set_xticks([], minor=True)
-    ax.set_xlim(GAP_PLOT_TOKENS[0] / 1.4, GAP_PLOT_TOKENS[-1] * 1.4)
+    ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
     ax.set_yscale("symlog", linthresh=2)
     ax.set_yticks(GAP_PLOT_TICKS, [f"{t:+g}" if t else "0" for t in GAP_PLOT_TICKS])
     ax.set_yticks([], minor=True)
