@@ -1,6 +1,7 @@
 """The estimator study's bookkeeping: keys, resumable runs, best rate against best."""
 
 import json
+import math
 
 import pytest
 
@@ -116,3 +117,16 @@ def test_best_seeds_run_every_arm_at_its_best_rate_adam_included():
   extra = study.best_seed_runs(runs, study.best_rows({r["key"]: r for r in records}), [1, 2])
   assert sorted((r.arm, r.learning_rate, r.seed) for r in extra) == [
       ("adam", 2e-3, 1), ("adam", 2e-3, 2), ("mean", 1e-3, 1), ("mean", 1e-3, 2)]
+
+
+def test_gap_plot_takes_the_median_of_three_seeds_and_one_seed_as_is(tmp_path):
+  records = [_record("adam", 2e-3, 2.00, seed=s) for s in range(3)]
+  records += [_record("split", 2e-3, loss, seed=s) for s, loss in enumerate((2.02, 1.98, 2.60))]
+  records += [_record("mean", 2e-3, 2.10, n=8, size=2)]  # no Adam at its batch: no gap
+  rows = study.best_rows({r["key"]: r for r in records})
+  split = next(r for r in rows if r["arm"] == "split")
+  assert math.isnan(next(r for r in rows if r["arm"] == "mean")["gap_to_adam"])
+  # What the README quotes: the median (-1%, +1%, +30%: +1%), the range around it.
+  assert study._plotted_gap(split) == pytest.approx((1.0, -1.0, 30.0))
+  study.plot_gaps(rows, tmp_path / "gaps.png")
+  assert (tmp_path / "gaps.png").stat().st_size > 10_000
