@@ -151,6 +151,27 @@ def best_seed_runs(runs: Sequence[Run], rows: Sequence[dict[str, Any]],
           if best_lr(run) == run.learning_rate]
 
 
+def _best_rate(group: Sequence[dict[str, Any]]) -> float:
+  """The rate with the lowest held-out loss among one cell's runs.
+
+  Seed 0 ran every rate of the grid, so seed 0 decides, unless several rates
+  ran the same three or more seeds: then the lowest mean over those seeds does
+  (one lucky seed 0 at an unstable rate must not pick it over a rate that
+  three seeds agree on).
+  """
+  seeds_by_lr: dict[float, dict[int, float]] = {}
+  for r in group:
+    seeds_by_lr.setdefault(r["learning_rate"], {})[r["seed"]] = r["eval_loss"]
+  seeded = {lr: seeds for lr, seeds in seeds_by_lr.items() if len(seeds) >= 3}
+  common = set.intersection(*map(set, seeded.values())) if len(seeded) > 1 else set()
+  if len(common) >= 3:
+    return min(seeded, key=lambda lr: np.mean([seeded[lr][s] for s in common]))
+  if any(0 in seeds for seeds in seeds_by_lr.values()):
+    return min((lr for lr, seeds in seeds_by_lr.items() if 0 in seeds),
+               key=lambda lr: seeds_by_lr[lr][0])
+  return min(seeds_by_lr, key=lambda lr: np.mean(list(seeds_by_lr[lr].values())))
+
+
 def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
   """Per (model, N, micro-batch size, arm): the best rate and its loss vs Adam's best."""
   groups: dict[tuple, list[dict]] = {}
@@ -164,10 +185,7 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     by_lr: dict[float, list[float]] = {}
     for r in group:
       by_lr.setdefault(r["learning_rate"], []).append(r["eval_loss"])
-    # Best by seed 0's grid (every rate has it), then all seeds at that rate.
-    seed0 = {r["learning_rate"]: r["eval_loss"] for r in group if r["seed"] == 0}
-    best_lr = min(seed0 or {lr: np.mean(v) for lr, v in by_lr.items()},
-                  key=lambda lr: (seed0 or {}).get(lr, np.mean(by_lr[lr])))
+    best_lr = _best_rate(group)
     rates = sorted(by_lr)
     losses = by_lr[best_lr]
     seed_losses = {r["seed"]: r["eval_loss"] for r in group if r["learning_rate"] == best_lr}
