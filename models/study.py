@@ -284,20 +284,19 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
   """Gap to Adam (best lr vs best) against tokens per micro-batch, per model.
 
   Colour: the arm; marker: N; filled: median of three or more seeds, with
-  the seeds' range as a bar; hollow: one seed. The band is the 1% target.
+  the seeds' range as a bar; hollow: fewer seeds. The band is the 1% target.
   The y axis is linear within ±2% and logarithmic beyond, so the band and
   the misses of tens of percent both read.
   """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from matplotlib.lines import Line2D
 
+  rows = [r for r in rows if r["arm"] != "adam" and not np.isnan(r["gap_to_adam"])]
   kinds = list(dict.fromkeys(r["model"] for r in rows))
   fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds) + 1.7, 4.2),
                            squeeze=False)
-  arms_seen, ns_seen = set(), set()
-  tokens = [r["tokens_per_micro_batch"] for r in rows if r["arm"] != "adam"] or [256]
+  tokens = [r["tokens_per_micro_batch"] for r in rows] or [256]
   # Powers of two spanning every model's cells, so the panels share one axis.
   ticks = [2 ** k for k in range(int(np.floor(np.log2(min(tokens)))),
                                  int(np.ceil(np.log2(max(tokens)))) + 1)]
@@ -305,43 +304,52 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.axhspan(-1, 1, color="tab:green", alpha=0.08, linewidth=0)
     ax.axhline(0.0, color="black", linewidth=0.8)
     for row in rows:
-      arm, n = row["arm"], row["num_micro_batches"]
-      if row["model"] != kind or arm == "adam" or np.isnan(row["gap_to_adam"]):
-        continue
-      arms_seen.add(arm)
-      ns_seen.add(n)
-      gap, low, high = _plotted_gap(row)
-      # N spreads the points a little sideways so equal cells do not hide.
-      x = row["tokens_per_micro_batch"] * 2 ** (0.06 * (np.log2(n) - 2))
-      color = ARM_COLORS.get(arm, "black")
-      ax.errorbar([x], [gap], yerr=[[gap - low], [high - gap]], color=color,
-                  marker=N_MARKERS.get(n, "D"), markersize=7, capsize=2, linewidth=1,
-                  markerfacecolor=color if high > low else "none")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
-    ax.set_xticks([], minor=True)
-    ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
-    ax.set_yscale("symlog", linthresh=2)
-    ax.set_yticks(GAP_PLOT_TICKS, [f"{t:+g}" if t else "0" for t in GAP_PLOT_TICKS])
-    ax.set_yticks([], minor=True)
-    ax.set_ylim(GAP_PLOT_TICKS[0] * 1.3, GAP_PLOT_TICKS[-1] * 1.3)
+      if row["model"] == kind:
+        _draw_gap(ax, row)
+    _gap_axis(ax, ticks)
     ax.set_title(f"{kind}: held-out loss vs Adam, best lr vs best")
-    ax.set_xlabel("tokens (or image patches) per micro-batch")
-    ax.set_ylabel("gap to Adam (%)")
-    ax.grid(alpha=0.3)
-  handles = [Line2D([], [], color=ARM_COLORS.get(a, "black"), marker="o", linestyle="",
-                    label=a) for a in ARM_COLORS if a in arms_seen]
-  handles += [Line2D([], [], color="black", marker=N_MARKERS.get(n, "D"), linestyle="",
-                     markerfacecolor="none", label=f"N = {n}") for n in sorted(ns_seen)]
-  handles += [Line2D([], [], color="black", marker="o", label="median of 3+ seeds,\nbar: their range"),
-              Line2D([], [], color="black", marker="o", linestyle="", markerfacecolor="none",
-                     label="one seed"),
-              Line2D([], [], color="tab:green", alpha=0.3, linewidth=6, label="within 1%")]
-  fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
-  fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  fig.legend(handles=_gap_legend(rows), loc="center right", fontsize=8, frameon=False)
+  save_figure(fig, path, rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
+
+
+def _draw_gap(ax: Any, row: dict[str, Any]) -> None:
+  gap, low, high = _plotted_gap(row)
+  n = row["num_micro_batches"]
+  # N spreads the points a little sideways so equal cells do not hide.
+  x = row["tokens_per_micro_batch"] * 2 ** (0.06 * (np.log2(n) - 2))
+  color = ARM_COLORS.get(row["arm"], "black")
+  ax.errorbar([x], [gap], yerr=[[gap - low], [high - gap]], color=color,
+              marker=N_MARKERS.get(n, "D"), markersize=7, capsize=2, linewidth=1,
+              markerfacecolor=color if len(row["paired_gaps"]) > 2 else "none")
+
+
+def _gap_axis(ax: Any, ticks: Sequence[int]) -> None:
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+  ax.set_xticks([], minor=True)
+  ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+  ax.set_yscale("symlog", linthresh=2)
+  ax.set_yticks(GAP_PLOT_TICKS, [f"{t:+g}" if t else "0" for t in GAP_PLOT_TICKS])
+  ax.set_yticks([], minor=True)
+  ax.set_ylim(GAP_PLOT_TICKS[0] * 1.3, GAP_PLOT_TICKS[-1] * 1.3)
+  ax.set_xlabel("tokens (or image patches) per micro-batch")
+  ax.set_ylabel("gap to Adam (%)")
+  ax.grid(alpha=0.3)
+
+
+def _gap_legend(rows: Sequence[dict[str, Any]]) -> list[Any]:
+  from matplotlib.lines import Line2D
+
+  arms = {r["arm"] for r in rows}
+  ns = sorted({r["num_micro_batches"] for r in rows})
+  marker = lambda label, **kw: Line2D([], [], label=label, **{"color": "black", **kw})
+  return ([marker(a, color=ARM_COLORS.get(a, "black"), marker="o", linestyle="")
+           for a in ARM_COLORS if a in arms]
+          + [marker(f"N = {n}", marker=N_MARKERS.get(n, "D"), linestyle="",
+                    markerfacecolor="none") for n in ns]
+          + [marker("median of 3+ seeds,\nbar: their range", marker="o"),
+             marker("1-2 seeds", marker="o", linestyle="", markerfacecolor="none"),
+             marker("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
 
 
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,

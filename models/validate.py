@@ -144,11 +144,12 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, machine: dict[str, An
   return "\n".join(lines) + "\n"
 
 
-def save_figure(fig: Any, path: Path) -> None:
-  """Lays out, writes (creating the folder) and closes a matplotlib figure."""
+def save_figure(fig: Any, path: Path, *, rect: Any = None) -> None:
+  """Lays out (within ``rect``, figure fractions, if given), writes (creating
+  the folder) and closes a matplotlib figure."""
   import matplotlib.pyplot as plt
 
-  fig.tight_layout()
+  fig.tight_layout(rect=rect)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
