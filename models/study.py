@@ -151,17 +151,15 @@ def best_seed_runs(runs: Sequence[Run], rows: Sequence[dict[str, Any]],
           if best_lr(run) == run.learning_rate]
 
 
-def _best_rate(group: Sequence[dict[str, Any]]) -> float:
-  """The rate with the lowest held-out loss among one cell's runs.
+def _best_rate(seeds_by_lr: dict[float, dict[int, float]]) -> float:
+  """The rate with the lowest held-out loss among one cell's runs
+  (``{rate: {seed: held-out loss}}``).
 
   Seed 0 ran every rate of the grid, so seed 0 decides, unless several rates
   ran the same three or more seeds: then the lowest mean over those seeds does
   (one lucky seed 0 at an unstable rate must not pick it over a rate that
   three seeds agree on).
   """
-  seeds_by_lr: dict[float, dict[int, float]] = {}
-  for r in group:
-    seeds_by_lr.setdefault(r["learning_rate"], {})[r["seed"]] = r["eval_loss"]
   seeded = {lr: seeds for lr, seeds in seeds_by_lr.items() if len(seeds) >= 3}
   common = set.intersection(*map(set, seeded.values())) if len(seeded) > 1 else set()
   if len(common) >= 3:
@@ -182,13 +180,13 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     groups.setdefault((r["model"], n, size, r["steps"], r["arm"]), []).append(r)
   rows = []
   for (model, n, size, steps, arm), group in sorted(groups.items()):
-    by_lr: dict[float, list[float]] = {}
+    seeds_by_lr: dict[float, dict[int, float]] = {}
     for r in group:
-      by_lr.setdefault(r["learning_rate"], []).append(r["eval_loss"])
-    best_lr = _best_rate(group)
-    rates = sorted(by_lr)
-    losses = by_lr[best_lr]
-    seed_losses = {r["seed"]: r["eval_loss"] for r in group if r["learning_rate"] == best_lr}
+      seeds_by_lr.setdefault(r["learning_rate"], {})[r["seed"]] = r["eval_loss"]
+    best_lr = _best_rate(seeds_by_lr)
+    rates = sorted(seeds_by_lr)
+    seed_losses = seeds_by_lr[best_lr]
+    losses = list(seed_losses.values())
     rows.append({
         "model": model, "num_micro_batches": n, "micro_batch_size": size,
         "tokens_per_micro_batch": _tokens_per_example(model) * size, "steps": steps,
@@ -342,14 +340,14 @@ def _gap_legend(rows: Sequence[dict[str, Any]]) -> list[Any]:
 
   arms = {r["arm"] for r in rows}
   ns = sorted({r["num_micro_batches"] for r in rows})
-  marker = lambda label, **kw: Line2D([], [], label=label, **{"color": "black", **kw})
-  return ([marker(a, color=ARM_COLORS.get(a, "black"), marker="o", linestyle="")
+  handle = lambda label, **kw: Line2D([], [], label=label, **{"color": "black", **kw})
+  return ([handle(a, color=ARM_COLORS.get(a, "black"), marker="o", linestyle="")
            for a in ARM_COLORS if a in arms]
-          + [marker(f"N = {n}", marker=N_MARKERS.get(n, "D"), linestyle="",
+          + [handle(f"N = {n}", marker=N_MARKERS.get(n, "D"), linestyle="",
                     markerfacecolor="none") for n in ns]
-          + [marker("median of 3+ seeds,\nbar: their range", marker="o"),
-             marker("1-2 seeds", marker="o", linestyle="", markerfacecolor="none"),
-             marker("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
+          + [handle("median of 3+ seeds,\nbar: their range", marker="o"),
+             handle("1-2 seeds", marker="o", linestyle="", markerfacecolor="none"),
+             handle("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
 
 
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,

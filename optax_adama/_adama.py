@@ -735,6 +735,24 @@ class MiniBatchChainState(NamedTuple):
   inner: optax.OptState  # state of the transforms run once per mini-batch.
 
 
+def adama_of(opt_state: Any) -> Any:
+  """The AdamA part of a :func:`mini_batch_chain` state, or ``opt_state``
+  itself (also for trees shaped like one, e.g. of shardings)."""
+  return opt_state.adama if isinstance(opt_state, MiniBatchChainState) else opt_state
+
+
+def inner_of(opt_state: Any) -> Any:
+  """The state of the transforms chained after AdamA; ``None`` if there are none."""
+  return opt_state.inner if isinstance(opt_state, MiniBatchChainState) else None
+
+
+def with_adama(opt_state: Any, adama_state: Any, inner_state: Any) -> Any:
+  """``opt_state`` with its AdamA part (and, if chained, the inner part) replaced."""
+  if isinstance(opt_state, MiniBatchChainState):
+    return MiniBatchChainState(adama=adama_state, inner=inner_state)
+  return adama_state
+
+
 def mini_batch_chain(
     head: optax.GradientTransformation,
     *transforms: optax.GradientTransformation,

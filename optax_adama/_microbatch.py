@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from optax_adama import _adama
 from optax_adama import _offload
 from optax_adama import _sharding
-from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import _emitted
 from optax_adama._adama import _check_num_micro_batches
@@ -349,8 +348,7 @@ def _fold_then_update(hyperparams, inner, placement, params, opt_state, micro_ba
   as that wrapper's ``update`` brings them.
   """
   to_device, to_host = _offload_moves(hyperparams["offload_min_size"])
-  chained = isinstance(opt_state, MiniBatchChainState)
-  state = opt_state.adama if chained else opt_state
+  state = _adama.adama_of(opt_state)
   split = _splits_halves(state, placement, micro_batches)
 
   def body(state, micro_batch):
@@ -364,9 +362,9 @@ def _fold_then_update(hyperparams, inner, placement, params, opt_state, micro_ba
   inner_state = None
   if inner is not None:
     updates, inner_state = _adama._per_mini_batch_update(
-        inner, updates, state, to_device(opt_state.inner), params)
+        inner, updates, state, to_device(_adama.inner_of(opt_state)), params)
   params = placement.apply_updates(params, updates, _emitted(state))
-  opt_state = MiniBatchChainState(adama=state, inner=inner_state) if chained else state
+  opt_state = _adama.with_adama(opt_state, state, inner_state)
   return params, to_host(opt_state), outputs
 
 

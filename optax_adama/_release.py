@@ -241,21 +241,21 @@ def release_step(
 
   def step(params, opt_state, batch):
     _check_is_state_of_tx(opt_state, inner)
-    _check_moments(staged, params, _adama_of(opt_state), on_mesh=mesh is not None)
+    _check_moments(staged, params, _adama.adama_of(opt_state), on_mesh=mesh is not None)
     shardings = None
     if mesh is not None:
       shardings = release_shardings(
           staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
       params, opt_state = _constrained((params, opt_state), shardings)
-    state = _adama_of(opt_state)
+    state = _adama.adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
     fold = _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states,
                              data_axis, shardings)
     folded, (losses, aux) = jax.lax.scan(fold, state, micro_batches)
     params, inner_state = _apply_emitted(
-        staged, hyperparams, inner, params, folded, _inner_of(opt_state),
+        staged, hyperparams, inner, params, folded, _adama.inner_of(opt_state),
         _sharded_update(staged, shardings, shard_states, mesh, data_axis))
-    opt_state = _with_adama(opt_state, folded, inner_state)
+    opt_state = _adama.with_adama(opt_state, folded, inner_state)
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
@@ -272,26 +272,9 @@ def release_step(
   return _with_distinct_buffers(jitted)
 
 
-def _adama_of(opt_state):
-  """The AdamA part of ``opt_state`` (or of a tree shaped like it)."""
-  return opt_state.adama if isinstance(opt_state, MiniBatchChainState) else opt_state
-
-
-def _inner_of(opt_state):
-  """The state of the transforms chained after AdamA; ``None`` if there are none."""
-  return opt_state.inner if isinstance(opt_state, MiniBatchChainState) else None
-
-
-def _with_adama(opt_state, state: ScaleByAdamAState, inner_state):
-  """``opt_state`` with its AdamA and chained parts replaced."""
-  if isinstance(opt_state, MiniBatchChainState):
-    return MiniBatchChainState(adama=state, inner=inner_state)
-  return state
-
-
 def _check_is_state_of_tx(opt_state, inner) -> None:
   chained = isinstance(opt_state, MiniBatchChainState)
-  if not isinstance(_adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
+  if not isinstance(_adama.adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
     raise TypeError(
         f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
         "pass tx.init(params).")
@@ -316,7 +299,7 @@ def _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states, 
     else:
       state, loss, aux = _data_parallel_fold(
           staged, hyperparams, has_aux, mesh, shard_states, data_axis,
-          _specs(_adama_of(shardings.opt_state)), params, state, micro_batch)
+          _specs(_adama.adama_of(shardings.opt_state)), params, state, micro_batch)
     return state, (loss, aux)
   return fold
 
@@ -328,7 +311,7 @@ def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
   """
   if shard_states is None:
     return None
-  moment_shardings = _adama_of(shardings.opt_state).mu
+  moment_shardings = _adama.adama_of(shardings.opt_state).mu
   return lambda params, updates: _apply_sharded_updates(
       staged, params, updates, moment_shardings, mesh, data_axis)
 
@@ -394,13 +377,11 @@ def release_shardings(
   if shard_states is None:
     return base
   split = lambda tree: _stack_aware_shardings(staged, tree, mesh, data_axis)
-  chained = isinstance(opt_state, MiniBatchChainState)
-  state_shardings = base.opt_state.adama if chained else base.opt_state
-  state = opt_state.adama if chained else opt_state
-  state_shardings = state_shardings._replace(
+  state = _adama.adama_of(opt_state)
+  state_shardings = _adama.adama_of(base.opt_state)._replace(
       mu=split(state.mu), nu=split(state.nu))
-  opt_state_shardings = (base.opt_state._replace(adama=state_shardings) if chained
-                         else state_shardings)
+  opt_state_shardings = _adama.with_adama(
+      base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
   grads = split(params) if shard_states == "zero2" else base.grads
   return _sharding.StepShardings(base.params, opt_state_shardings, grads)
 
