@@ -70,7 +70,7 @@ def main() -> None:
                               remat=args.remat, estimators=args.estimators,
                               **({"loss_chunks": args.loss_chunks} if args.loss_chunks != 1 else {}))
     params = nnx.eval_shape(lambda: models.create(models.get_config(preset), rngs=nnx.Rngs(0)))
-    param_bytes = optax_adama.tree_bytes(nnx.state(params, nnx.Param))
+    param_bytes = optax_adama.memory.tree_bytes(nnx.state(params, nnx.Param))
     print(preset)
     for name, total in totals.items():
       print(f"  {name:<18} {total / param_bytes:.3f} P ({total:,} B)")

@@ -82,7 +82,7 @@ def time_methods(loss_fn, params, batch, num_micro_batches: int, rounds: int,
     p, state, _ = step(p, state, batch)  # compile and warm up
     jax.block_until_ready(p)
     runs[name] = {"step": step, "carry": (p, state), "times": [],
-                  "total_p": report.total_bytes / optax_adama.tree_bytes(params)}
+                  "total_p": report.total_bytes / optax_adama.memory.tree_bytes(params)}
   for _ in tqdm(range(rounds), desc="rounds"):
     for run in runs.values():
       p, state = run["carry"]

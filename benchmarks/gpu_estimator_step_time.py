@@ -45,7 +45,7 @@ def build(case, method, lr=1e-4):
   start = time.perf_counter()
   compiled = step.lower(params, state, batch).compile()
   compile_s = time.perf_counter() - start
-  report = optax_adama.memory_report(compiled, param_bytes=optax_adama.tree_bytes(params))
+  report = optax_adama.memory_report(compiled, param_bytes=optax_adama.memory.tree_bytes(params))
   return dict(compiled=compiled, params=params, state=state, batch=batch, compile_s=compile_s,
               total_P=report.total_bytes / report.param_bytes, total_bytes=report.total_bytes)
 

@@ -40,7 +40,7 @@ def block_kernels(rank: int):
   """The low-rank mask without the embeddings (GaLore projects the blocks only)."""
 
   def mask(params):
-    default = optax_adama.low_rank_mask(params, rank)
+    default = optax_adama.moments.low_rank_mask(params, rank)
     return jax.tree_util.tree_map_with_path(
         lambda path, on: on and "embed" not in jax.tree_util.keystr(path), default)
 

@@ -115,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> float:
   # Place the state once, so the step donates and reuses its buffers. The
   # state is built on every process from host values, sliced to its shards.
   opt_state = tx.init(params)
-  shardings = optax_adama.step_shardings(params, opt_state, mesh, shard_states=shard_states)
+  shardings = optax_adama.sharding.step_shardings(params, opt_state, mesh, shard_states=shard_states)
   params = jax.device_put(params, shardings.params)
   opt_state = jax.device_put(opt_state, shardings.opt_state)
-  batch_sharding = optax_adama.batch_sharding(mesh)
+  batch_sharding = optax_adama.sharding.batch_sharding(mesh)
 
   # Rows: process p holds rows [p * B / num_processes, (p + 1) * B / num_processes)
   # of every global batch, which is what the batch sharding puts on its devices.
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> float:
   moment_bytes = sum(
       shard.data.nbytes for x in jax.tree.leaves((state.mu, state.nu))
       for shard in x.addressable_shards[:1])
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   log(f"{args.steps} steps in {elapsed:.1f} s; m + v per device "
       f"{moment_bytes:,d} B = {moment_bytes / P:.3f} P (P = {P:,d} B)")
   final = float(metrics["loss"])

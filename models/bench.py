@@ -42,7 +42,7 @@ unrolled model's, whose largest gradient is one layer's leaf or an outer leaf:
 
 Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
 laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
-AdamA's analytic floor from ``optax_adama.memory_floor``.
+AdamA's analytic floor from ``optax_adama.memory.memory_floor``.
 """
 
 from __future__ import annotations
@@ -235,17 +235,17 @@ def split_model(config: models.Config) -> tuple[Callable, Any]:
 
 
 def adama_floor(config: models.Config, batch: dict,
-                num_micro_batches: int) -> optax_adama.MemoryFloor:
+                num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
   """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
   loss_fn, params = split_model(dataclasses.replace(config, scan_layers=False))
   state = jax.eval_shape(
       optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
-  return optax_adama.memory_floor(loss_fn, params, state, batch,
+  return optax_adama.memory.memory_floor(loss_fn, params, state, batch,
                                   num_micro_batches=num_micro_batches)
 
 
 def floor_for(method: str, config: models.Config, batch: dict,
-              num_micro_batches: int) -> optax_adama.MemoryFloor:
+              num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
   """The floor a method is held to.
 
   AdamA's (`adama_floor`): the unrolled model's, whose largest gradient is one
@@ -261,14 +261,14 @@ def floor_for(method: str, config: models.Config, batch: dict,
   loss_fn, params = split_model(config)
   state = jax.eval_shape(
       optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
-  floor = optax_adama.memory_floor(loss_fn, params, state, batch,
+  floor = optax_adama.memory.memory_floor(loss_fn, params, state, batch,
                                    num_micro_batches=num_micro_batches)
   stack_path = (loss_fn.layers,) if isinstance(loss_fn.layers, str) else tuple(loss_fn.layers)
 
   def gradient_bytes(path, leaf):
     keys = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
     stacked = keys[:len(stack_path)] == stack_path
-    return optax_adama.tree_bytes(leaf) // (config.num_layers if stacked else 1)
+    return optax_adama.memory.tree_bytes(leaf) // (config.num_layers if stacked else 1)
 
   largest = max(gradient_bytes(path, leaf)
                 for path, leaf in jax.tree_util.tree_leaves_with_path(params))
@@ -437,8 +437,8 @@ def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> i
   state = optax_adama.find_adama_state(opt_state)
   (outer_mu, stacked_mu), (outer_nu, stacked_nu) = map(staged.split, (state.mu, state.nu))
   num_layers = jax.tree.leaves(stacked_mu)[0].shape[0]
-  outer = optax_adama.host_state_bytes((outer_mu, outer_nu))
-  return outer + optax_adama.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
+  outer = optax_adama.moments.host_state_bytes((outer_mu, outer_nu))
+  return outer + optax_adama.moments.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
 
 
 def device_bytes(step: Step, params: Any, opt_state: Any, batch: Any, *,
@@ -453,11 +453,11 @@ def device_bytes(step: Step, params: Any, opt_state: Any, batch: Any, *,
   in the count.
   """
   if offloaded:
-    opt_state = optax_adama.offloaded_state_shapes(opt_state)
+    opt_state = optax_adama.moments.offloaded_state_shapes(opt_state)
   compiled = step.lower(params, opt_state, batch).compile()
   total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
   if offloaded and compiled.memory_analysis().host_argument_size_in_bytes == 0:
-    total -= optax_adama.host_state_bytes(opt_state)
+    total -= optax_adama.moments.host_state_bytes(opt_state)
   return total
 
 

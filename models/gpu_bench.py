@@ -12,7 +12,7 @@ release on the scanned layout) is measured twice:
 - memory, each method in a process of its own so live peaks do not mix: the
   device's `memory_stats()["peak_bytes_in_use"]` after three steps, next to
   the compile-only `memory_analysis()` total and AdamA's analytic floor
-  (`optax_adama.memory_floor` on the unrolled model: params + m + v + batch
+  (`optax_adama.memory.memory_floor` on the unrolled model: params + m + v + batch
   + one micro-batch's activations + the largest gradient leaf; for the
   release step, which recomputes each layer in its backward, the same with
   every block rematerialized);
@@ -97,7 +97,7 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
   batch = case.batch(config)
   step, tx = bench.make_step(method, loss_fn, num_micro_batches=case.num_micro_batches)
   state = tx.init(params)
-  param_bytes = optax_adama.tree_bytes(params)
+  param_bytes = optax_adama.memory.tree_bytes(params)
   start = time.perf_counter()
   compiled = step.lower(params, state, batch).compile()
   compile_s = time.perf_counter() - start

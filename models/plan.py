@@ -299,8 +299,8 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
                        + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
       host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
                      + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      param_bytes=optax_adama.tree_bytes(params),
-      state_bytes=optax_adama.tree_bytes(state),
+      param_bytes=optax_adama.memory.tree_bytes(params),
+      state_bytes=optax_adama.memory.tree_bytes(state),
       flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
       bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
       compile_s=compile_s)

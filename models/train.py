@@ -269,7 +269,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   compile_start = time.perf_counter()
   compiled = step.lower(params, opt_state, first).compile()
   compile_s = time.perf_counter() - compile_start
-  memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.tree_bytes(params))
+  memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.memory.tree_bytes(params))
   tokens_per_step = config.batch_size * tokens_per_example(model_config, first)
 
   train_loss: list[float] = []

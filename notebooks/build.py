@@ -227,7 +227,7 @@ scratch. (The full-batch step has N micro-batches' worth of activations, so its
     ("code", '''\
 loss_fn, abstract_params = bench.split_model(config)
 state_bytes = {  # each method's optimizer state, from its abstract init
-    m: optax_adama.tree_bytes(jax.eval_shape(
+    m: optax_adama.memory.tree_bytes(jax.eval_shape(
         bench.make_step(m, loss_fn, num_micro_batches=NUM_MICRO_BATCHES)[1].init, abstract_params))
     for m in bench.METHODS}
 
@@ -321,7 +321,7 @@ def run(shard_states=None, quantization=None):
   kwargs = {} if shard_states is None else {"mesh": mesh, "shard_states": shard_states}
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES, **kwargs)
   if shard_states is not None:
-    shardings = optax_adama.step_shardings(params, opt_state, mesh, shard_states=shard_states)
+    shardings = optax_adama.sharding.step_shardings(params, opt_state, mesh, shard_states=shard_states)
     params = jax.device_put(params, shardings.params)
     opt_state = jax.device_put(opt_state, shardings.opt_state)
   report = optax_adama.memory_report(step, params, opt_state, batches[0])

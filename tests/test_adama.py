@@ -592,7 +592,7 @@ def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp
   restored = checkpointer.restore(tmp_path / "ckpt", abstract)
   chex.assert_trees_all_equal(restored, {"params": params, "opt_state": state})
   assert isinstance(optax_adama.find_adama_state(restored["opt_state"]).mu["dense"]["w"],
-                    optax_adama.QuantizedArray)
+                    optax_adama.moments.QuantizedArray)
   # Training goes on from the restored state exactly as from the live one.
   for call in range(4, 6):
     grads = _grads(params, 1, call)

@@ -38,7 +38,7 @@ def test_full_rank_signed_permutation_projector_is_adama(quantized):
   params = {"w": jnp.ones((SQUARE, SQUARE)), "b": jnp.zeros(SQUARE)}
   state, ref_state = tx.init(params), reference.init(params)
   assert isinstance(optax_adama.find_adama_state(state).mu["w"],
-                    optax_adama.QuantizedArray) == quantized
+                    optax_adama.moments.QuantizedArray) == quantized
   low, ref = params, params
   rng = np.random.default_rng(0)
   update, ref_update = jax.jit(tx.update), jax.jit(reference.update)

@@ -37,7 +37,7 @@ def test_adama_step_is_at_the_floor_and_below_accumulation(setup):
       optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO), params, batch)
   accumulation, _ = _report(optax.adam(1e-3), params, batch)
   multisteps, _ = _report(optax.MultiSteps(optax.adam(1e-3), NUM_MICRO), params, batch)
-  floor = optax_adama.memory_floor(
+  floor = optax_adama.memory.memory_floor(
       loss_fn, params, adama_state, batch, num_micro_batches=NUM_MICRO)
   P = adama.param_bytes
   assert P == floor.param_bytes == NUM_LAYERS * (WIDTH * WIDTH + WIDTH) * 4
@@ -113,7 +113,7 @@ def test_scanned_layers_make_the_stack_one_gradient_leaf():
       reports[name] = optax_adama.memory_report(
           step, params, jax.eval_shape(tx.init, params), batch)
   P = reports["adama"].param_bytes
-  floor = optax_adama.memory_floor(
+  floor = optax_adama.memory.memory_floor(
       stacked_loss, params,
       jax.eval_shape(optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO).init, params),
       batch, num_micro_batches=NUM_MICRO)

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optax_adama
+from optax_adama import _microbatch
 import models
 from flax import nnx
 from models import bench
@@ -174,7 +175,7 @@ def test_accumulation_baseline_equals_full_batch_adam():
 
 def test_multisteps_runs_one_update_per_micro_batch():
   tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
-  assert optax_adama.updates_every_micro_batch(tx.init(_params()))
+  assert _microbatch.updates_every_micro_batch(tx.init(_params()))
   params = _params()
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
   state = tx.init(params)
@@ -191,13 +192,13 @@ def test_multisteps_runs_one_update_per_micro_batch():
 
 def test_adama_inside_chain_is_detected():
   tx = optax.chain(optax.identity(), optax_adama.adama(1e-2, num_micro_batches=2))
-  assert optax_adama.updates_every_micro_batch(tx.init(_params()))
-  assert not optax_adama.updates_every_micro_batch(optax.adam(1e-2).init(_params()))
+  assert _microbatch.updates_every_micro_batch(tx.init(_params()))
+  assert not _microbatch.updates_every_micro_batch(optax.adam(1e-2).init(_params()))
 
 
 def test_micro_batches_are_column_major():
   batch = {"x": jnp.arange(12).reshape(12, 1)}
-  micro = optax_adama.split_micro_batches(batch, 3)
+  micro = _microbatch.split_micro_batches(batch, 3)
   np.testing.assert_array_equal(micro["x"][1, :, 0], [1, 4, 7, 10])
 
 
@@ -213,7 +214,7 @@ def test_batch_that_does_not_split_raises_value_error_naming_both():
 
 def test_batch_leaves_must_share_batch_size():
   with pytest.raises(ValueError, match="share one leading batch size"):
-    optax_adama.split_micro_batches({"a": jnp.zeros((4, 2)), "b": jnp.zeros(6)}, 2)
+    _microbatch.split_micro_batches({"a": jnp.zeros((4, 2)), "b": jnp.zeros(6)}, 2)
 
 
 def test_num_micro_batches_below_one_raises_at_construction():
@@ -437,7 +438,7 @@ def test_bfloat16_accumulator_halves_the_accumulator():
   params, batch = model.abstract_params(), model.abstract_batch(32)
   tx = optax.adam(1e-3)
   state = jax.eval_shape(tx.init, params)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   def total(dtype):
     step = optax_adama.microbatch_step(
         model.loss, tx, num_micro_batches=4, accumulation_dtype=dtype)
@@ -459,7 +460,7 @@ def _estimator_totals(loss_fn, params, batch, estimators):
 def test_every_nu_estimator_steps_in_the_same_memory():
   model = MLP(num_layers=8, width=256)  # one layer's leaf is P / 8
   params, batch = model.abstract_params(), model.abstract_batch(32)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   totals = _estimator_totals(model.loss, params, batch, optax_adama.NU_ESTIMATORS)
   # 1% of P allows scalars, not a leaf.
   assert abs(totals["sum"] - totals["mean"]) < 0.01 * P
@@ -475,7 +476,7 @@ def test_split_estimator_costs_at_most_one_leaf_in_an_mlp():
   # (micro-batches of 2 sequences) the step measured 17.286 P for both.
   model = MLP(num_layers=8, width=256)
   params, batch = model.abstract_params(), model.abstract_batch(32)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   totals = _estimator_totals(model.loss, params, batch, ("mean", "split"))
   assert totals["split"] - totals["mean"] <= P / 8 + 0.01 * P
 
@@ -486,7 +487,7 @@ def test_momentum_estimator_costs_no_memory_in_a_transformer(preset):
   model = models.create(models.get_config(preset), rngs=nnx.Rngs(0))
   loss_fn, params = models.split_loss_fn(model)
   batch = bench.abstract_batch(models.get_config(preset), 4, None)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   totals = _estimator_totals(loss_fn, jax.eval_shape(lambda: params), batch,
                              ("mean", "momentum"))
   # Less than any weight matrix: at most a small leaf's folded m kept beside

@@ -59,14 +59,14 @@ def test_init_places_large_leaves_in_host_memory():
   assert mu["layer0"]["b"].sharding.memory_kind == "device"
   assert optax_adama.find_adama_state(state).count.sharding.memory_kind == "device"
   # Host bytes: the kernels' m and v, float32.
-  assert optax_adama.host_state_bytes(state, min_size=MIN_SIZE) == 3 * 2 * 256 * 4
+  assert optax_adama.moments.host_state_bytes(state, min_size=MIN_SIZE) == 3 * 2 * 256 * 4
 
 
 def test_compiled_step_keeps_the_state_in_host_memory():
   tx = optax_adama.offload_moments(_adama(), min_size=MIN_SIZE)
   params = MODEL.abstract_params()
   step = optax_adama.microbatch_step(MODEL.loss, tx)
-  shapes = optax_adama.offloaded_state_shapes(
+  shapes = optax_adama.moments.offloaded_state_shapes(
       jax.eval_shape(tx.init, params), min_size=MIN_SIZE)
   lowered = step.lower(params, shapes, MODEL.abstract_batch(8))
   text = lowered.as_text()
@@ -75,7 +75,7 @@ def test_compiled_step_keeps_the_state_in_host_memory():
   compiled = lowered.compile()
   on_device = optax_adama.microbatch_step(MODEL.loss, _adama()).lower(
       params, jax.eval_shape(_adama().init, params), MODEL.abstract_batch(8)).compile()
-  host = optax_adama.host_state_bytes(shapes, min_size=MIN_SIZE)
+  host = optax_adama.moments.host_state_bytes(shapes, min_size=MIN_SIZE)
   analysis = compiled.memory_analysis()
   total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
   if analysis.host_argument_size_in_bytes:  # a backend that counts host memory apart

@@ -163,7 +163,7 @@ def test_measure_matches_memory_report_and_counts_every_layer():
   measurement = plan.measure("gpt_tiny", candidate, batch_size=4, seq_len=32)
   config = models.get_config("gpt_tiny", scan_layers=True)
   assert measurement.host_bytes == 0  # nothing is offloaded without "offload"
-  assert measurement.param_bytes == optax_adama.tree_bytes(bench.split_model(config)[1])
+  assert measurement.param_bytes == optax_adama.memory.tree_bytes(bench.split_model(config)[1])
   # Forward and backward of a transformer take at least 6 flops per parameter
   # per token in its matmuls (Kaplan et al. 2020); XLA's count of one scanned
   # layer alone would be below that for the 2-layer stack.

@@ -50,10 +50,10 @@ def test_round_trip_error_is_bounded():
   magnitudes = 10.0 ** jax.random.uniform(key, (8, 2048), minval=-7.0, maxval=0.0)
   signs = jnp.where(jax.random.bernoulli(jax.random.key(1), 0.5, (8, 2048)), 1.0, -1.0)
   x = magnitudes * signs * (10.0 ** jnp.arange(8.0))[:, None]  # blocks of any scale
-  q = optax_adama.quantize_blocks(x)
+  q = _quantize.quantize_blocks(x)
   assert q.codes.dtype == jnp.float8_e4m3fn and q.codes.shape == x.shape
   assert q.scale.dtype == jnp.float32 and q.scale.shape == (8,)
-  y = optax_adama.dequantize_blocks(q)
+  y = _quantize.dequantize_blocks(q)
   absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
   # Each block's absmax is stored exactly (up to the float32 scale division).
   np.testing.assert_allclose(jnp.max(jnp.abs(y), axis=1, keepdims=True), absmax, rtol=1e-6)
@@ -68,15 +68,15 @@ def test_round_trip_error_is_bounded():
   # Signs survive wherever a value is not rounded to zero.
   assert bool(jnp.all((y == 0) | (jnp.sign(y) == jnp.sign(x))))
   # An all-zero block stays zero (no 0/0).
-  zero = optax_adama.quantize_blocks(jnp.zeros((2, 16)))
-  np.testing.assert_array_equal(optax_adama.dequantize_blocks(zero), 0.0)
+  zero = _quantize.quantize_blocks(jnp.zeros((2, 16)))
+  np.testing.assert_array_equal(_quantize.dequantize_blocks(zero), 0.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_stochastic_round_is_unbiased_between_neighbours(dtype):
   x = jnp.full((20000,), 1.0 + 2.0**-10)  # between two codes of either dtype
   seed = jnp.uint32(7)
-  r = optax_adama.stochastic_round(x, dtype, seed)
+  r = _quantize.stochastic_round(x, dtype, seed)
   lower, upper = 1.0, 1.0 + 2.0 ** -jnp.finfo(dtype).nmant
   assert set(np.unique(np.asarray(r)).tolist()) == {lower, upper}
   assert np.all(np.asarray(r.astype(dtype).astype(jnp.float32)) == np.asarray(r))
@@ -85,10 +85,10 @@ def test_stochastic_round_is_unbiased_between_neighbours(dtype):
   stderr = (upper - lower) * np.sqrt(p * (1 - p) / x.size)
   assert abs(float(jnp.mean(r)) - float(x[0])) < 4 * stderr
   # Negative values round symmetrically; non-finite values pass through.
-  np.testing.assert_array_equal(optax_adama.stochastic_round(-x, dtype, seed), -r)
+  np.testing.assert_array_equal(_quantize.stochastic_round(-x, dtype, seed), -r)
   special = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0])
   np.testing.assert_array_equal(
-      optax_adama.stochastic_round(special, dtype, seed), special)
+      _quantize.stochastic_round(special, dtype, seed), special)
 
 
 def _params():
@@ -142,11 +142,11 @@ def test_eight_bit_fold_tracks_the_float32_fold():
       num_micro_batches=4, quantization=optax_adama.BlockQuantization())
   updates, state = _run(tx, 60)
   mu, nu = state.mu, state.nu
-  assert isinstance(mu["w"], optax_adama.QuantizedArray)
+  assert isinstance(mu["w"], optax_adama.moments.QuantizedArray)
   assert mu["w"].codes.shape == (5, 1920)  # 9600 elements in 5 blocks, no padding
   assert nu["b"].dtype == jnp.float32  # small leaves stay in float32
-  m = _quantize.from_blocks(optax_adama.dequantize_blocks(mu["w"]), (96, 100))
-  sqrt_v = _quantize.from_blocks(optax_adama.dequantize_blocks(nu["w"]), (96, 100))
+  m = _quantize.from_blocks(_quantize.dequantize_blocks(mu["w"]), (96, 100))
+  sqrt_v = _quantize.from_blocks(_quantize.dequantize_blocks(nu["w"]), (96, 100))
   assert _cosine(m, ref_state.mu["w"]) > 0.98
   # sqrt(v) is rounded so that v is unbiased (measured 0.999; rounding
   # sqrt(v) without bias made v 4.9% high).
@@ -192,14 +192,14 @@ def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
   tx = optax_adama.adama(
       1e-3, num_micro_batches=NUM_MICRO, quantization=optax_adama.BlockQuantization())
   state = jax.eval_shape(tx.init, params)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   adama_state = optax_adama.find_adama_state(state)
-  moment_bytes = optax_adama.tree_bytes((adama_state.mu, adama_state.nu))
+  moment_bytes = optax_adama.memory.tree_bytes((adama_state.mu, adama_state.nu))
   # 1 byte per element + a float32 scale per 2048, biases in float32: ~0.5 P.
   assert 0.5 * P <= moment_bytes <= 0.52 * P
   step = optax_adama.microbatch_step(_mlp_loss, tx, num_micro_batches=NUM_MICRO)
   report = optax_adama.memory_report(step, params, state, batch)
-  floor = optax_adama.memory_floor(
+  floor = optax_adama.memory.memory_floor(
       _mlp_loss, params, state, batch, num_micro_batches=NUM_MICRO)
   float32 = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)
   report32 = optax_adama.memory_report(
@@ -220,10 +220,10 @@ def test_bfloat16_moments_step_memory():
   tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
                          mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
   state = jax.eval_shape(tx.init, params)
-  P = optax_adama.tree_bytes(params)
+  P = optax_adama.memory.tree_bytes(params)
   step = optax_adama.microbatch_step(_mlp_loss, tx, num_micro_batches=NUM_MICRO)
   report = optax_adama.memory_report(step, params, state, batch)
-  floor = optax_adama.memory_floor(
+  floor = optax_adama.memory.memory_floor(
       _mlp_loss, params, state, batch, num_micro_batches=NUM_MICRO)
   # Measured: 2.38 P against a floor of 2.16 P (+10%: the stochastic
   # rounding's float32 intermediates), 0.88 P below float32 moments.
@@ -297,7 +297,7 @@ def _v_ratio_on_noisy_gradients(num_mini_batches):
   quantized = jax.jit(lambda: run(optax_adama.scale_by_adama(
       num_micro_batches=num_micro_batches,
       quantization=optax_adama.BlockQuantization())))()
-  sqrt_v = optax_adama.dequantize_blocks(quantized.nu["w"])
+  sqrt_v = _quantize.dequantize_blocks(quantized.nu["w"])
   return float(jnp.mean(sqrt_v**2) / jnp.mean(dense.nu["w"]))
 
 

@@ -176,7 +176,7 @@ def test_eight_bit_layer_aligned_moments_equal_microbatch_step():
   batches = [make_batch(seed) for seed in range(3)]
   (params, state, _), (ref_params, ref_state, _) = run_both(tx, batches)
   stack_mu = state.adama.mu["body"]["stack"]["w"]
-  assert isinstance(stack_mu, optax_adama.QuantizedArray)
+  assert isinstance(stack_mu, optax_adama.moments.QuantizedArray)
   assert stack_mu.codes.shape == (NUM_LAYERS * 64 * 64 // 256, 256)
   # Once the params differ by an ulp a code may round the other way (a
   # float8 step is 1/8 of the value): that element's update moves by a
@@ -327,10 +327,10 @@ def test_release_memory_is_well_below_the_fused_step():
   # are no-ops, so the codes' bytes are taken off; the temps must not grow
   # (measured equal, 0.53 P: no stack-sized copy of the codes in the update).
   tx_offloaded = optax_adama.offload_moments(tx_8bit)
-  state_offloaded = optax_adama.offloaded_state_shapes(jax.eval_shape(tx_offloaded.init, params))
+  state_offloaded = optax_adama.moments.offloaded_state_shapes(jax.eval_shape(tx_offloaded.init, params))
   offloaded = optax_adama.memory_report(
       optax_adama.release_step(staged, tx_offloaded), params, state_offloaded, batch)
-  host_bytes = optax_adama.host_state_bytes(state_offloaded)
+  host_bytes = optax_adama.moments.host_state_bytes(state_offloaded)
   assert offloaded.in_p(host_bytes) > 0.49  # the codes of both moments
   assert offloaded.temp_bytes <= release_8bit.temp_bytes * 1.01
   assert offloaded.in_p(offloaded.total_bytes - host_bytes) < 1.6  # measured 1.55 P
@@ -359,9 +359,9 @@ def test_release_floor_is_the_scanned_remat_full_one_with_a_layer_slice():
   adama = bench.floor_for("adama", config, batch, 4)
   release = bench.floor_for("adama_release", config, batch, 4)
   _, params = bench.split_model(config)
-  slices = [optax_adama.tree_bytes(x) // config.num_layers
+  slices = [optax_adama.memory.tree_bytes(x) // config.num_layers
             for x in jax.tree.leaves(params["blocks"])]
-  outer = [optax_adama.tree_bytes(x) for k, v in params.items() if k != "blocks"
+  outer = [optax_adama.memory.tree_bytes(x) for k, v in params.items() if k != "blocks"
            for x in jax.tree.leaves(v)]
   assert release.largest_gradient_bytes == max(slices + outer)
   # Same params, state and batch; only activations and the gradient term differ.

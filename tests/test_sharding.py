@@ -23,6 +23,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import optax_adama
+from optax_adama import _microbatch
 from conftest import MLP
 
 # Meant to keep this file on one xdist worker (make test: --dist loadgroup);
@@ -70,7 +71,7 @@ def _run(tx, params, steps=3, batch_size=BATCH, **step_kwargs):
   state = tx.init(params)
   mesh = step_kwargs.get("mesh")
   if mesh is not None:
-    shardings = optax_adama.step_shardings(
+    shardings = optax_adama.sharding.step_shardings(
         params, state, mesh, shard_states=step_kwargs.get("shard_states"))
     params = jax.device_put(params, shardings.params)
     state = jax.device_put(state, shardings.opt_state)
@@ -95,12 +96,12 @@ def _worker():
   """Runs in the 8-device subprocess; returns what the tests check."""
   assert jax.device_count() == NUM_DEVICES, jax.devices()
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
-  out = {"param_bytes": optax_adama.tree_bytes(_params()),
-         "batch_bytes": optax_adama.tree_bytes(_batch(0))}
+  out = {"param_bytes": optax_adama.memory.tree_bytes(_params()),
+         "batch_bytes": optax_adama.memory.tree_bytes(_batch(0))}
 
   # The column-major micro-batch split keeps each device's rows local.
-  batch = jax.device_put(_batch(0), optax_adama.batch_sharding(mesh))
-  split = jax.jit(lambda b: optax_adama.split_micro_batches(b, NUM_MICRO))
+  batch = jax.device_put(_batch(0), optax_adama.sharding.batch_sharding(mesh))
+  split = jax.jit(lambda b: _microbatch.split_micro_batches(b, NUM_MICRO))
   out["split_spec"] = str(split(batch)["x"].sharding.spec)
   out["split_collectives"] = _collectives(split.lower(batch).compile().as_text())
 
@@ -200,7 +201,7 @@ def _release_worker(mesh):
       params = test_release.make_params()
       state = tx.init(params)
       if on_mesh:
-        shardings = optax_adama.release_shardings(
+        shardings = optax_adama.sharding.release_shardings(
             staged, params, state, mesh, shard_states=stage)
         params = jax.device_put(params, shardings.params)
         state = jax.device_put(state, shardings.opt_state)
@@ -242,15 +243,15 @@ def _release_memory(mesh):
   state = jax.eval_shape(tx.init, params)
   placed = lambda tree, shardings: jax.tree.map(
       lambda x, s: shape(x.shape, x.dtype, sharding=s), tree, shardings)
-  out = {"param_bytes": optax_adama.tree_bytes(params)}
+  out = {"param_bytes": optax_adama.memory.tree_bytes(params)}
   for name, make_step, make_shardings in (
       ("release", lambda stage: optax_adama.release_step(
           staged, tx, mesh=mesh, shard_states=stage),
-       lambda stage: optax_adama.release_shardings(
+       lambda stage: optax_adama.sharding.release_shardings(
            staged, params, state, mesh, shard_states=stage)),
       ("fused", lambda stage: optax_adama.microbatch_step(
           staged, tx, mesh=mesh, shard_states=stage),
-       lambda stage: optax_adama.step_shardings(params, state, mesh, shard_states=stage))):
+       lambda stage: optax_adama.sharding.step_shardings(params, state, mesh, shard_states=stage))):
     for stage in RELEASE_STAGES:
       shardings = make_shardings(stage)
       compiled = make_step(stage).lower(
@@ -372,7 +373,7 @@ def test_step_shardings_per_stage():
   state = tx.init(params)
   specs = lambda tree: [s.spec for s in jax.tree.leaves(tree)]
   for stage in (None, "zero1", "zero2", "fsdp"):
-    shardings = optax_adama.step_shardings(params, state, mesh, shard_states=stage)
+    shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states=stage)
     chex.assert_trees_all_equal_structs(shardings.opt_state, state)
     moment_specs = specs(optax_adama.find_adama_state(shardings.opt_state).mu)
     # Leaves in tree order: "scalar", then "w".
@@ -405,7 +406,7 @@ def test_bad_sharding_options_are_rejected():
     optax_adama.microbatch_step(
         loss_fn, tx, num_micro_batches=2, mesh=mesh, shard_states="zero4")
   with pytest.raises(ValueError, match="not in the mesh"):
-    optax_adama.step_shardings(_params(), None, mesh, data_axis="batch")
+    optax_adama.sharding.step_shardings(_params(), None, mesh, data_axis="batch")
   split = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="split")
   step = optax_adama.microbatch_step(loss_fn, split, mesh=mesh)
   with pytest.raises(ValueError, match="micro-batch size must be even, got 3"):

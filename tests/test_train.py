@@ -97,7 +97,7 @@ def _moment_bytes(config):
   """(P, bytes of the optimizer state) of `config`'s optimizer on gpt_test."""
   params = models.split_loss_fn(models.create("gpt_test", rngs=nnx.Rngs(0)))[1]
   state = jax.eval_shape(train.make_optimizer(config).init, params)
-  return optax_adama.tree_bytes(params), optax_adama.tree_bytes(state)
+  return optax_adama.memory.tree_bytes(params), optax_adama.memory.tree_bytes(state)
 
 
 @pytest.mark.parametrize("optimizer", ["adama", "adam", "multisteps"])
