@@ -11,10 +11,11 @@ to both, so the fold and the direction are written once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
-import sys
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import chex
@@ -70,24 +71,104 @@ class ScaleByAdamAState(NamedTuple):
   nu_estimator: str = "mean"  # static: the estimator of v (NU_ESTIMATORS).
 
 
-def _check_num_micro_batches(num_micro_batches: Any) -> Optional[int]:
-  """``N`` as a Python int; ``None`` if it is a traced (abstract) integer.
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdamAConfig:
+  """The hyperparameters of one AdamA transformation, fixed when it is built.
+
+  Made once by :func:`scale_by_adama`, read by its ``update`` and by the steps
+  that fold micro-batches themselves (:func:`microbatch_step`,
+  :func:`release_step`), so both compute the same math from the same values.
+  ``b1``, ``b2``, ``eps``, ``eps_root`` and ``rounding_seed`` may be arrays
+  (traced under ``inject_hyperparams``); the rest are static Python values.
+  Compared by identity (``eq=False``): the array fields are not hashable.
+  """
+
+  b1: Any
+  b2: Any
+  eps: Any
+  eps_root: Any
+  num_micro_batches: int
+  nu_estimator: str
+  stochastic_rounding: bool
+  rounding_seed: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FoldingParts:
+  """What a fused step needs of an AdamA transformation to fold by itself."""
+
+  config: AdamAConfig
+  # The transforms run once per mini-batch after AdamA (mini_batch_chain).
+  inner: Optional[optax.GradientTransformation] = None
+  # offload_moments' min_size where the moments live in host memory.
+  offload_min_size: Optional[int] = None
+
+
+# The update functions AdamA's factories made, each with its parts, written
+# once when the transformation is built. A side table rather than a callable
+# object or a function attribute: optax's GradientTransformation is a pair of
+# plain functions, and users' tools rely on that (chex.assert_max_traces reads
+# the update's source; optax.with_extra_args_support its signature).
+_FOLDING_PARTS: "weakref.WeakKeyDictionary[Callable, FoldingParts]" = (
+    weakref.WeakKeyDictionary())
+
+
+def folding_update(update_fn: Callable, parts: FoldingParts) -> Callable:
+  """Registers ``update_fn`` as an AdamA ``update`` made of ``parts``; returns it."""
+  _FOLDING_PARTS[update_fn] = parts
+  return update_fn
+
+
+def folding_parts(tx: optax.GradientTransformation,
+                  caller: Optional[str] = None) -> Optional[FoldingParts]:
+  """The :class:`FoldingParts` of a bare AdamA transformation.
+
+  ``tx`` as made by :func:`adama`, :func:`adamaw`, :func:`scale_by_adama` or
+  ``mini_batch_chain(scale_by_adama(...), ...)``, optionally under
+  ``offload_moments``. For any other ``tx``: ``None`` without ``caller``,
+  else a ``TypeError`` naming it.
+  """
+  parts = _FOLDING_PARTS.get(tx.update)
+  if parts is not None or caller is None:
+    return parts
+  raise TypeError(
+      f"{caller} folds into AdamA's moments itself, so it needs an AdamA "
+      "transformation as made by adama, adamaw, scale_by_adama or "
+      "mini_batch_chain(scale_by_adama(...), ...), optionally under "
+      "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
+      "Pass transforms that must see AdamA's direction to mini_batch_chain.")
+
+
+def _check_num_micro_batches(num_micro_batches: Any) -> int:
+  """``N`` as a Python int.
 
   Integer-like values are accepted as :class:`optax.MultiSteps` accepts them
-  (``np.int64(2)``, a concrete 0-d integer array, which is what
-  ``optax.inject_hyperparams`` passes); bools and floats are not.
+  (``np.int64(2)``, a 0-d NumPy integer array); bools and floats are not, and
+  neither is a JAX array: ``N`` fixes the structure of the state (it is a
+  static field of :class:`ScaleByAdamAState`), so it must be known without
+  tracing. A JAX array ``N`` is what ``optax.inject_hyperparams`` passes when
+  ``num_micro_batches`` is not among its ``static_args``; that wrapper would
+  also evaluate a plain schedule once per ``update`` call, i.e. per
+  micro-batch, so the error names both ways that count mini-batches.
   """
   value = num_micro_batches
+  if (isinstance(value, jax.Array) and jnp.ndim(value) == 0
+      and jnp.issubdtype(value.dtype, jnp.integer)):
+    raise ValueError(
+        f"num_micro_batches must be a Python or NumPy integer, got a JAX array "
+        f"({value!r}): N fixes the state's structure. optax.inject_hyperparams "
+        "turns numeric arguments into arrays (and would evaluate a schedule once "
+        "per update call, i.e. per micro-batch). Use "
+        "optax_adama.inject_hyperparams(...) (N static, schedules count "
+        "mini-batches), or optax.inject_hyperparams(..., "
+        "static_args=(\"num_micro_batches\",)) for constant hyperparameters.")
   dtype = getattr(value, "dtype", None)
   is_integer_array = (
-      dtype is not None and jnp.issubdtype(dtype, jnp.integer)
-      and jnp.ndim(value) == 0)
+      dtype is not None and np.issubdtype(dtype, np.integer) and np.ndim(value) == 0)
   if isinstance(value, bool) or not (isinstance(value, int) or is_integer_array):
     raise TypeError(
         f"num_micro_batches must be an integer, got {value!r} "
         f"({type(value).__name__}).")
-  if isinstance(value, jax.core.Tracer):
-    return None  # checked against the state's static N in update.
   value = int(value)
   if value < 1:
     raise ValueError(f"num_micro_batches must be >= 1, got {value}.")
@@ -142,38 +223,6 @@ def _check_float_params(params: optax.Params) -> None:
         f"never move: {', '.join(bad)}. Keep integer and boolean state out "
         "of the optimized tree (e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)), "
         "or cast them to a float dtype.")
-
-
-def _reject_call_counting_schedules() -> None:
-  """Fails loudly where ``optax.inject_hyperparams`` would count micro-batches.
-
-  ``optax.inject_hyperparams(adama)(learning_rate=schedule, ...)`` evaluates a
-  plain schedule at its own count of ``update`` calls, one per micro-batch,
-  and hands AdamA only the value; nothing downstream can recover the
-  mini-batch count. The wrapper calls the factory from its ``init`` / ``update``
-  with its scheduled hyperparameters in scope, so look there (a frame or two
-  up) for a plain schedule wrapped by optax. Schedules made by
-  :func:`optax_adama.mini_batch_schedule` (what :func:`optax_adama.inject_hyperparams`
-  passes) count mini-batches and pass.
-  """
-  frame = sys._getframe(2)  # the caller of adama / adamaw
-  for _ in range(3):
-    if frame is None:
-      return
-    scheduled = frame.f_locals.get("sched_hps")
-    if (frame.f_globals.get("__name__", "").startswith("optax.")
-        and isinstance(scheduled, dict)):
-      counting = sorted(name for name, s in scheduled.items()
-                        if isinstance(s, optax.schedules.WrappedSchedule))
-      if counting:
-        raise ValueError(
-            f"optax.inject_hyperparams would evaluate the schedule of {counting} "
-            "once per update call, i.e. per micro-batch; AdamA's schedules count "
-            "mini-batches. Use optax_adama.inject_hyperparams(...) instead (the "
-            "same state, hyperparams included), or pass the schedule as "
-            "optax_adama.mini_batch_schedule(schedule, num_micro_batches).")
-      return
-    frame = frame.f_back
 
 
 def _dtype_of(leaf: Any) -> jnp.dtype:
@@ -311,17 +360,18 @@ def _gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
       lambda: jnp.zeros(like.shape, like.dtype))
 
 
-def _leaf_seeds(rounding_seed, state: ScaleByAdamAState, mus, nus, stochastic: bool):
+def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
   """Two uint32 seeds per leaf (m, v), fresh for every call; no key in the state.
 
-  ``None`` seeds (round to nearest, or nothing to round) unless ``stochastic``
-  and some moment is stored narrower than float32.
+  ``None`` seeds (round to nearest, or nothing to round) unless
+  ``config.stochastic_rounding`` and some moment is stored narrower than
+  float32.
   """
   narrow = any(_quantize.storage_dtype(x).itemsize < 4 for x in list(mus) + list(nus))
-  if not (stochastic and narrow):
+  if not (config.stochastic_rounding and narrow):
     return [(None, None)] * len(mus)
   call_seed = _quantize.mix_seed(
-      _quantize.mix_seed(jnp.asarray(rounding_seed), state.count),
+      _quantize.mix_seed(jnp.asarray(config.rounding_seed), state.count),
       state.micro_step)
   return [(_quantize.mix_seed(call_seed, jnp.uint32(2 * i)),
            _quantize.mix_seed(call_seed, jnp.uint32(2 * i + 1)))
@@ -347,9 +397,14 @@ def _split_noise(half_difference, is_finite, num_micro_batches: int) -> jax.Arra
   return (1 - 1 / num_micro_batches) * d * d
 
 
-def _fold_leaf(grad, mu, nu, state: ScaleByAdamAState, b1, b2, nu_estimator, seeds,
-               half_difference=None):
-  """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``."""
+def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds,
+              half_difference=None):
+  """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``.
+
+  The fold kernel: :func:`fold_micro_batch` maps it over a tree, and
+  :func:`release_step` over one layer's slices at a time.
+  """
+  b1, b2, nu_estimator = config.b1, config.b2, config.nu_estimator
   # The guard is elementwise so it fuses into the fold. Gating the fold on a
   # reduction over the leaf (all-finite) makes XLA keep gradients alive
   # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.
@@ -393,18 +448,18 @@ def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   return _Folded(value, absmax)
 
 
-def _completed(state: ScaleByAdamAState) -> jax.Array:
+def completed(state: ScaleByAdamAState) -> jax.Array:
   """Whether the call that produced ``state`` completed a mini-batch."""
   # jnp.asarray also unwraps containers such as flax.nnx.Optimizer's OptArray.
   return (jnp.asarray(state.micro_step) == 0) & (jnp.asarray(state.count) > 0)
 
 
-def _emitted(state: ScaleByAdamAState) -> jax.Array:
+def emitted(state: ScaleByAdamAState) -> jax.Array:
   """Whether the call that produced ``state`` emitted a (nonzero) update."""
-  return _completed(state) & (jnp.asarray(state.mini_batch_accepted) > 0)
+  return completed(state) & (jnp.asarray(state.mini_batch_accepted) > 0)
 
 
-def _advance_counters(
+def advance_counters(
     state: ScaleByAdamAState, mu, nu, all_finite: jax.Array
 ) -> ScaleByAdamAState:
   """The state after one more micro-batch, with the folded moments."""
@@ -424,31 +479,29 @@ def _advance_counters(
   )
 
 
-def fold_micro_batch(grads, state: ScaleByAdamAState, hyperparams: dict,
+def fold_micro_batch(grads, state: ScaleByAdamAState, config: AdamAConfig,
                      half_difference=None) -> ScaleByAdamAState:
   """``state`` after folding one micro-batch's gradient: AdamA's update without its direction.
 
-  ``hyperparams`` as :func:`adama_parts` returns them; ``half_difference``
-  for the ``"split"`` estimator.
+  The fold's one entry over a tree (:func:`fold_leaf` per leaf); ``config``
+  as :func:`scale_by_adama` made it; ``half_difference`` for the ``"split"``
+  estimator.
   """
-  given = hyperparams["num_micro_batches"]
-  if given not in (None, state.num_micro_batches):
+  if config.num_micro_batches != state.num_micro_batches:
     raise ValueError(
-        f"num_micro_batches={given} but the state was made "
+        f"num_micro_batches={config.num_micro_batches} but the state was made "
         f"with num_micro_batches={state.num_micro_batches}.")
   leaves, treedef = jax.tree.flatten(grads)
   mus = treedef.flatten_up_to(state.mu)
   nus = treedef.flatten_up_to(state.nu)
   differences = _half_differences(half_difference, treedef, state)
-  seeds = _leaf_seeds(hyperparams["rounding_seed"], state, mus, nus,
-                      hyperparams["stochastic_rounding"])
-  folded = [_fold_leaf(g, m, v, state, hyperparams["b1"], hyperparams["b2"],
-                       hyperparams["nu_estimator"], leaf_seeds, d)
-            for g, m, v, leaf_seeds, d in zip(leaves, mus, nus, seeds, differences)]
+  seeds = leaf_seeds(config, state, mus, nus)
+  folded = [fold_leaf(g, m, v, state, config, s, d)
+            for g, m, v, s, d in zip(leaves, mus, nus, seeds, differences)]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   # Combines one boolean per leaf; no gradient waits on it.
   all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
-  return _advance_counters(
+  return advance_counters(
       state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
 
 
@@ -588,11 +641,15 @@ def scale_by_adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  given_num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  num_micro_batches = _check_num_micro_batches(num_micro_batches)
   _check_hyperparams(b1, b2, eps, eps_root)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   _check_storage_options(quantization, nu_estimator, stochastic_rounding)
+  config = AdamAConfig(
+      b1=b1, b2=b2, eps=eps, eps_root=eps_root, num_micro_batches=num_micro_batches,
+      nu_estimator=nu_estimator, stochastic_rounding=stochastic_rounding,
+      rounding_seed=rounding_seed)
 
   def init_moment(param, dtype):
     if quantization is not None and quantization.quantizes(jnp.shape(param)):
@@ -600,10 +657,6 @@ def scale_by_adama(
     return jnp.zeros(jnp.shape(param), dtype or _dtype_of(param))
 
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
-    if given_num_micro_batches is None:
-      raise TypeError(
-          "num_micro_batches must be concrete when the state is made: it "
-          "fixes the mini-batch length.")
     _check_float_params(params)
     # One buffer per counter: a shared one could not be donated twice.
     zero = lambda: jnp.zeros([], jnp.int32)
@@ -614,20 +667,15 @@ def scale_by_adama(
         nu=jax.tree.map(lambda p: init_moment(p, nu_dtype), params),
         mini_batch_accepted=zero(),
         num_dropped=zero(),
-        num_micro_batches=given_num_micro_batches,
+        num_micro_batches=num_micro_batches,
         nu_estimator=nu_estimator,
     )
 
-  hyperparams = dict(
-      b1=b1, b2=b2, eps=eps, eps_root=eps_root, nu_estimator=nu_estimator,
-      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed,
-      num_micro_batches=given_num_micro_batches)
-
   def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
     del params, extra_args  # optax.chain hands every extra argument to all.
-    new_state = fold_micro_batch(updates, state, hyperparams, half_difference)
-    emit = _emitted(new_state)
-    direction = direction_hyperparams(new_state, hyperparams)
+    new_state = fold_micro_batch(updates, state, config, half_difference)
+    emit = emitted(new_state)
+    direction = direction_args(new_state, config)
     grads, treedef = jax.tree.flatten(updates)
     new_mus = treedef.flatten_up_to(new_state.mu)
     new_nus = treedef.flatten_up_to(new_state.nu)
@@ -635,12 +683,11 @@ def scale_by_adama(
         _gated_direction(m, v, g, emit, **direction)
         for m, v, g in zip(new_mus, new_nus, grads)]), new_state
 
-  # Read by the steps that fold themselves (microbatch_step, release_step).
-  update_fn.adama_hyperparams = hyperparams
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, folding_update(update_fn, FoldingParts(config)))
 
 
-def _takes_halves(state: ScaleByAdamAState) -> bool:
+def takes_halves(state: ScaleByAdamAState) -> bool:
   """Whether ``update`` folds a half difference: "split" at ``N > 1`` (at
   ``N = 1`` the estimator is Adam's g**2 and needs none)."""
   return state.nu_estimator == "split" and state.num_micro_batches > 1
@@ -649,7 +696,7 @@ def _takes_halves(state: ScaleByAdamAState) -> bool:
 def _half_differences(half_difference, treedef,
                       state: ScaleByAdamAState) -> list[Optional[jax.Array]]:
   """The "split" estimator's half differences, one per leaf (``None``: unused)."""
-  if not _takes_halves(state):
+  if not takes_halves(state):
     return [None] * treedef.num_leaves
   if half_difference is None:
     raise ValueError(
@@ -676,37 +723,10 @@ def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
   return None
 
 
-def adama_parts(tx: optax.GradientTransformation, caller: Optional[str] = None):
-  """``(hyperparams, inner)`` of a bare AdamA transformation.
-
-  For steps that fold into AdamA's moments and apply its direction
-  themselves: ``tx`` as made by :func:`adama`, :func:`adamaw`,
-  :func:`scale_by_adama` or ``mini_batch_chain(scale_by_adama(...), ...)``,
-  optionally under ``offload_moments`` (then ``hyperparams["offload_min_size"]``
-  is its ``min_size``, else ``None``). ``inner`` is the chain after AdamA, or
-  ``None``. For any other ``tx``: ``None`` without ``caller``, else a
-  ``TypeError`` naming it.
-  """
-  tx, offload_min_size = getattr(tx.update, "offloaded", (tx, None))
-  head, inner = getattr(tx.update, "mini_batch_chain", (tx, None))
-  hyperparams = getattr(head.update, "adama_hyperparams", None)
-  if hyperparams is None:
-    if caller is None:
-      return None
-    raise TypeError(
-        f"{caller} folds into AdamA's moments itself, so it needs an AdamA "
-        "transformation as made by adama, adamaw, scale_by_adama or "
-        "mini_batch_chain(scale_by_adama(...), ...), optionally under "
-        "offload_moments, not wrapped in optax.chain or inject_hyperparams. "
-        "Pass transforms that must see AdamA's direction to mini_batch_chain.")
-  return {**hyperparams, "offload_min_size": offload_min_size}, inner
-
-
-def direction_hyperparams(state: ScaleByAdamAState, hyperparams: dict) -> dict:
+def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict:
   """The keyword arguments of :func:`_direction` for ``state``'s step."""
-  return dict(count=state.count, b1=hyperparams["b1"], b2=hyperparams["b2"],
-              eps=hyperparams["eps"], eps_root=hyperparams["eps_root"],
-              floor_nu=_takes_halves(state))
+  return dict(count=state.count, b1=config.b1, b2=config.b2, eps=config.eps,
+              eps_root=config.eps_root, floor_nu=takes_halves(state))
 
 
 def gated_direction_of_leaf(m, v, p, emit, direction: dict) -> jax.Array:
@@ -718,10 +738,10 @@ def gated_direction_of_leaf(m, v, p, emit, direction: dict) -> jax.Array:
   return jnp.where(emit, u, jnp.zeros_like(u))
 
 
-def emitted_direction(state: ScaleByAdamAState, params, hyperparams: dict):
+def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
   """AdamA's direction for every leaf of ``params`` (zeros unless ``state`` emits)."""
-  emit = _emitted(state)
-  direction = direction_hyperparams(state, hyperparams)
+  emit = emitted(state)
+  direction = direction_args(state, config)
   leaves, treedef = jax.tree.flatten(params)
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
   return treedef.unflatten(
@@ -788,25 +808,28 @@ def mini_batch_chain(
     # Extra arguments (the "split" estimator's half_difference) go to the head.
     direction, adama_state = optax.with_extra_args_support(head).update(
         updates, state.adama, params, **extra_args)
-    new_updates, inner_state = _per_mini_batch_update(
+    new_updates, inner_state = per_mini_batch_update(
         inner, direction, adama_state, state.inner, params)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
-  update_fn.mini_batch_chain = (head, inner)  # read by optax_adama.release_step.
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  head_parts = folding_parts(head)
+  if head_parts is None:  # e.g. optax.scale_by_adam: refused by init_fn.
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
 
 
-def _per_mini_batch_update(inner, direction, adama_state, inner_state, params):
+def per_mini_batch_update(inner, direction, adama_state, inner_state, params):
   """``inner`` on AdamA's direction, advanced once per completed mini-batch."""
   # The transforms run on every call (elementwise work that fuses with the
   # fold), but only a completing call keeps their state, and only an
   # emitting one their output.
-  emit = _emitted(adama_state)
+  emit = emitted(adama_state)
   inner_updates, new_inner_state = inner.update(direction, inner_state, params)
   updates = jax.tree.map(
       lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
       inner_updates, direction)
-  new_inner_state = optax.tree.where(_completed(adama_state), new_inner_state, inner_state)
+  new_inner_state = optax.tree.where(completed(adama_state), new_inner_state, inner_state)
   return updates, new_inner_state
 
 
@@ -876,7 +899,6 @@ def adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  _reject_call_counting_schedules()
   return mini_batch_chain(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
@@ -943,7 +965,6 @@ def adamaw(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
-  _reject_call_counting_schedules()
   return mini_batch_chain(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
@@ -972,5 +993,5 @@ def has_updated(state: Any) -> jax.Array:
     raise ValueError(
         "has_updated expects an AdamA state (from scale_by_adama, adama, "
         f"adamaw or a chain holding one), got {type(state).__name__}.")
-  return _emitted(adama_state)
+  return emitted(adama_state)
 

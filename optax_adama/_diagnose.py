@@ -24,8 +24,7 @@ import optax
 
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import _check_num_micro_batches
-from optax_adama._microbatch import _loss_and_half_grads
-from optax_adama._microbatch import split_micro_batches
+from optax_adama import _steps
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
 
@@ -178,7 +177,7 @@ def diagnose_second_moment(
 def _adam_step_with_estimators(
     value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps,
     follow="adam"):
-  micro_batches = split_micro_batches(batch, n)
+  micro_batches = _steps.split_micro_batches(batch, n)
   # "split" needs each micro-batch's two halves: measured where they exist.
   halves = jax.tree.leaves(micro_batches)[0].shape[1] % 2 == 0
   if follow == "split" and not halves:
@@ -191,7 +190,7 @@ def _adam_step_with_estimators(
   def body(sums, micro_batch):
     grad_sum, square_sum, split_sum = sums
     if halves:  # as microbatch_step takes them; g**2 - (1 - 1/N) d**2
-      loss, _, grads, difference = _loss_and_half_grads(loss_and_grads, params, micro_batch)
+      loss, _, grads, difference = _steps.loss_and_half_grads(loss_and_grads, params, micro_batch)
       split_sum = jax.tree.map(lambda s, g, d: s + g * g - (1 - 1 / n) * d * d,
                                split_sum, grads, difference)
     else:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from optax_adama._microbatch import split_micro_batches
+from optax_adama import _steps
 
 __all__ = ["MemoryReport", "MemoryFloor", "tree_bytes", "memory_report", "memory_floor"]
 
@@ -166,7 +166,7 @@ def memory_floor(
     A :class:`MemoryFloor`.
   """
   micro_batch = jax.eval_shape(
-      lambda b: jax.tree.map(lambda x: x[0], split_micro_batches(b, num_micro_batches)),
+      lambda b: jax.tree.map(lambda x: x[0], _steps.split_micro_batches(b, num_micro_batches)),
       batch)
   grad_fn = jax.jit(jax.grad(loss_fn, has_aux=has_aux))
   grad_memory = grad_fn.lower(params, micro_batch).compile().memory_analysis()

@@ -22,53 +22,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from optax_adama import _adama
 from optax_adama import _offload
 from optax_adama import _sharding
+from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._adama import _emitted
 from optax_adama._adama import _check_num_micro_batches
 from optax_adama._adama import find_adama_state
-from optax_adama._adama import _takes_halves
 
-__all__ = ["microbatch_step", "split_micro_batches", "updates_every_micro_batch"]
+__all__ = ["microbatch_step"]
 
 Batch = Any
 Metrics = dict[str, Any]
-
-
-def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
-  """Reshapes each leaf of ``batch`` from ``[B, ...]`` to ``[N, B // N, ...]``.
-
-  Micro-batch ``i`` holds rows ``i, i + N, i + 2N, ...`` (a column-major
-  reshape, as :func:`optax.microbatching.reshape_batch_axis`), so a batch axis
-  sharded over devices stays sharded inside every micro-batch.
-
-  Args:
-    batch: a pytree of arrays sharing a leading batch axis.
-    num_micro_batches: ``N``; must divide the batch size.
-
-  Returns:
-    The reshaped pytree.
-
-  Raises:
-    ValueError: if the leaves disagree on the batch size, or ``N`` does not
-      divide it.
-  """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
-  leaves = jax.tree.leaves(batch)
-  if not leaves:
-    raise ValueError("batch has no array leaves.")
-  sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
-  if None in sizes:
-    raise ValueError("every batch leaf needs a leading batch axis; got a scalar.")
-  if len(sizes) != 1:
-    raise ValueError(
-        f"batch leaves must share one leading batch size, got {sorted(sizes)}.")
-  (batch_size,) = sizes
-  if batch_size % num_micro_batches:
-    raise ValueError(
-        f"batch size {batch_size} does not split into "
-        f"num_micro_batches={num_micro_batches} equal micro-batches.")
-  return optax.microbatching.reshape_batch_axis(
-      batch, batch_size // num_micro_batches)
 
 
 def updates_every_micro_batch(opt_state: optax.OptState) -> bool:
@@ -76,10 +38,13 @@ def updates_every_micro_batch(opt_state: optax.OptState) -> bool:
 
   True when its state holds an AdamA state or an ``optax.MultiSteps`` state.
   """
-  is_per_micro = lambda x: isinstance(x, (ScaleByAdamAState, optax.MultiStepsState))
-  return any(
-      is_per_micro(leaf)
-      for leaf in jax.tree.leaves(opt_state, is_leaf=is_per_micro))
+  return _updates_every_micro_batch(opt_state, find_adama_state(opt_state))
+
+
+def _updates_every_micro_batch(opt_state, adama_state) -> bool:
+  is_multi_steps = lambda x: isinstance(x, optax.MultiStepsState)
+  return adama_state is not None or any(
+      map(is_multi_steps, jax.tree.leaves(opt_state, is_leaf=is_multi_steps)))
 
 
 def microbatch_step(
@@ -97,7 +62,7 @@ def microbatch_step(
   """Builds a jitted training step that scans over ``N`` micro-batches.
 
   ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` splits
-  ``batch`` into ``N`` micro-batches (see :func:`split_micro_batches`) and runs
+  ``batch`` into ``N`` micro-batches (see :func:`_steps.split_micro_batches`) and runs
   a :func:`jax.lax.scan` over them. ``params`` and ``opt_state`` are donated:
   their input buffers are reused for the outputs.
 
@@ -217,7 +182,7 @@ def microbatch_step(
     jitted = jax.jit(
         step, donate_argnums=(0, 1),
         in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  return _with_distinct_buffers(jitted)
+  return _steps.with_distinct_buffers(jitted)
 
 
 class _Placement(NamedTuple):
@@ -259,7 +224,7 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
         shardings(params, None), params, micro_batch)
 
   def place_micro_batches(micro_batches):
-    return _place_micro_batch_rows(micro_batches, mesh, data_axis)
+    return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
   def apply_updates(params, updates, emitted):
     if shard_states in ("zero1", "zero2") and emitted is not None:
@@ -275,30 +240,44 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
     return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
 
   return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates,
-                    _num_devices(mesh, data_axis))
+                    _sharding.num_devices(mesh, data_axis))
 
 
 def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,
                accumulation_dtype):
-  """The step as a function of (params, opt_state, batch), before jit."""
+  """The step as a function of (params, opt_state, batch), before jit.
+
+  Which path a step takes is decided here, once: when the step is built for
+  ``tx`` (a bare AdamA folds itself: :func:`_fold_then_update`) and, at the
+  top of its trace, for the state's structure (one ``update`` per
+  micro-batch for AdamA or ``optax.MultiSteps`` inside other transforms,
+  gradient accumulation otherwise). The paths take the AdamA state found
+  there and do not ask again.
+  """
+  parts = _adama.folding_parts(tx)
 
   def step(params, opt_state, batch):
     shardings = placement.shardings(params, opt_state)
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
           (params, opt_state), (shardings.params, shardings.opt_state))
-    n = _resolve_num_micro_batches(num_micro_batches, opt_state)
-    micro_batches = placement.place_micro_batches(split_micro_batches(batch, n))
-    per_micro = (updates_every_micro_batch(opt_state)
+    adama_state = find_adama_state(opt_state)
+    n = _resolve_num_micro_batches(num_micro_batches, adama_state)
+    micro_batches = placement.place_micro_batches(_steps.split_micro_batches(batch, n))
+    per_micro = (_updates_every_micro_batch(opt_state, adama_state)
                  if update_every_micro_batch is None else update_every_micro_batch)
-    run = (_per_micro_batch_updates if per_micro else functools.partial(
-        _accumulated_gradient_update, accumulation_dtype=accumulation_dtype))
-    dropped_before = _num_dropped(opt_state)
+    if per_micro and parts is not None:
+      run = functools.partial(_fold_then_update, parts)
+    elif per_micro:
+      run = functools.partial(_per_micro_batch_updates, tx, adama_state)
+    else:
+      run = functools.partial(
+          _accumulated_gradient_update, tx, accumulation_dtype=accumulation_dtype)
     params, opt_state, (losses, aux, dropped) = run(
-        tx, placement, params, opt_state, micro_batches)
-    if dropped_before is not None:  # AdamA counted them in its state.
-      dropped = _num_dropped(opt_state) - dropped_before
-    metrics = _step_metrics(losses, dropped, aux if has_aux else None)
+        placement, params, opt_state, micro_batches)
+    if adama_state is not None:  # AdamA counted them in its state.
+      dropped = find_adama_state(opt_state).num_dropped - adama_state.num_dropped
+    metrics = _steps.step_metrics(losses, dropped, aux if has_aux else None)
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
           (params, opt_state), (shardings.params, shardings.opt_state))
@@ -307,12 +286,11 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
   return step
 
 
-def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
-  """One ``tx.update`` per micro-batch (AdamA, MultiSteps), in a scan."""
-  parts = _adama.adama_parts(tx)
-  if parts is not None:
-    return _fold_then_update(*parts, placement, params, opt_state, micro_batches)
-  adama_state = find_adama_state(opt_state)
+def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micro_batches):
+  """One ``tx.update`` per micro-batch (AdamA inside other transforms, MultiSteps).
+
+  ``adama_state``: the AdamA state inside ``opt_state``, or ``None``.
+  """
   adama = adama_state is not None
   split = adama and _splits_halves(adama_state, placement, micro_batches)
   update = optax.with_extra_args_support(tx).update
@@ -326,7 +304,7 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
       loss, aux, grads = placement.loss_and_grads(params, micro_batch)
       (grads, dropped), extra_args = _zero_nonfinite(loss, grads), {}
     updates, opt_state = update(grads, opt_state, params, **extra_args)
-    emitted = _emitted(find_adama_state(opt_state)) if adama else None
+    emitted = _adama.emitted(find_adama_state(opt_state)) if adama else None
     params = placement.apply_updates(params, updates, emitted)
     return (params, opt_state), (loss, aux, dropped)
 
@@ -334,7 +312,7 @@ def _per_micro_batch_updates(tx, placement, params, opt_state, micro_batches):
   return params, opt_state, outputs
 
 
-def _fold_then_update(hyperparams, inner, placement, params, opt_state, micro_batches):
+def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   """A bare AdamA: the scan only folds, then one update (``_per_micro_batch_updates``'s).
 
   The results of one ``tx.update`` per micro-batch, but params are a
@@ -347,23 +325,23 @@ def _fold_then_update(hyperparams, inner, placement, params, opt_state, micro_ba
   (``offload_moments``) come to the device around each fold and the update,
   as that wrapper's ``update`` brings them.
   """
-  to_device, to_host = _offload_moves(hyperparams["offload_min_size"])
+  to_device, to_host = _offload.moves(parts.offload_min_size)
   state = _adama.adama_of(opt_state)
   split = _splits_halves(state, placement, micro_batches)
 
   def body(state, micro_batch):
     loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
-    state = _adama.fold_micro_batch(grads, to_device(state), hyperparams, **extra_args)
+    state = _adama.fold_micro_batch(grads, to_device(state), parts.config, **extra_args)
     return to_host(state), (loss, aux, jnp.array(False))
 
   state, outputs = jax.lax.scan(body, state, micro_batches)
   state = to_device(state)
-  updates = _adama.emitted_direction(state, params, hyperparams)
+  updates = _adama.emitted_direction(state, params, parts.config)
   inner_state = None
-  if inner is not None:
-    updates, inner_state = _adama._per_mini_batch_update(
-        inner, updates, state, to_device(_adama.inner_of(opt_state)), params)
-  params = placement.apply_updates(params, updates, _emitted(state))
+  if parts.inner is not None:
+    updates, inner_state = _adama.per_mini_batch_update(
+        parts.inner, updates, state, to_device(_adama.inner_of(opt_state)), params)
+  params = placement.apply_updates(params, updates, _adama.emitted(state))
   opt_state = _adama.with_adama(opt_state, state, inner_state)
   return params, to_host(opt_state), outputs
 
@@ -377,64 +355,19 @@ def _adama_gradient(placement, params, micro_batch, split: bool):
   """
   if not split:
     loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-    return loss, aux, _poison_if_loss_nonfinite(loss, grads), {}
-  loss, aux, grads, difference = _loss_and_half_grads(
+    return loss, aux, _steps.poison_if_loss_nonfinite(loss, grads), {}
+  loss, aux, grads, difference = _steps.loss_and_half_grads(
       placement.loss_and_grads, params, micro_batch)
-  return (loss, aux, _poison_if_loss_nonfinite(loss, grads),
-          {"half_difference": _poison_if_loss_nonfinite(loss, difference)})
-
-
-def _offload_moves(min_size: Optional[int]):
-  """``(to_device, to_host)`` of ``offload_moments``' state leaves; identities without."""
-  if min_size is None:
-    return (lambda tree: tree), (lambda tree: tree)
-  return (lambda tree: _offload.put(tree, jax.memory.Space.Device, min_size),
-          lambda tree: _offload.put(tree, jax.memory.Space.Host, min_size))
+  return (loss, aux, _steps.poison_if_loss_nonfinite(loss, grads),
+          {"half_difference": _steps.poison_if_loss_nonfinite(loss, difference)})
 
 
 def _splits_halves(adama_state, placement, micro_batches) -> bool:
   """Whether AdamA's "split" estimator needs each micro-batch's halves."""
-  if not _takes_halves(adama_state):
+  if not _adama.takes_halves(adama_state):
     return False
-  _check_halvable(micro_batches, placement.num_devices)
+  _steps.check_halvable(micro_batches, placement.num_devices)
   return True
-
-
-def _check_halvable(micro_batches, num_devices: int = 1) -> None:
-  """Raises unless ``[N, B, ...]`` micro-batches split into two halves whose
-  rows split evenly over ``num_devices`` devices."""
-  size = jax.tree.leaves(micro_batches)[0].shape[1]
-  if size % (2 * num_devices):
-    rule = "even" if num_devices == 1 else f"a multiple of 2 x {num_devices} devices"
-    raise ValueError(
-        "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
-        f"the micro-batch size must be {rule}, got {size}.")
-
-
-def _halves(micro_batch):
-  """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves."""
-  return jax.tree.map(
-      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
-
-
-def _mean_of_halves(pairs):
-  """``(x_a + x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
-  return jax.tree.map(lambda x: (x[0] + x[1]) / 2, pairs)
-
-
-def _half_difference(pairs):
-  """``(x_a - x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
-  return jax.tree.map(lambda x: (x[0] - x[1]) / 2, pairs)
-
-
-def _loss_and_half_grads(loss_and_grads, params, micro_batch):
-  """(loss, aux, (g_a + g_b) / 2, (g_a - g_b) / 2) over the micro-batch's halves.
-
-  One vmapped backward over the two halves: the same FLOPs as the micro-batch's
-  own, and each leaf's two gradients are alive only until it is folded.
-  """
-  loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, _halves(micro_batch))
-  return (*_mean_of_halves((loss, aux)), _mean_of_halves(grads), _half_difference(grads))
 
 
 def _accumulated_gradient_update(
@@ -464,28 +397,9 @@ def _accumulated_gradient_update(
   return optax.apply_updates(params, updates), opt_state, outputs
 
 
-def _step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metrics:
-  """A step's metrics from its ``[N]`` micro-batch losses and drop counts.
-
-  ``loss`` averages the finite losses only; ``dropped`` is a count or ``[N]``
-  flags; ``aux`` (stacked per micro-batch) is passed through when given.
-  """
-  finite = jnp.isfinite(losses)
-  num_finite = jnp.sum(finite.astype(jnp.int32))
-  metrics: Metrics = {
-      "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
-      / num_finite.astype(losses.dtype),
-      "num_nonfinite_losses": losses.shape[0] - num_finite,
-      "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
-  }
-  if aux is not None:
-    metrics["aux"] = aux
-  return metrics
-
-
-def _resolve_num_micro_batches(given: Optional[int], opt_state: optax.OptState) -> int:
+def _resolve_num_micro_batches(given: Optional[int],
+                               adama_state: Optional[ScaleByAdamAState]) -> int:
   """``N``: the AdamA state's (static), checked against the one given."""
-  adama_state = find_adama_state(opt_state)
   if adama_state is None:
     if given is None:
       raise ValueError(
@@ -501,14 +415,6 @@ def _resolve_num_micro_batches(given: Optional[int], opt_state: optax.OptState) 
   return adama_state.num_micro_batches
 
 
-def _poison_if_loss_nonfinite(loss, grads):
-  # A scalar-gated select per leaf: local, and fuses with AdamA's fold, whose
-  # elementwise guard then drops the whole micro-batch and counts it.
-  loss_finite = jnp.isfinite(loss)
-  return jax.tree.map(
-      lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
-
-
 def _zero_nonfinite(loss, grads):
   """(grads with non-finite entries and non-finite-loss micro-batches zeroed, dropped)."""
   loss_finite = jnp.isfinite(loss)
@@ -521,41 +427,6 @@ def _zero_nonfinite(loss, grads):
   return treedef.unflatten(kept), ~all_finite
 
 
-def _with_distinct_buffers(jitted):
-  """``jitted`` with a check that no two donated leaves are one array.
-
-  XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
-  twice") only when the step runs, in terms of flattened argument numbers.
-  Params that share a leaf (tied weights stored twice, one ``jnp.zeros``
-  reused) are caught here first, by leaf path.
-  """
-
-  @functools.wraps(jitted)
-  def step(params, opt_state, batch):
-    leaves = jax.tree.leaves((params, opt_state))
-    if len({id(x) for x in leaves}) != len(leaves):
-      _raise_shared_leaves(params, opt_state)
-    return jitted(params, opt_state, batch)
-
-  step.lower = jitted.lower
-  return step
-
-
-def _raise_shared_leaves(params, opt_state):
-  first_path: dict[int, str] = {}
-  for name, tree in (("params", params), ("opt_state", opt_state)):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      where = name + jax.tree_util.keystr(path)
-      if id(leaf) in first_path:
-        raise ValueError(
-            f"{first_path[id(leaf)]} and {where} are the same array, and the "
-            "step donates its inputs: one buffer cannot be donated twice. "
-            "Give each leaf its own buffer, e.g. params = jax.tree.map(jnp.copy, "
-            "params) before tx.init(params), or keep a tied weight once in the "
-            "tree.")
-      first_path[id(leaf)] = where
-
-
 def _data_parallel_loss_and_grads(
     value_and_grad, has_aux, mesh, data_axis, shard_states, shardings,
     params, micro_batch):
@@ -566,17 +437,17 @@ def _data_parallel_loss_and_grads(
   lowers "all-reduce, then keep my slice" as exactly that (a full-leaf
   all-reduce), while ``psum_scatter`` is a reduce-scatter everywhere.
   """
-  axis_names = _axis_names(data_axis)
-  num_devices = _num_devices(mesh, data_axis)
+  axis_names = _sharding.axis_names(data_axis)
+  num_devices = _sharding.num_devices(mesh, data_axis)
   param_specs = jax.tree.map(lambda s: s.spec, shardings.params)
   grad_specs = jax.tree.map(lambda s: s.spec, shardings.grads)
 
   def gather(p, spec):
-    dim = _split_dim(spec)
+    dim = _sharding.split_dim(spec)
     return p if dim is None else jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
 
-  reduce_grad = lambda g, spec: _reduce_gradient(g, spec, data_axis, num_devices)
-  reduce_aux = lambda x: _reduce_aux(x, data_axis)
+  reduce_grad = lambda g, spec: _sharding.reduce_gradient(g, spec, data_axis, num_devices)
+  reduce_aux = lambda x: _sharding.reduce_aux(x, data_axis)
 
   def local(params, micro_batch):
     # FSDP: gather each leaf for this device's forward and backward pass.
@@ -584,7 +455,7 @@ def _data_parallel_loss_and_grads(
     # The params are the same on every device but their gradient is not:
     # mark them device-varying so the backward pass leaves the reduction to
     # reduce_grad instead of inserting an all-reduce of its own.
-    params = jax.tree.map(lambda p: _to_varying(p, axis_names), params)
+    params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
     out, grads = value_and_grad(params, micro_batch)
     loss, aux = out if has_aux else (out, None)
     grads = jax.tree.map(reduce_grad, grads, grad_specs)
@@ -603,62 +474,3 @@ def _data_parallel_loss_and_grads(
     return out
   loss, grads = out
   return loss, None, grads
-
-
-def _place_micro_batch_rows(micro_batches, mesh, data_axis):
-  """``[N, B / N, ...]`` micro-batches with the row axis split over the devices.
-
-  The column-major split keeps each device's rows on that device.
-  """
-  row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
-  return jax.lax.with_sharding_constraint(
-      micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
-
-
-def _axis_names(data_axis) -> tuple[str, ...]:
-  return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-
-
-def _num_devices(mesh, data_axis) -> int:
-  return math.prod(mesh.shape[name] for name in _axis_names(data_axis))
-
-
-def _split_dim(spec: PartitionSpec) -> Optional[int]:
-  """The dimension a spec splits over the data axis; ``None`` if replicated."""
-  dims = [i for i, name in enumerate(spec) if name is not None]
-  return dims[0] if dims else None
-
-
-def _reduce_gradient(grad, spec, data_axis, num_devices):
-  """Inside ``shard_map``: the device-mean of ``grad``, placed as ``spec`` says."""
-  dim = _split_dim(spec)
-  if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
-    return jax.lax.psum(grad, data_axis) / num_devices
-  # ZeRO-2 / FSDP: each device receives the sum of its slice only.
-  return jax.lax.psum_scatter(
-      grad, data_axis, scatter_dimension=dim, tiled=True) / num_devices
-
-
-def _reduce_aux(x, data_axis):
-  """Inside ``shard_map``: a float aux value averaged over devices, a count summed."""
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jax.lax.pmean(x, data_axis)
-  return jax.lax.psum(x, data_axis)
-
-
-def _to_varying(x, axis_names):
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # where newer JAX keeps the varying axes
-  vma = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-  missing = tuple(name for name in axis_names if name not in vma)
-  if not missing:  # e.g. an FSDP leaf straight from all_gather
-    return x
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)
-
-
-def _num_dropped(opt_state: optax.OptState) -> Optional[jax.Array]:
-  adama_state = find_adama_state(opt_state)
-  return None if adama_state is None else adama_state.num_dropped

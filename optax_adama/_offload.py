@@ -11,6 +11,7 @@ counts host arrays as device arrays (its ``host_*`` fields are zero there), so
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -18,6 +19,8 @@ import jax
 import optax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from optax_adama import _adama
 
 __all__ = ["offload_moments", "offloaded_state_shapes", "host_state_bytes"]
 
@@ -58,6 +61,15 @@ def to_device(tree: Any, offloaded: Any) -> Any:
 def to_host(tree: Any, offloaded: Any) -> Any:
   """The inverse of :func:`to_device`: flagged leaves sent back to the host."""
   return _move(tree, offloaded, jax.memory.Space.Host)
+
+
+def moves(min_size: Optional[int]):
+  """``(to_device, to_host)`` of ``offload_moments``' state leaves; identities
+  without (``min_size`` ``None``: nothing offloaded)."""
+  if min_size is None:
+    return (lambda tree: tree), (lambda tree: tree)
+  return (lambda tree: put(tree, jax.memory.Space.Device, min_size),
+          lambda tree: put(tree, jax.memory.Space.Host, min_size))
 
 
 def offload_moments(
@@ -111,9 +123,13 @@ def offload_moments(
     new_updates, new_state = inner.update(updates, on_device, params)
     return new_updates, put(new_state, jax.memory.Space.Host, min_size)
 
-  # Read by optax_adama.release_step, which brings each layer's slice in itself.
-  update_fn.offloaded = (inner, min_size)
-  return optax.GradientTransformation(init_fn, update_fn)
+  parts = _adama.folding_parts(inner)
+  if parts is None:
+    return optax.GradientTransformation(init_fn, update_fn)
+  # The fused steps fold themselves and bring each leaf (under release_step,
+  # each layer's slice) to the device around its own fold.
+  return optax.GradientTransformation(init_fn, _adama.folding_update(
+      update_fn, dataclasses.replace(parts, offload_min_size=min_size)))
 
 
 def offloaded_state_shapes(

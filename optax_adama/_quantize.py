@@ -233,9 +233,10 @@ def stochastic_round(
     its normal range); cast it with ``.astype(dtype)``.
 
   Examples:
-    >>> import jax.numpy as jnp, optax_adama
+    >>> import jax.numpy as jnp
+    >>> from optax_adama import _quantize
     >>> x = jnp.full((10000,), 1.0 + 2.0**-10)  # 1/8 of a bfloat16 ulp above 1
-    >>> r = optax_adama.stochastic_round(x, jnp.bfloat16, jnp.uint32(0))
+    >>> r = _quantize.stochastic_round(x, jnp.bfloat16, jnp.uint32(0))
     >>> print(sorted(set(r.tolist())), round(float(r.mean()), 3))
     [1.0, 1.0078125] 1.001
   """

@@ -7,7 +7,7 @@ as one array, and AdamA has to keep a stack-sized gradient alive to fold it.
 from each layer's saved input, takes the `jax.vjp` of that layer, folds its
 parameter cotangent into the layer's slice of m and v (in place, in the scan
 carry) and passes the input cotangent on. One layer's gradient is alive at a
-time. The math is `scale_by_adama`'s, leaf by leaf (`_fold_leaf`), and so are
+time. The math is `scale_by_adama`'s, leaf by leaf (`_adama.fold_leaf`, the fold kernel), and so are
 the counters and the emitted direction.
 """
 
@@ -29,23 +29,9 @@ from optax_adama import _adama
 from optax_adama import _offload
 from optax_adama import _quantize
 from optax_adama import _sharding
+from optax_adama import _steps
 from optax_adama._adama import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._microbatch import _axis_names
-from optax_adama._microbatch import _check_halvable
-from optax_adama._microbatch import _half_difference
-from optax_adama._microbatch import _halves
-from optax_adama._microbatch import _mean_of_halves
-from optax_adama._microbatch import _num_devices
-from optax_adama._microbatch import _place_micro_batch_rows
-from optax_adama._microbatch import _poison_if_loss_nonfinite
-from optax_adama._microbatch import _reduce_aux
-from optax_adama._microbatch import _reduce_gradient
-from optax_adama._microbatch import _split_dim
-from optax_adama._microbatch import _to_varying
-from optax_adama._microbatch import _with_distinct_buffers
-from optax_adama._microbatch import split_micro_batches
-from optax_adama._microbatch import _step_metrics
 
 __all__ = ["StagedLoss", "release_shardings", "release_step"]
 
@@ -229,8 +215,8 @@ def release_step(
     section 3 ("gradient release").
   """
   _check_release_stage(mesh, shard_states)
-  hyperparams, inner = _adama.adama_parts(tx, "release_step")
-  if mesh is not None and hyperparams["offload_min_size"] is not None:
+  parts = _adama.folding_parts(tx, "release_step")
+  if mesh is not None and parts.offload_min_size is not None:
     raise NotImplementedError(
         "release_step with offload_moments runs on one device: on a mesh each "
         "device would bring in its slice of a layer's moments inside "
@@ -240,7 +226,7 @@ def release_step(
     mesh = _sharding.auto_mesh(mesh)
 
   def step(params, opt_state, batch):
-    _check_is_state_of_tx(opt_state, inner)
+    _check_is_state_of_tx(opt_state, parts.inner)
     _check_moments(staged, params, _adama.adama_of(opt_state), on_mesh=mesh is not None)
     shardings = None
     if mesh is not None:
@@ -249,18 +235,18 @@ def release_step(
       params, opt_state = _constrained((params, opt_state), shardings)
     state = _adama.adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
-    fold = _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states,
+    fold = _scan_body(staged, parts, has_aux, params, mesh, shard_states,
                              data_axis, shardings)
     folded, (losses, aux) = jax.lax.scan(fold, state, micro_batches)
     params, inner_state = _apply_emitted(
-        staged, hyperparams, inner, params, folded, _adama.inner_of(opt_state),
+        staged, parts, params, folded, _adama.inner_of(opt_state),
         _sharded_update(staged, shardings, shard_states, mesh, data_axis))
     opt_state = _adama.with_adama(opt_state, folded, inner_state)
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
       params, opt_state = _constrained((params, opt_state), shardings)
-    metrics = _step_metrics(
+    metrics = _steps.step_metrics(
         losses, folded.num_dropped - state.num_dropped, aux if has_aux else None)
     return params, opt_state, metrics
 
@@ -269,7 +255,7 @@ def release_step(
   else:
     jitted = jax.jit(step, donate_argnums=(0, 1),
                      in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  return _with_distinct_buffers(jitted)
+  return _steps.with_distinct_buffers(jitted)
 
 
 def _check_is_state_of_tx(opt_state, inner) -> None:
@@ -285,20 +271,20 @@ def _constrained(params_and_state, shardings):
       params_and_state, (shardings.params, shardings.opt_state))
 
 
-def _micro_batch_fold(staged, hyperparams, has_aux, params, mesh, shard_states, data_axis,
+def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
                       shardings):
   """The scan body ``(state, micro_batch) -> (state, (loss, aux))``."""
   def fold(state, micro_batch):
-    if _adama._takes_halves(state):
+    if _adama.takes_halves(state):
       # Halved before the devices take their rows: each device then holds
       # rows of both halves, and the halves are the micro-batch's own.
-      micro_batch = _halves(micro_batch)
+      micro_batch = _steps.halves(micro_batch)
     if mesh is None:
-      state, loss, aux = _fold_micro_batch(
-          staged, hyperparams, has_aux, params, state, micro_batch)
+      state, loss, aux = _release_micro_batch(
+          staged, parts, has_aux, params, state, micro_batch)
     else:
       state, loss, aux = _data_parallel_fold(
-          staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+          staged, parts, has_aux, mesh, shard_states, data_axis,
           _specs(_adama.adama_of(shardings.opt_state)), params, state, micro_batch)
     return state, (loss, aux)
   return fold
@@ -318,12 +304,12 @@ def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
 
 def _micro_batches(state, batch, mesh, data_axis):
   """The state's ``N`` micro-batches of ``batch``, checked for "split" and placed."""
-  micro_batches = split_micro_batches(batch, state.num_micro_batches)
-  if _adama._takes_halves(state):
-    _check_halvable(micro_batches, 1 if mesh is None else _num_devices(mesh, data_axis))
+  micro_batches = _steps.split_micro_batches(batch, state.num_micro_batches)
+  if _adama.takes_halves(state):
+    _steps.check_halvable(micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
   if mesh is None:
     return micro_batches
-  return _place_micro_batch_rows(micro_batches, mesh, data_axis)
+  return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
 
 RELEASE_SHARD_STATES = (None, "zero1", "zero2")
@@ -388,7 +374,7 @@ def release_shardings(
 
 def _stack_aware_shardings(staged, tree, mesh, data_axis):
   mesh = _sharding.auto_mesh(mesh)
-  axis_size = _num_devices(mesh, data_axis)
+  axis_size = _sharding.num_devices(mesh, data_axis)
   outer, stacked = staged.split(tree)
   outer = _sharding.sharded_tree_shardings(outer, mesh, data_axis=data_axis)
   stacked = jax.tree.map(
@@ -398,21 +384,21 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
   return _like(tree, staged.merge(outer, stacked))
 
 
-def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_axis,
+def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
                         state_specs, params, state, micro_batch):
-  """:func:`_fold_micro_batch` with each device on its rows, under ``shard_map``."""
+  """:func:`_release_micro_batch` with each device on its rows, under ``shard_map``."""
   reductions = _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis)
-  axis_names = _axis_names(data_axis)
+  axis_names = _sharding.axis_names(data_axis)
 
   def local(params, state, micro_batch):
     # Replicated params, gradients that differ per device: marked varying,
     # the backward leaves the reduction to `reductions`.
-    params = jax.tree.map(lambda p: _to_varying(p, axis_names), params)
-    return _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
+    params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
+    return _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
                              reductions)
 
   replicated = PartitionSpec()
-  halves = _adama._takes_halves(state)  # [2, rows, ...]: each half's rows split
+  halves = _adama.takes_halves(state)  # [2, rows, ...]: each half's rows split
   rows = PartitionSpec(None, data_axis) if halves else PartitionSpec(data_axis)
   return jax.shard_map(
       local, mesh=mesh, in_specs=(replicated, state_specs, rows),
@@ -420,8 +406,8 @@ def _data_parallel_fold(staged, hyperparams, has_aux, mesh, shard_states, data_a
 
 
 def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis):
-  """The collectives of a ZeRO stage, for :func:`_fold_micro_batch` in ``shard_map``."""
-  num_devices = _num_devices(mesh, data_axis)
+  """The collectives of a ZeRO stage, for :func:`_release_micro_batch` in ``shard_map``."""
+  num_devices = _sharding.num_devices(mesh, data_axis)
   outer_specs, stacked_specs = staged.split(state_specs.mu)
   is_spec = lambda x: isinstance(x, PartitionSpec)
   outer_specs = jax.tree.leaves(outer_specs, is_leaf=is_spec)
@@ -431,8 +417,8 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
 
   def reduce(grad, spec):
     if shard_states == "zero2":
-      return _reduce_gradient(grad, spec, data_axis, num_devices)
-    grad = _reduce_gradient(grad, PartitionSpec(), data_axis, num_devices)
+      return _sharding.reduce_gradient(grad, spec, data_axis, num_devices)
+    grad = _sharding.reduce_gradient(grad, PartitionSpec(), data_axis, num_devices)
     return _local_slice(grad, spec, data_axis, num_devices)
 
   def all_finite(finite):
@@ -446,7 +432,7 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
 
   return _Reductions(
       loss=lambda loss: jax.lax.pmean(loss, data_axis),
-      aux=lambda aux: jax.tree.map(lambda x: _reduce_aux(x, data_axis), aux),
+      aux=lambda aux: jax.tree.map(lambda x: _sharding.reduce_aux(x, data_axis), aux),
       outer_grads=lambda grads: list(map(reduce, grads, outer_specs)),
       layer_grads=lambda grads: list(map(reduce, grads, layer_specs)),
       all_finite=all_finite,
@@ -455,7 +441,7 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
 
 def _local_slice(x, spec, data_axis, num_devices):
   """Inside ``shard_map``: this device's block of a replicated ``x`` under ``spec``."""
-  dim = _split_dim(spec)
+  dim = _sharding.split_dim(spec)
   if dim is None:
     return x
   size = x.shape[dim] // num_devices
@@ -471,13 +457,13 @@ def _apply_sharded_updates(staged, params, updates, moment_shardings, mesh, data
   first, as GSPMD does for ``params + updates``, keeps a parameter-sized
   buffer alive beside the params.
   """
-  num_devices = _num_devices(mesh, data_axis)
+  num_devices = _sharding.num_devices(mesh, data_axis)
   update_specs = _specs(moment_shardings)
   outer_specs, stacked_specs = staged.split(update_specs)
 
   def apply(p, u, spec):
     new = optax.apply_updates(_local_slice(p, spec, data_axis, num_devices), u)
-    dim = _split_dim(spec)
+    dim = _sharding.split_dim(spec)
     return new if dim is None else jax.lax.all_gather(new, data_axis, axis=dim, tiled=True)
 
   def apply_layer(stacked, xs):
@@ -592,13 +578,13 @@ _identity = lambda x: x
 _ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity)
 
 
-def _leaf_seeds(hyperparams, state, mus, nus, reductions=_ONE_DEVICE):
-  seeds = _adama._leaf_seeds(
-      hyperparams["rounding_seed"], state, mus, nus, hyperparams["stochastic_rounding"])
+def _leaf_seeds(config, state, mus, nus, reductions=_ONE_DEVICE):
+  """:func:`_adama.leaf_seeds`, each device's own under ``shard_map``."""
+  seeds = _adama.leaf_seeds(config, state, mus, nus)
   return [tuple(map(reductions.seed, pair)) for pair in seeds]
 
 
-def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
+def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
                       reductions: _Reductions = _ONE_DEVICE):
   """One micro-batch: forward, then a backward that folds layer by layer.
 
@@ -608,7 +594,7 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   each gradient leaf is taken per half, folded as their mean and half
   difference and dropped.
   """
-  halves = _adama._takes_halves(state)
+  halves = _adama.takes_halves(state)
   per_half = lambda fn, in_axes: jax.vmap(fn, in_axes) if halves else fn
   outer, stacked = staged.split(params)
   x = per_half(staged.embed, (None, 0))(outer, micro_batch)
@@ -618,7 +604,7 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   head = functools.partial(_head_loss_and_grads, staged.head, has_aux)
   loss, aux, (outer_grads, x_grad) = per_half(head, (None, 0, 0))(outer, x, micro_batch)
   if halves:
-    loss, aux = _mean_of_halves((loss, aux))
+    loss, aux = _steps.mean_of_halves((loss, aux))
   # The gradients below are of this device's mean loss; each is reduced to
   # the micro-batch's before it is folded, so the guard reads the global loss.
   loss = reductions.loss(loss)
@@ -628,20 +614,20 @@ def _fold_micro_batch(staged, hyperparams, has_aux, params, state, micro_batch,
   nu_outer, nu_stacked = staged.split(state.nu)
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
   x_grad, mu_stacked, nu_stacked, stack_finite = _release_stack(
-      hyperparams, state, micro_batch, loss, stacked, layer_inputs, x_grad,
+      parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,
       mu_stacked, nu_stacked, reductions, layer_pullback, halves)
   embed_pullback = per_half(functools.partial(_pullback, staged.embed), ((None,), 0, 0))
   (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
   outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
   stacked_def = jax.tree.structure(stacked)
   mu_outer, nu_outer, outer_finite = _fold_outer(
-      hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
+      parts, state, loss, outer_grads, mu_outer, nu_outer,
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
       reductions, halves)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
   mu = _like(state.mu, staged.merge(mu_outer, mu_stacked))
   nu = _like(state.nu, staged.merge(nu_outer, nu_stacked))
-  return _adama._advance_counters(state, mu, nu, all_finite), loss, aux
+  return _adama.advance_counters(state, mu, nu, all_finite), loss, aux
 
 
 def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
@@ -673,10 +659,10 @@ def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, l
   """
   if not halves:
     return reduce(grads), [None] * len(grads)
-  return reduce(_mean_of_halves(grads)), reduce(_half_difference(grads))
+  return reduce(_steps.mean_of_halves(grads)), reduce(_steps.half_difference(grads))
 
 
-def _release_stack(hyperparams, state, micro_batch, loss, stacked, layer_inputs,
+def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
                    x_grad, mu_stacked, nu_stacked, reductions, layer_pullback, halves):
   """The backward through the stack as a reverse scan over its layers.
 
@@ -690,22 +676,21 @@ def _release_stack(hyperparams, state, micro_batch, loss, stacked, layer_inputs,
     The cotangent of the stack's input, the new stacked m and v, and whether
     every layer's gradient was finite.
   """
-  b1, b2, nu_estimator = hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"]
   stacked_def = jax.tree.structure(stacked)
   mu_leaves = stacked_def.flatten_up_to(mu_stacked)
   nu_leaves = stacked_def.flatten_up_to(nu_stacked)
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
-  seeds = _leaf_seeds(hyperparams, state, mu_leaves, nu_leaves, reductions)
+  seeds = _leaf_seeds(parts.config, state, mu_leaves, nu_leaves, reductions)
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  offloaded = [_offloaded(m, v, hyperparams) for m, v in zip(mu_leaves, nu_leaves)]
+  offloaded = [_offloaded(m, v, parts) for m, v in zip(mu_leaves, nu_leaves)]
 
   def release_layer(carry, xs):
     x_grad, mus, nus = carry
     layer, layer_params, layer_input = xs
     layer_grads, x_grad = layer_pullback((layer_params, layer_input), micro_batch, x_grad)
     layer_grads, differences = _gradient_and_difference(
-        stacked_def.flatten_up_to(_poison_if_loss_nonfinite(loss, layer_grads)), halves,
+        stacked_def.flatten_up_to(_steps.poison_if_loss_nonfinite(loss, layer_grads)), halves,
         reductions.layer_grads)
     new_mus, new_nus, finite = [], [], []
     for grad, d, mu, nu, (mu_off, nu_off), leaf_seeds in zip(
@@ -713,10 +698,10 @@ def _release_stack(hyperparams, state, micro_batch, loss, stacked, layer_inputs,
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       # Offloaded moments: only this layer's slice comes to the device.
-      m, v, leaf_finite = _adama._fold_leaf(
+      m, v, leaf_finite = _adama.fold_leaf(
           grad, _offload.to_device(_layer_slice(mu, layer, num_layers), mu_off),
           _offload.to_device(_layer_slice(nu, layer, num_layers), nu_off),
-          state, b1, b2, nu_estimator, layer_seeds, d)
+          state, parts.config, layer_seeds, d)
       new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
       new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
       finite.append(leaf_finite)
@@ -731,7 +716,7 @@ def _release_stack(hyperparams, state, micro_batch, loss, stacked, layer_inputs,
           jnp.all(layer_finite))
 
 
-def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
+def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer,
                 stacked_mus, stacked_nus, reductions, halves):
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
@@ -739,16 +724,16 @@ def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
   come first. Returns the new outer m and v and whether every gradient was
   finite.
   """
-  outer_grads = _poison_if_loss_nonfinite(loss, outer_grads)
+  outer_grads = _steps.poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
   grads, differences = _gradient_and_difference(grads, halves, reductions.outer_grads)
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
   num_stacked = len(stacked_mus)
   outer_seeds = _leaf_seeds(
-      hyperparams, state, stacked_mus + mus, stacked_nus + nus, reductions)
+      parts.config, state, stacked_mus + mus, stacked_nus + nus, reductions)
   folded = [
-      _fold_offloaded_leaf(g, m, v, state, hyperparams, leaf_seeds, d)
+      _fold_offloaded_leaf(g, m, v, state, parts, leaf_seeds, d)
       for g, d, m, v, leaf_seeds in zip(
           grads, differences, mus, nus, outer_seeds[num_stacked:])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
@@ -756,20 +741,19 @@ def _fold_outer(hyperparams, state, loss, outer_grads, mu_outer, nu_outer,
           functools.reduce(operator.and_, finite, jnp.array(True)))
 
 
-def _offloaded(mu, nu, hyperparams):
+def _offloaded(mu, nu, parts):
   """Per leaf of a moment pair (whole leaves, not slices): in host memory?"""
-  min_size = hyperparams["offload_min_size"]
+  min_size = parts.offload_min_size
   return _offload.offloaded_leaves(mu, min_size), _offload.offloaded_leaves(nu, min_size)
 
 
-def _fold_offloaded_leaf(grad, mu, nu, state, hyperparams, seeds, half_difference=None):
-  """:func:`_adama._fold_leaf` of a whole leaf, its moments brought in and
+def _fold_offloaded_leaf(grad, mu, nu, state, parts, seeds, half_difference=None):
+  """:func:`_adama.fold_leaf` of a whole leaf, its moments brought in and
   sent back if they live in host memory."""
-  mu_off, nu_off = _offloaded(mu, nu, hyperparams)
-  m, v, finite = _adama._fold_leaf(
+  mu_off, nu_off = _offloaded(mu, nu, parts)
+  m, v, finite = _adama.fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
-      hyperparams["b1"], hyperparams["b2"], hyperparams["nu_estimator"], seeds,
-      half_difference)
+      parts.config, seeds, half_difference)
   return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite
 
 
@@ -788,24 +772,24 @@ def _like(reference: Any, tree: Any) -> Any:
   return treedef.unflatten(leaves)
 
 
-def _apply_emitted(staged, hyperparams, inner, params, state, inner_state, sharded_update):
+def _apply_emitted(staged, parts, params, state, inner_state, sharded_update):
   """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
 
   ``sharded_update(params, updates)`` applies an update split like the
   moments (ZeRO); ``None``: params and update are whole on every device.
   """
-  if hyperparams["offload_min_size"] is not None:
-    return _apply_by_layer(staged, hyperparams, inner, params, state, inner_state)
-  updates = _adama.emitted_direction(state, params, hyperparams)
-  if inner is not None:
-    updates, inner_state = _adama._per_mini_batch_update(
-        inner, updates, state, inner_state, params)
+  if parts.offload_min_size is not None:
+    return _apply_by_layer(staged, parts, params, state, inner_state)
+  updates = _adama.emitted_direction(state, params, parts.config)
+  if parts.inner is not None:
+    updates, inner_state = _adama.per_mini_batch_update(
+        parts.inner, updates, state, inner_state, params)
   if sharded_update is None:
     return optax.apply_updates(params, updates), inner_state
   return sharded_update(params, updates), inner_state
 
 
-def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
+def _apply_by_layer(staged, parts, params, state, inner_state):
   """``(params, inner_state)`` after the emitted update, a layer at a time.
 
   For offloaded moments: the direction of a whole stacked leaf would bring
@@ -816,14 +800,15 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
   leaves are zeros it does not use (elementwise transforms, checked by their
   state); its state advances once, from the outer call.
   """
+  inner = parts.inner
   if inner is not None and any(jnp.ndim(x) > 0 for x in jax.tree.leaves(inner_state)):
     raise NotImplementedError(
         "release_step with offload_moments runs the transforms chained after "
         "AdamA one layer at a time, which needs them elementwise with a state "
         "of scalars (learning rate, schedule, weight decay); this chain keeps "
         "per-parameter state.")
-  emit = _adama._emitted(state)
-  direction = _adama.direction_hyperparams(state, hyperparams)
+  emit = _adama.emitted(state)
+  direction = _adama.direction_args(state, parts.config)
 
   def leaf_direction(m, v, p, m_offloaded, v_offloaded):
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
@@ -834,7 +819,7 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
     updates = _like(params, staged.merge(outer, stacked))
     if inner is None:
       return updates, inner_state
-    return _adama._per_mini_batch_update(
+    return _adama.per_mini_batch_update(
         inner, updates, state, inner_state,
         _like(params, staged.merge(outer_params, stacked_params)))
 
@@ -843,14 +828,14 @@ def _apply_by_layer(staged, hyperparams, inner, params, state, inner_state):
   (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
   outer_dirs = outer_def.unflatten([
-      leaf_direction(m, v, p, *_offloaded(m, v, hyperparams))
+      leaf_direction(m, v, p, *_offloaded(m, v, parts))
       for m, v, p in zip(outer_def.flatten_up_to(mu_outer),
                          outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer))])
   updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
   new_outer = optax.apply_updates(outer, staged.split(updates)[0])
 
   mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
-  flags = [_offloaded(m, v, hyperparams) for m, v in zip(mus, nus)]
+  flags = [_offloaded(m, v, parts) for m, v in zip(mus, nus)]
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
   def update_layer(stacked, layer):

@@ -77,7 +77,8 @@ def mini_batch_schedule(
   Examples:
     >>> import optax, optax_adama
     >>> schedule = optax.linear_schedule(1.0, 0.0, transition_steps=10)
-    >>> tx = optax.inject_hyperparams(optax_adama.adama)(
+    >>> tx = optax.inject_hyperparams(
+    ...     optax_adama.adama, static_args=("num_micro_batches",))(
     ...     learning_rate=optax_adama.mini_batch_schedule(schedule, 2),
     ...     num_micro_batches=2)
   """

@@ -30,9 +30,11 @@ communication.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
@@ -129,9 +131,10 @@ def sharded_tree_shardings(
     A tree like ``tree`` of `NamedSharding`.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from optax_adama import _sharding
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    >>> s = optax_adama.sharded_tree_shardings({"w": jnp.zeros((4, 3))}, mesh)
+    >>> s = _sharding.sharded_tree_shardings({"w": jnp.zeros((4, 3))}, mesh)
     >>> print(s["w"].spec)
     P('data',)
   """
@@ -180,7 +183,7 @@ def step_shardings(
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     >>> params = {"w": jnp.zeros((8, 2))}
     >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
-    >>> shardings = optax_adama.step_shardings(
+    >>> shardings = optax_adama.sharding.step_shardings(
     ...     params, tx.init(params), mesh, shard_states="zero2")
     >>> print(shardings.params["w"].spec, shardings.grads["w"].spec)
     P() P('data',)
@@ -202,3 +205,61 @@ def batch_sharding(mesh: Mesh, data_axis: AxisName = "data") -> NamedSharding:
   mesh = auto_mesh(mesh)
   _axis_size(mesh, data_axis)
   return NamedSharding(mesh, PartitionSpec(data_axis))
+
+
+# Inside a data-parallel step: where rows go, and the collectives that reduce
+# one device's share of a micro-batch to the whole micro-batch's.
+
+
+def place_micro_batch_rows(micro_batches, mesh, data_axis):
+  """``[N, B / N, ...]`` micro-batches with the row axis split over the devices.
+
+  The column-major split keeps each device's rows on that device.
+  """
+  row_split = NamedSharding(mesh, PartitionSpec(None, data_axis))
+  return jax.lax.with_sharding_constraint(
+      micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
+
+
+def axis_names(data_axis) -> tuple[str, ...]:
+  return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+
+
+def num_devices(mesh, data_axis) -> int:
+  return math.prod(mesh.shape[name] for name in axis_names(data_axis))
+
+
+def split_dim(spec: PartitionSpec) -> Optional[int]:
+  """The dimension a spec splits over the data axis; ``None`` if replicated."""
+  dims = [i for i, name in enumerate(spec) if name is not None]
+  return dims[0] if dims else None
+
+
+def reduce_gradient(grad, spec, data_axis, num_devices):
+  """Inside ``shard_map``: the device-mean of ``grad``, placed as ``spec`` says."""
+  dim = split_dim(spec)
+  if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
+    return jax.lax.psum(grad, data_axis) / num_devices
+  # ZeRO-2 / FSDP: each device receives the sum of its slice only.
+  return jax.lax.psum_scatter(
+      grad, data_axis, scatter_dimension=dim, tiled=True) / num_devices
+
+
+def reduce_aux(x, data_axis):
+  """Inside ``shard_map``: a float aux value averaged over devices, a count summed."""
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jax.lax.pmean(x, data_axis)
+  return jax.lax.psum(x, data_axis)
+
+
+def to_varying(x, axis_names):
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # where newer JAX keeps the varying axes
+  vma = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+  missing = tuple(name for name in axis_names if name not in vma)
+  if not missing:  # e.g. an FSDP leaf straight from all_gather
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)

@@ -11,6 +11,7 @@ import pytest
 
 import optax_adama
 from optax_adama import _microbatch
+from optax_adama import _steps
 import models
 from flax import nnx
 from models import bench
@@ -198,7 +199,7 @@ def test_adama_inside_chain_is_detected():
 
 def test_micro_batches_are_column_major():
   batch = {"x": jnp.arange(12).reshape(12, 1)}
-  micro = _microbatch.split_micro_batches(batch, 3)
+  micro = _steps.split_micro_batches(batch, 3)
   np.testing.assert_array_equal(micro["x"][1, :, 0], [1, 4, 7, 10])
 
 
@@ -214,7 +215,7 @@ def test_batch_that_does_not_split_raises_value_error_naming_both():
 
 def test_batch_leaves_must_share_batch_size():
   with pytest.raises(ValueError, match="share one leading batch size"):
-    _microbatch.split_micro_batches({"a": jnp.zeros((4, 2)), "b": jnp.zeros(6)}, 2)
+    _steps.split_micro_batches({"a": jnp.zeros((4, 2)), "b": jnp.zeros(6)}, 2)
 
 
 def test_num_micro_batches_below_one_raises_at_construction():

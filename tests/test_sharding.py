@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import optax_adama
-from optax_adama import _microbatch
+from optax_adama import _steps
 from conftest import MLP
 
 # Meant to keep this file on one xdist worker (make test: --dist loadgroup);
@@ -101,7 +101,7 @@ def _worker():
 
   # The column-major micro-batch split keeps each device's rows local.
   batch = jax.device_put(_batch(0), optax_adama.sharding.batch_sharding(mesh))
-  split = jax.jit(lambda b: _microbatch.split_micro_batches(b, NUM_MICRO))
+  split = jax.jit(lambda b: _steps.split_micro_batches(b, NUM_MICRO))
   out["split_spec"] = str(split(batch)["x"].sharding.spec)
   out["split_collectives"] = _collectives(split.lower(batch).compile().as_text())
 

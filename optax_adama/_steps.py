@@ -1,0 +1,158 @@
+"""What both fused steps share: micro-batches, their halves, metrics, donation.
+
+:func:`optax_adama.microbatch_step` and :func:`optax_adama.release_step` split
+a mini-batch the same way, take the ``"split"`` estimator's halves the same
+way, poison a micro-batch whose loss is not finite the same way (AdamA's
+elementwise guard then drops it), report the same metrics and refuse the same
+shared buffers before donating them. Nothing here knows which step calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_adama._adama import _check_num_micro_batches
+
+Batch = Any
+Metrics = dict[str, Any]
+
+
+def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
+  """Reshapes each leaf of ``batch`` from ``[B, ...]`` to ``[N, B // N, ...]``.
+
+  Micro-batch ``i`` holds rows ``i, i + N, i + 2N, ...`` (a column-major
+  reshape, as :func:`optax.microbatching.reshape_batch_axis`), so a batch axis
+  sharded over devices stays sharded inside every micro-batch.
+
+  Args:
+    batch: a pytree of arrays sharing a leading batch axis.
+    num_micro_batches: ``N``; must divide the batch size.
+
+  Returns:
+    The reshaped pytree.
+
+  Raises:
+    ValueError: if the leaves disagree on the batch size, or ``N`` does not
+      divide it.
+  """
+  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  leaves = jax.tree.leaves(batch)
+  if not leaves:
+    raise ValueError("batch has no array leaves.")
+  sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
+  if None in sizes:
+    raise ValueError("every batch leaf needs a leading batch axis; got a scalar.")
+  if len(sizes) != 1:
+    raise ValueError(
+        f"batch leaves must share one leading batch size, got {sorted(sizes)}.")
+  (batch_size,) = sizes
+  if batch_size % num_micro_batches:
+    raise ValueError(
+        f"batch size {batch_size} does not split into "
+        f"num_micro_batches={num_micro_batches} equal micro-batches.")
+  return optax.microbatching.reshape_batch_axis(
+      batch, batch_size // num_micro_batches)
+
+
+def check_halvable(micro_batches, num_devices: int = 1) -> None:
+  """Raises unless ``[N, B, ...]`` micro-batches split into two halves whose
+  rows split evenly over ``num_devices`` devices."""
+  size = jax.tree.leaves(micro_batches)[0].shape[1]
+  if size % (2 * num_devices):
+    rule = "even" if num_devices == 1 else f"a multiple of 2 x {num_devices} devices"
+    raise ValueError(
+        "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
+        f"the micro-batch size must be {rule}, got {size}.")
+
+
+def halves(micro_batch):
+  """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves."""
+  return jax.tree.map(
+      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+
+
+def mean_of_halves(pairs):
+  """``(x_a + x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
+  return jax.tree.map(lambda x: (x[0] + x[1]) / 2, pairs)
+
+
+def half_difference(pairs):
+  """``(x_a - x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
+  return jax.tree.map(lambda x: (x[0] - x[1]) / 2, pairs)
+
+
+def loss_and_half_grads(loss_and_grads, params, micro_batch):
+  """(loss, aux, (g_a + g_b) / 2, (g_a - g_b) / 2) over the micro-batch's halves.
+
+  One vmapped backward over the two halves: the same FLOPs as the micro-batch's
+  own, and each leaf's two gradients are alive only until it is folded.
+  """
+  loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, halves(micro_batch))
+  return (*mean_of_halves((loss, aux)), mean_of_halves(grads), half_difference(grads))
+
+
+def poison_if_loss_nonfinite(loss, grads):
+  # A scalar-gated select per leaf: local, and fuses with AdamA's fold, whose
+  # elementwise guard then drops the whole micro-batch and counts it.
+  loss_finite = jnp.isfinite(loss)
+  return jax.tree.map(
+      lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
+
+
+def step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metrics:
+  """A step's metrics from its ``[N]`` micro-batch losses and drop counts.
+
+  ``loss`` averages the finite losses only; ``dropped`` is a count or ``[N]``
+  flags; ``aux`` (stacked per micro-batch) is passed through when given.
+  """
+  finite = jnp.isfinite(losses)
+  num_finite = jnp.sum(finite.astype(jnp.int32))
+  metrics: Metrics = {
+      "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
+      / num_finite.astype(losses.dtype),
+      "num_nonfinite_losses": losses.shape[0] - num_finite,
+      "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
+  }
+  if aux is not None:
+    metrics["aux"] = aux
+  return metrics
+
+
+def with_distinct_buffers(jitted):
+  """``jitted`` with a check that no two donated leaves are one array.
+
+  XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
+  twice") only when the step runs, in terms of flattened argument numbers.
+  Params that share a leaf (tied weights stored twice, one ``jnp.zeros``
+  reused) are caught here first, by leaf path.
+  """
+
+  @functools.wraps(jitted)
+  def step(params, opt_state, batch):
+    leaves = jax.tree.leaves((params, opt_state))
+    if len({id(x) for x in leaves}) != len(leaves):
+      raise_shared_leaves(params, opt_state)
+    return jitted(params, opt_state, batch)
+
+  step.lower = jitted.lower
+  return step
+
+
+def raise_shared_leaves(params, opt_state):
+  first_path: dict[int, str] = {}
+  for name, tree in (("params", params), ("opt_state", opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      where = name + jax.tree_util.keystr(path)
+      if id(leaf) in first_path:
+        raise ValueError(
+            f"{first_path[id(leaf)]} and {where} are the same array, and the "
+            "step donates its inputs: one buffer cannot be donated twice. "
+            "Give each leaf its own buffer, e.g. params = jax.tree.map(jnp.copy, "
+            "params) before tx.init(params), or keep a tied weight once in the "
+            "tree.")
+      first_path[id(leaf)] = where
