@@ -1,6 +1,6 @@
 """AdamA: Adam whose moments absorb micro-batch gradients one at a time.
 
-This module holds the math of DESIGN.md: the moment fold, the bias-corrected
+This module holds the math of docs/design.md: the moment fold, the bias-corrected
 direction emitted once per mini-batch, the leaf-local non-finite guard, and the
 `adama` / `adamaw` aliases built from them.
 
@@ -59,6 +59,12 @@ class ScaleByAdamAState(NamedTuple):
   tracing: :func:`microbatch_step` takes ``N`` from here, and whether to hand
   each update the difference of a micro-batch's halves (``"split"``), so a
   mismatch cannot happen.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> state = optax_adama.scale_by_adama(num_micro_batches=4).init({"w": jnp.ones(2)})
+    >>> int(state.count), int(state.micro_step), state.num_micro_batches
+    (0, 0, 4)
   """
 
   count: chex.Array  # int32 []: mini-batches completed, dropped ones included; bias correction and schedules count these.
@@ -378,6 +384,8 @@ def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
           for i in range(len(mus))]
 
 
+# The estimators of v, by name (``nu_estimator=``); see scale_by_adama and
+# docs/estimators.md.
 NU_ESTIMATORS = ("mean", "sum", "momentum", "split")
 
 
@@ -617,7 +625,9 @@ def scale_by_adama(
   Raises:
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
       if a param leaf is not a real float; the message names the leaf.
-    ValueError: if ``num_micro_batches < 1``, if ``b1`` or ``b2`` is outside
+    ValueError: if ``num_micro_batches < 1`` or is a JAX array (what
+      ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
+      :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
       ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``"split"`` is asked
       with ``quantization``, or (at ``update``) if ``num_micro_batches``
       differs from the ``N`` the state was made with or ``"split"`` gets no
@@ -715,6 +725,15 @@ def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
 
   Returns:
     The AdamA state, or ``None`` if ``state`` holds none.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_adama
+    >>> tx = optax.chain(optax.clip(1.0), optax_adama.adama(1e-3, num_micro_batches=2))
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> optax_adama.find_adama_state(state).num_micro_batches
+    2
+    >>> print(optax_adama.find_adama_state(optax.adam(1e-3).init({"w": jnp.ones(2)})))
+    None
   """
   is_adama = lambda x: isinstance(x, ScaleByAdamAState)
   for leaf in jax.tree.leaves(state, is_leaf=is_adama):
@@ -749,7 +768,16 @@ def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
 
 
 class MiniBatchChainState(NamedTuple):
-  """State of :func:`mini_batch_chain`."""
+  """State of :func:`mini_batch_chain` (and so of :func:`adama`, :func:`adamaw`).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> state = optax_adama.adama(1e-3, num_micro_batches=4).init({"w": jnp.ones(2)})
+    >>> isinstance(state, optax_adama.MiniBatchChainState)
+    True
+    >>> int(state.adama.micro_step), state.adama.nu_estimator
+    (0, 'mean')
+  """
 
   adama: ScaleByAdamAState  # state of the scale_by_adama head.
   inner: optax.OptState  # state of the transforms run once per mini-batch.
@@ -793,6 +821,19 @@ def mini_batch_chain(
   Returns:
     A :class:`optax.GradientTransformation` with state
     :class:`MiniBatchChainState`.
+
+  Raises:
+    TypeError: at ``init``, if ``head``'s state is not a
+      :class:`ScaleByAdamAState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_adama
+    >>> tx = optax_adama.mini_batch_chain(  # adamaw(1e-3, ...), spelled out
+    ...     optax_adama.scale_by_adama(num_micro_batches=2),
+    ...     optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-3))
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> int(state.adama.count), state.adama.num_micro_batches
+    (0, 2)
   """
   inner = optax.chain(*transforms)
 
@@ -880,6 +921,15 @@ def adama(
   Returns:
     A :class:`optax.GradientTransformation`.
 
+  Raises:
+    TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
+      if a param leaf is not a real float.
+    ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
+      ``optax.inject_hyperparams`` passes it: use
+      :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or if ``"split"`` is
+      asked with ``quantization``.
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_adama
     >>> loss = lambda p, x: jnp.mean((x * p["w"] - 1.0) ** 2)
@@ -955,6 +1005,15 @@ def adamaw(
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.
 
+  Raises:
+    TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
+      if a param leaf is not a real float.
+    ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
+      ``optax.inject_hyperparams`` passes it: use
+      :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or if ``"split"`` is
+      asked with ``quantization``.
+
   Examples:
     >>> import jax.numpy as jnp, optax_adama
     >>> tx = optax_adama.adamaw(1e-3, weight_decay=0.1, num_micro_batches=4)
@@ -987,6 +1046,21 @@ def has_updated(state: Any) -> jax.Array:
 
   Returns:
     A scalar boolean array.
+
+  Raises:
+    ValueError: if ``state`` holds no AdamA state.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.adama(0.1, num_micro_batches=2)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.ones(2)}, state)
+    >>> bool(optax_adama.has_updated(state))
+    False
+    >>> _, state = tx.update({"w": jnp.ones(2)}, state)
+    >>> bool(optax_adama.has_updated(state))
+    True
   """
   adama_state = find_adama_state(state)
   if adama_state is None:

@@ -1,7 +1,7 @@
 """How far AdamA's second moment is from Adam's, on your model and data.
 
 AdamA cannot form the mini-batch mean gradient, so its v differs from Adam's
-(DESIGN.md, "The second-moment question"). Per coordinate, write
+(docs/design.md, "The second-moment question"). Per coordinate, write
 rho = v_estimator / v_adam: AdamA's step is Adam's times 1/sqrt(rho). rho is 1
 where the mean gradient dominates and up to N (for ``"mean"``) where
 micro-batch noise does, and it drifts as training goes on.
@@ -43,6 +43,8 @@ class SecondMomentDiagnosis:
       25th, 50th, 75th and 95th percentile of rho over all coordinates after
       each mini-batch.
     losses: the mean loss of each mini-batch.
+
+  Made by :func:`diagnose_second_moment`, whose example shows one.
   """
 
   num_micro_batches: int

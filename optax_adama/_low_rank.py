@@ -44,6 +44,20 @@ def low_rank_mask(params: optax.Params, rank: int, min_size: int = 4096) -> Any:
   keep full moments.
 
   Args:
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    rank: the projection's rank.
+    min_size: the fewest elements a projected leaf has.
+
+  Returns:
+    A tree like ``params`` of Python bools.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> params = {"w": jnp.zeros((128, 64)), "b": jnp.zeros(64), "small": jnp.zeros((8, 8))}
+    >>> optax_adama.moments.low_rank_mask(params, rank=4)
+    {'b': False, 'small': False, 'w': True}
+
+  Args:
     params: the params (arrays or ``jax.ShapeDtypeStruct``).
     rank: the projection rank.
     min_size: the fewest elements a projected leaf has.

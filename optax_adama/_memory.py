@@ -19,7 +19,21 @@ __all__ = ["MemoryReport", "MemoryFloor", "tree_bytes", "memory_report", "memory
 
 
 def tree_bytes(tree: Any) -> int:
-  """Bytes held by the array leaves of ``tree`` (arrays or ShapeDtypeStructs)."""
+  """Bytes held by the array leaves of ``tree``; nothing is allocated.
+
+  Args:
+    tree: a pytree of arrays or ``jax.ShapeDtypeStruct`` (e.g. from
+      ``jax.eval_shape``).
+
+  Returns:
+    The bytes, as an int.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> shapes = jax.eval_shape(lambda: {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8, jnp.bfloat16)})
+    >>> optax_adama.memory.tree_bytes(shapes)
+    4194320
+  """
   return int(sum(
       int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
       for leaf in jax.tree.leaves(tree)))
@@ -31,6 +45,13 @@ class MemoryReport:
 
   ``total_bytes = argument + output + temp - alias``: the bytes live at the
   program's peak when donated arguments are reused for outputs.
+
+  Examples:
+    >>> from optax_adama.memory import MemoryReport
+    >>> r = MemoryReport(argument_bytes=300, output_bytes=300, temp_bytes=50,
+    ...                  alias_bytes=300, param_bytes=100)
+    >>> r.total_bytes, r.in_p(r.total_bytes)
+    (350, 3.5)
   """
 
   argument_bytes: int
@@ -93,6 +114,23 @@ def memory_report(
 
   Returns:
     A :class:`MemoryReport`.
+
+  Raises:
+    TypeError: if ``fn`` cannot be lowered for ``args`` (not jitted).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=4)
+    >>> params = {"w": jnp.zeros((256, 256))}
+    >>> state = tx.init(params)
+    >>> batch = {"x": jnp.zeros((64, 256))}
+    >>> step = optax_adama.microbatch_step(loss_fn, tx)
+    >>> report = optax_adama.memory_report(step, params, state, batch)
+    >>> report.param_bytes  # P: one float32 copy of w
+    262144
+    >>> round(report.in_p(report.argument_bytes), 2)  # params, m, v and the batch
+    3.25
   """
   compiled = _compile(fn, args)
   analysis = compiled.memory_analysis()
@@ -116,7 +154,8 @@ class MemoryFloor:
   """AdamA's analytic memory floor of one training step, in bytes.
 
   params + optimizer state (m, v) + the mini-batch + one micro-batch's
-  activations + the gradient of the largest parameter leaf.
+  activations + the gradient of the largest parameter leaf. Made by
+  :func:`memory_floor`, whose example shows one.
   """
 
   param_bytes: int
@@ -164,6 +203,18 @@ def memory_floor(
 
   Returns:
     A :class:`MemoryFloor`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=4)
+    >>> params = {"w": jnp.zeros((256, 256))}
+    >>> state = tx.init(params)
+    >>> batch = {"x": jnp.zeros((64, 256))}
+    >>> floor = optax_adama.memory.memory_floor(
+    ...     loss_fn, params, state, batch, num_micro_batches=4)
+    >>> round(floor.in_p(floor.param_bytes + floor.opt_state_bytes + floor.largest_gradient_bytes), 2)
+    4.0
   """
   micro_batch = jax.eval_shape(
       lambda b: jax.tree.map(lambda x: x[0], _steps.split_micro_batches(b, num_micro_batches)),

@@ -62,8 +62,10 @@ def microbatch_step(
   """Builds a jitted training step that scans over ``N`` micro-batches.
 
   ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` splits
-  ``batch`` into ``N`` micro-batches (see :func:`_steps.split_micro_batches`) and runs
-  a :func:`jax.lax.scan` over them. ``params`` and ``opt_state`` are donated:
+  ``batch`` into ``N`` micro-batches and runs a :func:`jax.lax.scan` over them.
+  Micro-batch ``i`` holds rows ``i, i + N, i + 2N, ...`` (a column-major
+  reshape, as :func:`optax.microbatching.reshape_batch_axis`), so a batch axis
+  sharded over devices stays sharded inside every micro-batch. ``params`` and ``opt_state`` are donated:
   their input buffers are reused for the outputs.
 
   Two modes, picked from the optimizer state unless forced:
@@ -117,8 +119,9 @@ def microbatch_step(
       With AdamA it is read from the optimizer state and may be left out;
       given, it must agree.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    update_every_micro_batch: force the mode; ``None`` picks it from the state
-      (see :func:`updates_every_micro_batch`).
+    update_every_micro_batch: force the mode; ``None`` picks it from the
+      state: one ``update`` per micro-batch when it holds an AdamA or an
+      ``optax.MultiSteps`` state, gradient accumulation otherwise.
     mesh: a :class:`jax.sharding.Mesh` to run data parallel on; ``None`` runs
       on the default device, as plain ``jax.jit``.
     shard_states: with ``mesh``: ``None`` (replicated params and state, the

@@ -150,6 +150,15 @@ def offloaded_state_shapes(
   Returns:
     ``state_shapes`` with each offloaded leaf a ``jax.ShapeDtypeStruct`` with a
     ``pinned_host`` sharding.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.offload_moments(
+    ...     optax_adama.adama(1e-3, num_micro_batches=2), min_size=16)
+    >>> shapes = jax.eval_shape(tx.init, {"w": jnp.zeros((8, 8))})
+    >>> host = optax_adama.moments.offloaded_state_shapes(shapes, min_size=16)
+    >>> optax_adama.find_adama_state(host).mu["w"].sharding.memory_kind
+    'pinned_host'
   """
   device = device or jax.devices()[0]
   # A NamedSharding: jit reads a ShapeDtypeStruct's memory space from that
@@ -170,6 +179,13 @@ def host_state_bytes(state: Any, *, min_size: int = 4096) -> int:
 
   Returns:
     The bytes, as an int.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
+    >>> shapes = jax.eval_shape(tx.init, {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)})
+    >>> optax_adama.moments.host_state_bytes(shapes, min_size=4096)  # m and v of w
+    32768
   """
   return int(sum(
       math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize

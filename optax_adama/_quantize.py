@@ -60,7 +60,7 @@ class QuantizedArray(NamedTuple):
   """One leaf stored as 8-bit codes with a float32 scale per block.
 
   The leaf's own shape is not stored: :func:`scale_by_adama` reads it from the
-  gradient leaf it folds in.
+  gradient leaf it folds in. :class:`BlockQuantization`'s example shows one.
   """
 
   codes: chex.Array  # float8_e4m3fn [num_blocks, block_len]: value / scale, rounded.
@@ -88,6 +88,14 @@ class BlockQuantization:
       slice with no such tiling into blocks of at least ``block_size // 8``
       elements (a prime size, say) keeps its leaf in ``mu_dtype`` /
       ``nu_dtype``. 1-D leaves are laid out as without it.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=4,
+    ...                        quantization=optax_adama.BlockQuantization())
+    >>> state = optax_adama.find_adama_state(tx.init({"w": jnp.zeros((256, 256))}))
+    >>> state.mu["w"].codes.dtype, state.mu["w"].codes.size  # 1 byte per entry
+    (dtype(float8_e4m3fn), 65536)
   """
 
   block_size: int = 2048

@@ -61,6 +61,18 @@ class StagedLoss:
 
   Called as ``staged(params, micro_batch)`` it is the plain loss (the blocks
   under one ``jax.lax.scan``): the ``loss_fn`` of :func:`microbatch_step`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> staged = optax_adama.StagedLoss(
+    ...     embed=lambda outer, b: b["x"] @ outer["w_in"],
+    ...     block=lambda layer, x, b: jnp.tanh(x @ layer["w"]),
+    ...     head=lambda outer, x, b: jnp.mean((x @ outer["w_out"] - b["y"]) ** 2),
+    ...     layers="stack")
+    >>> params = {"w_in": jnp.ones((2, 4)), "stack": {"w": jnp.zeros((3, 4, 4))},
+    ...           "w_out": jnp.ones((4, 1))}
+    >>> float(staged(params, {"x": jnp.ones((5, 2)), "y": jnp.ones((5, 1))}))
+    1.0
   """
 
   embed: Callable[[Any, Batch], Any]
@@ -356,6 +368,22 @@ def release_shardings(
     A :class:`StepShardings`: ``jax.device_put(params, s.params)`` and
     ``jax.device_put(opt_state, s.opt_state)`` before the first step let the
     step donate them in place.
+
+  Raises:
+    ValueError: for an unknown ``shard_states``.
+    NotImplementedError: for ``shard_states="fsdp"``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
+    >>> staged = optax_adama.StagedLoss(
+    ...     embed=lambda outer, b: b["x"], block=lambda layer, x, b: x @ layer["w"],
+    ...     head=lambda outer, x, b: jnp.mean(x ** 2), layers="stack")
+    >>> params = {"stack": {"w": jnp.zeros((4, 8, 8))}}
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = optax_adama.sharding.release_shardings(staged, params, tx.init(params), mesh)
+    >>> tuple(s.opt_state.adama.mu["stack"]["w"].spec)  # each device: a slice of every layer
+    (None, 'data')
   """
   _check_release_stage(mesh, shard_states)
   base = _sharding.step_shardings(

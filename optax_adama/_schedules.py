@@ -32,7 +32,14 @@ _ALWAYS_STATIC = ("num_micro_batches", "mu_dtype", "nu_dtype", "quantization", "
 
 
 class MiniBatchScheduleState(NamedTuple):
-  """State of :func:`mini_batch_schedule`."""
+  """State of :func:`mini_batch_schedule`: the ``update`` calls it has seen.
+
+  Examples:
+    >>> import optax, optax_adama
+    >>> schedule = optax_adama.mini_batch_schedule(optax.constant_schedule(0.1), 2)
+    >>> schedule.init()
+    MiniBatchScheduleState(count=Array(0, dtype=int32))
+  """
 
   count: chex.Array  # int32 []: update calls so far (micro-batches).
 
@@ -73,6 +80,11 @@ def mini_batch_schedule(
 
   Returns:
     A :class:`optax.schedules.StatefulSchedule`.
+
+  Raises:
+    TypeError: if ``schedule`` is not callable or ``num_micro_batches`` is not
+      an integer.
+    ValueError: if ``num_micro_batches < 1``.
 
   Examples:
     >>> import optax, optax_adama

@@ -52,7 +52,11 @@ AxisName = Union[str, Sequence[str]]
 
 
 class StepShardings(NamedTuple):
-  """Shardings of a training step's arguments (each a tree of `NamedSharding`)."""
+  """Shardings of a training step's arguments, each a tree of `NamedSharding`.
+
+  Made by :func:`step_shardings` and :func:`release_shardings`, whose
+  examples show one.
+  """
 
   params: Any  # like params.
   opt_state: Any  # like the optimizer state.
@@ -178,6 +182,9 @@ def step_shardings(
   Returns:
     A :class:`StepShardings`.
 
+  Raises:
+    ValueError: for an unknown ``shard_states``.
+
   Examples:
     >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -201,7 +208,21 @@ def step_shardings(
 
 
 def batch_sharding(mesh: Mesh, data_axis: AxisName = "data") -> NamedSharding:
-  """The sharding of a batch: its leading (example) axis split over ``data_axis``."""
+  """The sharding of a batch: its leading (example) axis split over ``data_axis``.
+
+  Args:
+    mesh: the device mesh.
+    data_axis: the mesh axis (or axes) the batch is split over.
+
+  Returns:
+    A ``NamedSharding``; ``jax.device_put(batch, it)`` places each device's rows.
+
+  Examples:
+    >>> import jax, numpy as np, optax_adama
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> tuple(optax_adama.sharding.batch_sharding(mesh).spec)
+    ('data',)
+  """
   mesh = auto_mesh(mesh)
   _axis_size(mesh, data_axis)
   return NamedSharding(mesh, PartitionSpec(data_axis))

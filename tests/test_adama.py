@@ -99,7 +99,7 @@ _SHAPES = st.lists(
 
 
 def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
-  """DESIGN.md's math in float64 numpy; grads[t][i] is micro-batch i of step t."""
+  """docs/design.md's math in float64 numpy; grads[t][i] is micro-batch i of step t."""
   params = [np.asarray(p, np.float64) for p in params]
   m = [np.zeros_like(p) for p in params]
   v = [np.zeros_like(p) for p in params]
