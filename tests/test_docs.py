@@ -1,0 +1,145 @@
+"""Every ```python block of README.md and docs/*.md runs, extracted from the page.
+
+One case per page: its python blocks, in order, run in one fresh namespace (a
+block may set up names the next one uses). Shell commands are ```bash blocks
+and output is ```text; neither runs. A page that needs several devices says so
+in a comment, ``<!-- test_docs: devices=8 ... -->``; it then runs in a
+subprocess with that many virtual CPU devices (the device count is fixed when
+JAX starts, and this process has started it with one), with warnings as
+errors, as here.
+
+The blocks run under JAX's default promotion rules, not the strict ones of
+``conftest.py``: they are the code a user types, in a user's JAX (optax's own
+transformations, which the pages use as baselines, need standard promotion).
+
+Run one page by hand: ``python tests/test_docs.py docs/usage.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# A fence opens with ``` and a language at the start of a line and closes with
+# the next bare ``` line.
+_FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_DEVICES = re.compile(r"<!--\s*test_docs:\s*devices=(\d+)")
+_LANGUAGES = ("python", "bash", "text")
+
+
+def fenced_blocks(text: str) -> list[tuple[str, int, str]]:
+  """``(language, first code line, code)`` of every fenced block, in order."""
+  return [(m.group(1), text.count("\n", 0, m.start(2)) + 1, m.group(2))
+          for m in _FENCE.finditer(text)]
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+  return [(line, code) for language, line, code in fenced_blocks(text)
+          if language == "python"]
+
+
+def run_page(path: pathlib.Path) -> int:
+  """Runs the page's python blocks in order in one namespace; returns how many.
+
+  Each block is compiled with the page as its file name and padded to its line
+  there, so a traceback points at the line of the page that raised.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  namespace = {"__name__": f"docs.{path.stem}"}
+  blocks = python_blocks(path.read_text())
+  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    for line, code in blocks:
+      exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+  return len(blocks)
+
+
+def _page_id(path: pathlib.Path) -> str:
+  return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+def test_python_blocks_run(path):
+  match = _DEVICES.search(path.read_text())
+  if match is None:
+    run_page(path)
+    return
+  flags = f"--xla_force_host_platform_device_count={match.group(1)}"
+  python_path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+         "PYTHONPATH": os.pathsep.join(filter(None, python_path))}
+  result = subprocess.run(
+      [sys.executable, "-W", "error", __file__, str(path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, (
+      f"{_page_id(path)} failed with {match.group(1)} devices:\n"
+      f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+def test_fences_name_a_language(path):
+  """Untagged or misspelled fences would be skipped silently; every fence says
+  what it is, and pages that show code have some python to run."""
+  languages = [language for language, _, _ in fenced_blocks(path.read_text())]
+  assert set(languages) <= set(_LANGUAGES), (_page_id(path), languages)
+
+
+def test_every_page_is_found_and_has_python():
+  names = {_page_id(path) for path in PAGES}
+  assert {"README.md", "docs/usage.md", "docs/design.md"} <= names
+  assert all(python_blocks(path.read_text()) for path in PAGES
+             if path.name != "benchmarks.md"), "a page lost its python blocks"
+
+
+def test_usage_lists_every_public_name():
+  import optax_adama  # pylint: disable=import-outside-toplevel
+
+  usage = (ROOT / "docs" / "usage.md").read_text()
+  modules = {"optax_adama": optax_adama, **{
+      f"optax_adama.{name}": getattr(optax_adama, name)
+      for name in ("memory", "moments", "sharding", "schedules", "diagnostics")}}
+  missing = [f"{module_name}.{name}" for module_name, module in modules.items()
+             for name in module.__all__
+             if not isinstance(getattr(module, name), type(optax_adama))
+             and f"`{name}" not in usage]
+  assert not missing, f"docs/usage.md does not list {missing}"
+
+
+def test_a_block_that_raises_fails_its_page(tmp_path):
+  page = tmp_path / "broken.md"
+  page.write_text(textwrap.dedent("""\
+      # A page
+
+      ```python
+      value = 1
+      ```
+
+      ```bash
+      this is not run
+      ```
+
+      ```python
+      assert value == 2, "the second block sees the first block's names"
+      ```
+      """))
+  with pytest.raises(AssertionError, match="second block") as info:
+    run_page(page)
+  # The traceback names the page and the line of the failing block.
+  assert any(entry.path == page and entry.lineno + 1 == 12
+             for entry in info.traceback), info.traceback
+
+
+if __name__ == "__main__":
+  # The subprocess of a page that needs several devices: XLA_FLAGS is set
+  # before JAX starts.
+  sys.exit(0 if run_page(pathlib.Path(sys.argv[1])) >= 0 else 1)
