@@ -101,6 +101,29 @@ def test_every_page_is_found_and_has_python():
              if path.name != "benchmarks.md"), "a page lost its python blocks"
 
 
+def _heading_anchors(path: pathlib.Path) -> set[str]:
+  """GitHub's anchors of a page's headings (code blocks left out)."""
+  text = _FENCE.sub("", path.read_text())
+  headings = re.findall(r"^#+\s+(.*?)\s*$", text, re.MULTILINE)
+  return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+          for heading in headings}
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+def test_relative_links_resolve(path):
+  """Links to files of the repository, and to their headings, exist."""
+  broken = []
+  for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+    if re.match(r"[a-z]+://", target):
+      continue
+    file_part, _, anchor = target.partition("#")
+    linked = (path.parent / file_part).resolve() if file_part else path
+    if not linked.exists() or (
+        anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked)):
+      broken.append(target)
+  assert not broken, f"{_page_id(path)}: broken links {broken}"
+
+
 def test_usage_lists_every_public_name():
   import optax_adama  # pylint: disable=import-outside-toplevel
 
