@@ -348,11 +348,29 @@ def _direction(
   return u.astype(like.dtype)
 
 
+def _update_like(grad: jax.Array, mu: Moment, nu: Moment) -> jax.ShapeDtypeStruct:
+  """The shape and dtype of a leaf's update: ``optax.scale_by_adam``'s.
+
+  optax returns the promotion of the gradient's dtype and the moments' (its
+  update is ``m_hat / (sqrt(v_hat) + eps)`` with ``m`` and ``v`` folded from
+  the gradient): float32 params and moments with bfloat16 gradients give
+  float32 updates, which are then added to the params unrounded. An 8-bit
+  moment has no dtype of its own there; the gradient's stands for it.
+  Promoted as JAX's standard mode does, also where a caller runs strict
+  promotion (AdamA's arithmetic casts explicitly).
+  """
+  dtypes = [jnp.dtype(grad.dtype)] + [
+      jnp.dtype(m.dtype) for m in (mu, nu) if not isinstance(m, QuantizedArray)]
+  with jax.numpy_dtype_promotion("standard"):
+    dtype = functools.reduce(jnp.promote_types, dtypes)
+  return jax.ShapeDtypeStruct(jnp.shape(grad), dtype)
+
+
 def _gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
   """The direction where ``emit``, exact zeros elsewhere."""
   # Only the gradient's shape and dtype enter: the gradient itself would
   # become an operand of the branch, one more reason for XLA to keep it alive.
-  like = jax.ShapeDtypeStruct(jnp.shape(grad), grad.dtype)
+  like = _update_like(grad, mu, nu)
   if not isinstance(mu, QuantizedArray):
     u = _direction(mu, nu, like, **hyperparams)
     return jnp.where(emit, u, jnp.zeros_like(u))
@@ -753,7 +771,9 @@ def gated_direction_of_leaf(m, v, p, emit, direction: dict) -> jax.Array:
   # For steps that fold in a scan and apply after it: 8-bit moments are read
   # from their codes anyway there, so a select fuses into the update, where
   # _gated_direction's branch would materialize a float32 direction.
-  u = _direction(m, v, jax.ShapeDtypeStruct(jnp.shape(p), p.dtype), **direction)
+  # The fused steps differentiate with respect to params: the gradient has
+  # the params' dtype.
+  u = _direction(m, v, _update_like(p, m, v), **direction)
   return jnp.where(emit, u, jnp.zeros_like(u))
 
 

@@ -213,7 +213,7 @@ def _single_device_placement(value_and_grad, has_aux) -> _Placement:
       loss_and_grads=loss_and_grads,
       shardings=lambda params, opt_state: None,
       place_micro_batches=lambda micro_batches: micro_batches,
-      apply_updates=lambda params, updates, emitted: optax.apply_updates(params, updates))
+      apply_updates=lambda params, updates, emitted: _steps.apply_updates(params, updates))
 
 
 def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _Placement:
@@ -235,9 +235,9 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
       # and v: applying them all-gathers. They are exactly zero until the
       # N-th micro-batch, so gather only then.
       params = jax.lax.cond(
-          emitted, lambda: optax.apply_updates(params, updates), lambda: params)
+          emitted, lambda: _steps.apply_updates(params, updates), lambda: params)
     else:
-      params = optax.apply_updates(params, updates)
+      params = _steps.apply_updates(params, updates)
     # Keep the carry where it started (replicated for ZeRO-1/2), or GSPMD may
     # shard it after the sharded update and gather it in every forward.
     return jax.lax.with_sharding_constraint(params, shardings(params, None).params)

@@ -490,7 +490,7 @@ def _apply_sharded_updates(staged, params, updates, moment_shardings, mesh, data
   outer_specs, stacked_specs = staged.split(update_specs)
 
   def apply(p, u, spec):
-    new = optax.apply_updates(_local_slice(p, spec, data_axis, num_devices), u)
+    new = _steps.apply_updates(_local_slice(p, spec, data_axis, num_devices), u)
     dim = _sharding.split_dim(spec)
     return new if dim is None else jax.lax.all_gather(new, data_axis, axis=dim, tiled=True)
 
@@ -813,7 +813,7 @@ def _apply_emitted(staged, parts, params, state, inner_state, sharded_update):
     updates, inner_state = _adama.per_mini_batch_update(
         parts.inner, updates, state, inner_state, params)
   if sharded_update is None:
-    return optax.apply_updates(params, updates), inner_state
+    return _steps.apply_updates(params, updates), inner_state
   return sharded_update(params, updates), inner_state
 
 
@@ -860,7 +860,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
       for m, v, p in zip(outer_def.flatten_up_to(mu_outer),
                          outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer))])
   updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
-  new_outer = optax.apply_updates(outer, staged.split(updates)[0])
+  new_outer = _steps.apply_updates(outer, staged.split(updates)[0])
 
   mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
   flags = [_offloaded(m, v, parts) for m, v in zip(mus, nus)]
@@ -875,7 +875,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
                        _layer_slice(v, layer, num_layers, keepdims=True), p, *flag)
         for m, v, p, flag in zip(mus, nus, jax.tree.leaves(layer_params), flags)])
     updates, _ = chained(zeros(outer), dirs, outer, layer_params)
-    new = optax.apply_updates(layer_params, staged.split(updates)[1])
+    new = _steps.apply_updates(layer_params, staged.split(updates)[1])
     return jax.tree.map(lambda p, n: jax.lax.dynamic_update_slice_in_dim(p, n, layer, 0),
                         stacked, new), None
 

@@ -156,3 +156,18 @@ def raise_shared_leaves(params, opt_state):
             "params) before tx.init(params), or keep a tied weight once in the "
             "tree.")
       first_path[id(leaf)] = where
+
+
+def apply_updates(params, updates):
+  """``optax.apply_updates`` with its promotion spelled out.
+
+  ``p + u`` in the two dtypes' promotion, cast back to ``p``'s: optax's values
+  under JAX's standard promotion, and valid under strict promotion too, where
+  AdamA hands bfloat16 params float32 updates (as ``optax.adam`` does when
+  its moments are float32).
+  """
+  def add(p, u):
+    with jax.numpy_dtype_promotion("standard"):
+      dtype = jnp.promote_types(p.dtype, u.dtype)
+    return (p.astype(dtype) + u.astype(dtype)).astype(p.dtype)
+  return jax.tree.map(add, params, updates)
