@@ -21,7 +21,7 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import bench
+from models import harness
 
 
 def estimator_totals(preset: str, batch_size: int, num_micro_batches: int = 4, *,
@@ -40,7 +40,7 @@ def estimator_totals(preset: str, batch_size: int, num_micro_batches: int = 4, *
     loss_fn, params = models.staged_loss(model)
   else:
     loss_fn, params = models.split_loss_fn(model)
-  batch = bench.abstract_batch(config, batch_size, None)
+  batch = harness.abstract_batch(config, batch_size, None)
   totals = {}
   for estimator in estimators:
     tx = optax_adama.adama(1e-3, num_micro_batches=num_micro_batches, nu_estimator=estimator)

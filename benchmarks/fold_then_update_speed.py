@@ -30,8 +30,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models import bench
-from models import train
+from models import harness
 
 
 def mlp_problem(width: int = 2048, num_layers: int = 8, rows: int = 8, num_micro_batches: int = 4):
@@ -53,10 +52,10 @@ def mlp_problem(width: int = 2048, num_layers: int = 8, rows: int = 8, num_micro
 
 def preset_problem(preset: str, micro_batch_size: int = 8, num_micro_batches: int = 4):
   config = models.get_config(preset)
-  loss_fn, abstract = bench.split_model(config)
+  loss_fn, abstract = harness.split_model(config)
   params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), abstract)
-  batch = bench.random_batch(
-      config, bench.abstract_batch(config, micro_batch_size * num_micro_batches))
+  batch = harness.random_batch(
+      config, harness.abstract_batch(config, micro_batch_size * num_micro_batches))
   return loss_fn, params, batch
 
 
@@ -120,7 +119,7 @@ def main(argv=None):
             f"x{r['ratio_to_scan_accumulation']:.3f} | {r['total_p']:.3f} P", flush=True)
   if args.json:
     args.json.write_text(json.dumps({"num_micro_batches": n, "results": results,
-                                     "machine": train.machine_info()}, indent=1))
+                                     "machine": harness.machine_info()}, indent=1))
 
 
 if __name__ == "__main__":

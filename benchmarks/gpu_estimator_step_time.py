@@ -20,7 +20,7 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import bench
+from models import harness
 
 
 def build(case, method, lr=1e-4):
@@ -29,9 +29,9 @@ def build(case, method, lr=1e-4):
   model = models.create(config, rngs=nnx.Rngs(0))
   release = method == "release"
   loss_fn, params = (models.staged_loss if release else models.split_loss_fn)(model)
-  batch = bench.random_batch(config, bench.abstract_batch(config, n, None))
+  batch = harness.random_batch(config, harness.abstract_batch(config, n, None))
   if method == "scan_accumulation":
-    step, tx = bench.make_step("scan_accumulation", loss_fn, num_micro_batches=n)
+    step, tx = harness.make_step("scan_accumulation", loss_fn, num_micro_batches=n)
   elif release:
     tx = optax_adama.adama(lr, num_micro_batches=n)
     step = optax_adama.release_step(loss_fn, tx)

@@ -12,8 +12,8 @@ every 50 mini-batches, embeddings projected too; 8-bit, bf16 projectors) and
 the same with the state offloaded to host memory; ``adam_lowrank`` is GaLore
 on Adam with gradient accumulation (the same projection, no AdamA), to tell
 GaLore's cost from AdamA's. The optimizer of each arm replaces
-``models.train.make_optimizer``'s for its run; everything else is
-``models.train.train``.
+``models.harness.make_optimizer``'s for its run; everything else is
+``models.harness.train``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 import optax_adama
-from models import train, validate
+from models import harness, validate
 
 NUM_MICRO_BATCHES = 4
 ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload",
@@ -47,10 +47,10 @@ def block_kernels(rank: int):
   return mask
 
 
-def arm_optimizer(arm: str, config: train.TrainConfig, rank: int, refresh_period: int,
+def arm_optimizer(arm: str, config: harness.TrainConfig, rank: int, refresh_period: int,
                   embeddings: bool):
   """The optimizer of an arm, with the run's schedule."""
-  schedule = train.warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
+  schedule = harness.warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   if arm == "adam_lowrank":  # optax's GaLore on the accumulated mean gradient
     return optax_adama.low_rank(
         optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(schedule)),
@@ -70,16 +70,16 @@ def arm_optimizer(arm: str, config: train.TrainConfig, rank: int, refresh_period
 
 def run(arm: str, seed: int, steps: int, **low_rank) -> dict:
   settings = {**validate.SETTINGS["gpt"], "steps": steps}
-  config = train.TrainConfig(
+  config = harness.TrainConfig(
       model="gpt", optimizer="adama" if arm.startswith("adama") else "adam",
       num_micro_batches=NUM_MICRO_BATCHES, seed=seed, **settings)
-  make_optimizer = train.make_optimizer
+  make_optimizer = harness.make_optimizer
   if arm != "adam":
-    train.make_optimizer = lambda c: arm_optimizer(arm, c, **low_rank)
+    harness.make_optimizer = lambda c: arm_optimizer(arm, c, **low_rank)
   try:
-    result = train.train(config, progress=False)
+    result = harness.train(config, progress=False)
   finally:
-    train.make_optimizer = make_optimizer
+    harness.make_optimizer = make_optimizer
   return {"arm": arm, "seed": seed, "eval_loss": result["eval_loss"],
           "eval_metrics": result["eval_metrics"], "train_loss": result["train_loss"],
           "memory": result["memory"], "machine": result["machine"]}

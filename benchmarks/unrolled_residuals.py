@@ -37,7 +37,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUM
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 import models  # noqa: E402
-from models import bench  # noqa: E402
+from models import harness  # noqa: E402
 
 
 def programs(loss_fn):
@@ -91,8 +91,8 @@ def live_at_peak(module_prefix: str) -> dict[str, int]:
 
 def measure(preset: str, num_micro_batches: int = 4) -> dict:
   config = models.get_config(preset)
-  loss_fn, params = bench.split_model(config)
-  micro_batch = bench.abstract_batch(config, 1, None)
+  loss_fn, params = harness.split_model(config)
+  micro_batch = harness.abstract_batch(config, 1, None)
   micro_batches = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((num_micro_batches, *x.shape), x.dtype), micro_batch)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

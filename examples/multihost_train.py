@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> float:
   import models
   import optax_adama
   from models import data
-  from models.train import warmup_cosine_schedule
+  from models.harness import warmup_cosine_schedule
 
   multi_process = args.coordinator is not None or args.num_processes not in (None, 1)
   if multi_process:

@@ -11,6 +11,18 @@ or a config; `param_count` counts parameters without allocating them; and
     loss = loss_fn(params, {"tokens": tokens})  # int32[batch, seq_len + 1]
 
 Data loaders live in `models.data`.
+
+This package is two layers. The model zoo is this front and `gpt`, `bert`,
+`vit`, `layers`, `savers` and `data`; it imports `optax_adama` and nothing of
+the harness. Everything here is how a user builds a model and turns it into
+`loss_fn(params, batch)`: the presets and configs, the model classes,
+`create`/`create_abstract`/`get_config`/`param_count`, and the loss builders
+(`make_loss_fn`, `split_loss_fn`, and `staged_loss`, the stages
+`optax_adama.release_step` takes). The harness (the commands `python -m
+models.train`, `bench`, `plan`, `validate`, `demo`, `gpu_bench` and
+`models.harness`, `models.planner` and `models.study` below them) trains,
+measures and plots; none of it is imported here. A built wheel ships
+`optax_adama` alone: the zoo and the harness run from a checkout.
 """
 
 from __future__ import annotations

@@ -43,6 +43,12 @@ unrolled model's, whose largest gradient is one layer's leaf or an outer leaf:
 Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
 laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
 AdamA's analytic floor from ``optax_adama.memory.memory_floor``.
+
+Each method's step (``models.harness.make_step``), its floor
+(``harness.floor_for``) and the interleaved timing
+(``harness.measure_throughput``) live in ``models.harness``, shared with
+models.gpu_bench and models.demo; the sweeps, the capacity search, the tables
+and the plots are this command's own.
 """
 
 from __future__ import annotations
@@ -58,221 +64,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
 from tqdm import tqdm
 
 import models
 import optax_adama
-from models.train import machine_info, tokens_per_example
-
-METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
-# Capacity: smaller optimizer state. The careful user's accumulation baseline,
-# then AdamA with 8-bit, low-rank (GaLore) and host-offloaded moments.
-STATE_METHODS = ("scan_accumulation_bf16_8bit", "adama_8bit", "adama_8bit_lowrank",
-                 "adama_8bit_lowrank_offload")
-LOW_RANK_REFRESH_PERIOD = 200  # mini-batches, GaLore's default
-# Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
-# accumulation and AdamA (params, m, v replicated), AdamA with ZeRO-2 (m, v split,
-# gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
-SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
-                   "zero2_adama", "zero2_adama_8bit")
-# Needs the model in stages, so only with --scan-layers: the release step with
-# float32 moments, with 8-bit ones whose blocks tile each layer, and with those
-# kept in host memory (each layer's slice brought in for its fold and update).
-RELEASE_METHODS = ("adama_release", "adama_release_8bit", "adama_release_8bit_offload")
-Step = Callable[..., Any]
-
-
-def abstract_batch(config: models.Config, batch_size: int, seq_len: int | None = None) -> dict:
-  """ShapeDtypeStructs of a batch in the format the model's loss expects."""
-  sds = jax.ShapeDtypeStruct
-  if isinstance(config, models.GPTConfig):
-    seq_len = seq_len or config.max_len
-    return {"tokens": sds((batch_size, seq_len + 1), jnp.int32)}
-  if isinstance(config, models.BERTConfig):
-    seq_len = seq_len or config.max_len
-    return {"tokens": sds((batch_size, seq_len), jnp.int32),
-            "targets": sds((batch_size, seq_len), jnp.int32),
-            "mask_weights": sds((batch_size, seq_len), jnp.float32)}
-  size, channels = config.image_size, config.num_channels
-  return {"images": sds((batch_size, size, size, channels), jnp.float32),
-          "labels": sds((batch_size,), jnp.int32)}
-
-
-def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
-  """A concrete batch for timing (speed does not depend on the values)."""
-  rng = np.random.default_rng(seed)
-  vocab = getattr(config, "vocab_size", None)
-  out = {}
-  for name, leaf in batch.items():
-    if name == "labels":
-      out[name] = rng.integers(0, config.num_classes, leaf.shape).astype(np.int32)
-    elif name == "mask_weights":
-      out[name] = (rng.random(leaf.shape) < 0.15).astype(np.float32)
-    elif leaf.dtype == jnp.int32:
-      out[name] = rng.integers(0, vocab, leaf.shape).astype(np.int32)
-    else:
-      out[name] = rng.random(leaf.shape).astype(np.float32)
-  return jax.tree.map(jnp.asarray, out)
-
-
-def make_step(
-    method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
-    mesh: jax.sharding.Mesh | None = None, rank: int | None = None,
-) -> tuple[Step, optax.GradientTransformation]:
-  """(jitted donating step, its optimizer) of a method.
-
-  ``full_batch`` runs the whole mini-batch as one micro-batch; every other
-  method scans ``num_micro_batches`` of them. ``rank``: the low-rank methods'
-  projection rank.
-  """
-  adam = optax.adam(learning_rate)
-  if method in STATE_METHODS:
-    return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
-  if method in SHARDED_METHODS:
-    if mesh is None:
-      raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
-    quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
-    tx = (adam if method.endswith("_scan_accumulation") else optax_adama.adama(
-        learning_rate, num_micro_batches=num_micro_batches, quantization=quantization))
-    step = optax_adama.microbatch_step(
-        loss_fn, tx, num_micro_batches=num_micro_batches, mesh=mesh,
-        shard_states="zero2" if method.startswith("zero2") else None)
-    return step, tx
-  if method == "full_batch":
-    return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam
-  if method == "scan_accumulation":
-    step = optax_adama.microbatch_step(
-        loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False)
-    return step, adam
-  if method == "multisteps":
-    tx = optax.MultiSteps(adam, every_k_schedule=num_micro_batches)
-    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
-  if method == "optax_microbatching":
-    return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam
-  if method == "adama":
-    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
-    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
-  if method in RELEASE_METHODS:
-    if not isinstance(loss_fn, optax_adama.StagedLoss):
-      raise ValueError(f"{method} needs a scanned model (--scan-layers).")
-    quantization = (optax_adama.BlockQuantization(layer_aligned=True)
-                    if "_8bit" in method else None)
-    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
-                           quantization=quantization)
-    if method.endswith("_offload"):
-      tx = optax_adama.offload_moments(tx)
-    return optax_adama.release_step(loss_fn, tx), tx
-  raise ValueError(f"unknown method {method!r}; known: {METHODS}")
-
-
-def _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank):
-  """The steps of STATE_METHODS: 8-bit, low-rank and offloaded moments."""
-  quantization = optax_adama.BlockQuantization()
-  if method == "scan_accumulation_bf16_8bit":
-    adam_8bit = _without_adama_state(optax_adama.adama(
-        learning_rate, num_micro_batches=1, quantization=quantization))
-    step = optax_adama.microbatch_step(
-        loss_fn, adam_8bit, num_micro_batches=num_micro_batches,
-        update_every_micro_batch=False, accumulation_dtype=jnp.bfloat16)
-    return step, adam_8bit
-  tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
-                         quantization=quantization)
-  if "lowrank" in method:
-    if rank is None:
-      raise ValueError(f"method {method!r} needs a rank.")
-    tx = optax_adama.low_rank(tx, rank=rank, refresh_period=LOW_RANK_REFRESH_PERIOD,
-                              projector_dtype=jnp.bfloat16)
-  if method.endswith("_offload"):
-    tx = optax_adama.offload_moments(tx)
-  return optax_adama.microbatch_step(loss_fn, tx), tx
-
-
-def _without_adama_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """``tx`` with its state as a flat tuple of arrays.
-
-  AdamA at N = 1 is Adam; with its state flattened, ``microbatch_step`` finds
-  no AdamA state and runs it as any optax optimizer, after a gradient-sum
-  carry: Adam with 8-bit moments for the accumulation baseline.
-  """
-
-  def update_fn(updates, state, params=None):
-    treedef = jax.tree.structure(jax.eval_shape(tx.init, params))
-    new_updates, new_state = tx.update(updates, treedef.unflatten(state), params)
-    return new_updates, tuple(jax.tree.leaves(new_state))
-
-  return optax.GradientTransformation(lambda p: tuple(jax.tree.leaves(tx.init(p))), update_fn)
-
-
-def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
-  """The step a user writes with optax.microbatching: mean gradient, one update."""
-
-  def step(params, opt_state, batch):
-    batch_size = jax.tree.leaves(batch)[0].shape[0]
-    value_and_grad = optax.microbatching.microbatch(
-        jax.value_and_grad(loss_fn), argnums=1,
-        microbatch_size=batch_size // num_micro_batches,
-        accumulator=optax.microbatching.AccumulationType.MEAN)
-    loss, grads = value_and_grad(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def split_model(config: models.Config) -> tuple[Callable, Any]:
-  """(pure loss_fn, abstract params) of a config, nothing allocated.
-
-  With ``scan_layers`` the loss is a ``StagedLoss`` (also a plain loss_fn).
-  """
-  if config.scan_layers:
-    return models.staged_loss(models.create_abstract(config))
-  graphdef, params, rest = nnx.split(models.create_abstract(config), nnx.Param, ...)
-  return models.make_loss_fn(graphdef, rest), params
-
-
-def adama_floor(config: models.Config, batch: dict,
-                num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
-  """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
-  loss_fn, params = split_model(dataclasses.replace(config, scan_layers=False))
-  state = jax.eval_shape(
-      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
-  return optax_adama.memory.memory_floor(loss_fn, params, state, batch,
-                                  num_micro_batches=num_micro_batches)
-
-
-def floor_for(method: str, config: models.Config, batch: dict,
-              num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
-  """The floor a method is held to.
-
-  AdamA's (`adama_floor`): the unrolled model's, whose largest gradient is one
-  leaf. The release step's: it recomputes each layer from its saved input in
-  the backward pass, so its activations are those of the scanned model with
-  every block rematerialized (the layer inputs, one layer's recomputation and
-  the head), and its largest gradient is one layer's slice of a stacked leaf
-  or an outer leaf.
-  """
-  if method not in RELEASE_METHODS:
-    return adama_floor(config, batch, num_micro_batches)
-  config = dataclasses.replace(config, scan_layers=True, remat="full")
-  loss_fn, params = split_model(config)
-  state = jax.eval_shape(
-      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
-  floor = optax_adama.memory.memory_floor(loss_fn, params, state, batch,
-                                   num_micro_batches=num_micro_batches)
-  stack_path = (loss_fn.layers,) if isinstance(loss_fn.layers, str) else tuple(loss_fn.layers)
-
-  def gradient_bytes(path, leaf):
-    keys = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-    stacked = keys[:len(stack_path)] == stack_path
-    return optax_adama.memory.tree_bytes(leaf) // (config.num_layers if stacked else 1)
-
-  largest = max(gradient_bytes(path, leaf)
-                for path, leaf in jax.tree_util.tree_leaves_with_path(params))
-  return dataclasses.replace(floor, largest_gradient_bytes=largest)
+from models import harness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,20 +100,20 @@ def measure_memory(
   """
   config = models.get_config(preset, remat=remat, scan_layers=scan_layers)
   name = (preset if isinstance(preset, str) else "custom") + (" (scanned)" if scan_layers else "")
-  loss_fn, params = split_model(config)
+  loss_fn, params = harness.split_model(config)
   rows = []
-  batch = abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
+  batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
   floors = {}
   for method in methods:
     if method.endswith("_offload"):
       raise ValueError(
           f"{method}: its state lives in host memory, which this compile-only "
           "table would count as device memory on CPU; measure it with capacity.")
-    release = method in RELEASE_METHODS
+    release = method in harness.RELEASE_METHODS
     if release not in floors:
-      floors[release] = floor_for(method, config, batch, num_micro_batches).to_dict()
+      floors[release] = harness.floor_for(method, config, batch, num_micro_batches).to_dict()
     floor = floors[release]
-    step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches)
     opt_state = jax.eval_shape(tx.init, params)
     start = time.perf_counter()
     report = optax_adama.memory_report(step, params, opt_state, batch)
@@ -326,63 +122,6 @@ def measure_memory(
         models.param_count(config), report.to_dict(), floor,
         time.perf_counter() - start))
   return rows
-
-
-def measure_throughput(
-    preset: str,
-    methods: Sequence[str],
-    num_micro_batches: int,
-    *,
-    micro_batch_size: int,
-    seq_len: int | None = None,
-    rounds: int = 7,
-    steps_per_round: int = 5,
-    progress: bool = True,
-) -> dict[str, dict[str, float]]:
-  """Median step time per method, the methods interleaved round by round.
-
-  Interleaving means slow drift of the machine (other load, thermal state)
-  hits every method alike, so their ratio is trustworthy.
-  """
-  config = models.get_config(preset)
-  model = models.create(config, rngs=nnx.Rngs(0))
-  # The release step needs the model in stages (scanned configs only).
-  splits = {False: models.split_loss_fn(model)}
-  if any(m in RELEASE_METHODS for m in methods):
-    splits[True] = models.staged_loss(model)
-  batch_size = micro_batch_size * num_micro_batches
-  batch = random_batch(config, abstract_batch(config, batch_size, seq_len))
-  tokens_per_step = batch_size * tokens_per_example(config, batch)
-  runners = {}
-  for method in methods:
-    loss_fn, init_params = splits[method in RELEASE_METHODS]
-    step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
-    params = jax.tree.map(jnp.array, init_params)
-    state = tx.init(params)
-    compiled = step.lower(params, state, batch).compile()
-    runners[method] = [compiled, params, state]
-  times: dict[str, list[float]] = {m: [] for m in methods}
-  with tqdm(total=rounds * len(methods), desc=f"throughput {preset}", disable=not progress,
-            file=sys.stderr) as bar:
-    for round_index in range(rounds + 1):  # round 0 warms up, untimed
-      for method in methods:
-        compiled, params, state = runners[method]
-        start = time.perf_counter()
-        for _ in range(steps_per_round):
-          params, state, metrics = compiled(params, state, batch)
-        jax.block_until_ready((params, state, metrics))
-        elapsed = (time.perf_counter() - start) / steps_per_round
-        runners[method][1:] = [params, state]
-        if round_index:
-          times[method].append(elapsed)
-          bar.update()
-  out = {}
-  for method in methods:
-    median = float(np.median(times[method]))
-    out[method] = {"median_step_s": median, "steps_per_s": 1.0 / median,
-                   "tokens_per_s": tokens_per_step / median,
-                   "step_s_all": times[method]}
-  return out
 
 
 def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
@@ -413,15 +152,15 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
                       scan_layers=scan_layers)
-  loss_fn, params = split_model(config)
-  step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
+  loss_fn, params = harness.split_model(config)
+  step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
                        rank=config.hidden // 4)
   devices = 1 if mesh is None else mesh.size
-  batch = abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
+  batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
   state = jax.eval_shape(tx.init, params)
   offloaded = method.endswith("_offload")
   total = device_bytes(step, params, state, batch, offloaded=offloaded)
-  if offloaded and method in RELEASE_METHODS:
+  if offloaded and method in harness.RELEASE_METHODS:
     total += release_in_flight_bytes(loss_fn, state)
   return total, models.param_count(config)
 
@@ -441,7 +180,7 @@ def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> i
   return outer + optax_adama.moments.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
 
 
-def device_bytes(step: Step, params: Any, opt_state: Any, batch: Any, *,
+def device_bytes(step: harness.Step, params: Any, opt_state: Any, batch: Any, *,
                  offloaded: bool = False) -> int:
   """Compiled device bytes of a step (compile only).
 
@@ -631,8 +370,9 @@ def capacity_table(results: Sequence[dict[str, Any]]) -> str:
 
 def memory_table(rows: Sequence[MemoryRow]) -> str:
   """Markdown: one row per (preset, N), one column per method, in GiB and P."""
-  methods = [m for m in METHODS + RELEASE_METHODS if any(r.method == m for r in rows)]
-  release = any(r.method in RELEASE_METHODS for r in rows)
+  methods = [m for m in harness.METHODS + harness.RELEASE_METHODS
+             if any(r.method == m for r in rows)]
+  release = any(r.method in harness.RELEASE_METHODS for r in rows)
   head = ("| preset | params | N | floor | " + " | ".join(methods) + " | AdamA vs floor |"
           + (" release vs its floor (remat full) |" if release else "")
           + "\n|" + "---|" * (len(methods) + 5 + release))
@@ -642,7 +382,7 @@ def memory_table(rows: Sequence[MemoryRow]) -> str:
                                else 0, k[1]))
   for preset, n in keys:
     group = {r.method: r for r in rows if (r.preset, r.num_micro_batches) == (preset, n)}
-    any_row = next((r for r in group.values() if r.method not in RELEASE_METHODS),
+    any_row = next((r for r in group.values() if r.method not in harness.RELEASE_METHODS),
                    next(iter(group.values())))
     floor = any_row.floor
     cells = []
@@ -655,7 +395,7 @@ def memory_table(rows: Sequence[MemoryRow]) -> str:
       if r is None:
         return ""
       return (f"{100 * (r.report['total_bytes'] / r.floor['total_bytes'] - 1):+.1f}%"
-              + (f" ({r.floor['total_p']:.2f} P)" if method in RELEASE_METHODS else ""))
+              + (f" ({r.floor['total_p']:.2f} P)" if method in harness.RELEASE_METHODS else ""))
 
     lines.append(
         f"| {preset} | {any_row.param_count / 1e6:.1f}M | {n} "
@@ -674,7 +414,7 @@ def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
   presets = list(dict.fromkeys(r.preset for r in rows))
   fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets), 4), squeeze=False)
   for ax, preset in zip(axes[0], presets):
-    for method in METHODS:
+    for method in harness.METHODS:
       points = sorted((r.num_micro_batches, r.report["total_p"])
                       for r in rows if r.preset == preset and r.method == method)
       if points:
@@ -705,7 +445,6 @@ def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from models.validate import save_figure
 
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   for method in dict.fromkeys(r["method"] for r in results):
@@ -718,7 +457,7 @@ def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
                fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  save_figure(fig, path)
+  harness.save_figure(fig, path)
 
 
 def _parse_args(argv):
@@ -726,8 +465,9 @@ def _parse_args(argv):
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--methods", nargs="+",
-                      choices=METHODS + SHARDED_METHODS + RELEASE_METHODS + STATE_METHODS,
-                      default=list(METHODS))
+                      choices=(harness.METHODS + harness.SHARDED_METHODS
+                               + harness.RELEASE_METHODS + harness.STATE_METHODS),
+                      default=list(harness.METHODS))
   common.add_argument("--micro-batch-size", type=int, default=1)
   common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
   common.add_argument("--json", type=Path, default=None, help="write results as JSON here")
@@ -790,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"--devices {args.devices} on CPU: start with "
           f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
     mesh = jax.make_mesh((args.devices,), ("data",))
-  result: dict[str, Any] = {"command": args.command, "machine": machine_info(),
+  result: dict[str, Any] = {"command": args.command, "machine": harness.machine_info(),
                             "argv": list(sys.argv[1:] if argv is None else argv)}
   if args.command == "memory":
     rows: list[MemoryRow] = []
@@ -813,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lines = ["| preset | N | " + " | ".join(args.methods) + " | AdamA / scan_accumulation |",
              "|" + "---|" * (len(args.methods) + 3)]
     for preset in args.presets:
-      timing = measure_throughput(
+      timing = harness.measure_throughput(
           preset, args.methods, args.num_micro_batches, micro_batch_size=args.micro_batch_size,
           seq_len=args.seq_len, rounds=args.rounds, steps_per_round=args.steps_per_round,
           progress=progress)
@@ -852,7 +592,7 @@ def merge_tables(args: argparse.Namespace) -> dict[str, Any]:
   merged: dict[str, Any] = {"command": command, "machine": runs[0]["machine"],
                             "argv": [run["argv"] for run in runs]}
   if command == "memory":
-    order = {m: i for i, m in enumerate(METHODS)}
+    order = {m: i for i, m in enumerate(harness.METHODS)}
     rows = sorted((MemoryRow(**row) for run in runs for row in run["rows"]),
                   key=lambda r: (r.preset, r.num_micro_batches, order[r.method]))
     merged["rows"] = [dataclasses.asdict(r) for r in rows]

@@ -42,16 +42,7 @@ import optax
 
 import models
 import optax_adama
-from models import bench, train
-
-GIB = 2**30
-
-
-def format_bytes(num_bytes: float) -> str:
-  """GiB, or MiB below a tenth of a GiB (the tiny models' steps)."""
-  if abs(num_bytes) >= 0.1 * GIB:
-    return f"{num_bytes / GIB:.2f} GiB"
-  return f"{num_bytes / 2**20:.2f} MiB"
+from models import harness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +63,9 @@ class DemoConfig:
   # optimizers, both halves: exact up to summation order.
   loss_chunks: int = 8
 
-  def train_config(self, optimizer: str) -> train.TrainConfig:
+  def train_config(self, optimizer: str) -> harness.TrainConfig:
     adama_options = {"nu_estimator": self.nu_estimator} if optimizer == "adama" else {}
-    return train.TrainConfig(
+    return harness.TrainConfig(
         model="gpt", optimizer=optimizer, num_micro_batches=self.num_micro_batches,
         batch_size=self.num_micro_batches * self.micro_batch_size, seq_len=64,
         steps=self.steps, learning_rate=self.learning_rate, seed=self.seed,
@@ -91,8 +82,8 @@ def step_memory(config: DemoConfig) -> dict[str, optax_adama.MemoryReport]:
   Adam + accumulator's ``microbatch_step``, AdamA's ``release_step``."""
   model_config = models.get_config(config.memory_preset, remat="full", scan_layers=True,
                                    loss_chunks=config.loss_chunks)
-  loss_fn, params = bench.split_model(model_config)
-  batch = bench.abstract_batch(
+  loss_fn, params = harness.split_model(model_config)
+  batch = harness.abstract_batch(
       model_config, config.memory_micro_batch_size * config.num_micro_batches,
       config.memory_seq_len)
   adam, adama = optax.adam(config.learning_rate), config.adama()
@@ -153,9 +144,9 @@ def report(result: dict[str, Any]) -> str:
       f"Step memory of {m['preset']} (scanned layers, remat full, loss in "
       f"{m['loss_chunks']} chunks, {m['tokens_per_micro_batch']:,} tokens per micro-batch), "
       "compile-only:",
-      f"  Adam + float32 accumulator {format_bytes(adam_bytes)} ({adam_bytes / p:.2f} P), "
-      f"AdamA with gradient release {format_bytes(adama_bytes)} ({adama_bytes / p:.2f} P)",
-      f"  AdamA saves {format_bytes(m['saved_bytes'])} ({m['saved_bytes'] / p:.2f} P), "
+      f"  Adam + float32 accumulator {harness.format_bytes(adam_bytes)} ({adam_bytes / p:.2f} P), "
+      f"AdamA with gradient release {harness.format_bytes(adama_bytes)} ({adama_bytes / p:.2f} P)",
+      f"  AdamA saves {harness.format_bytes(m['saved_bytes'])} ({m['saved_bytes'] / p:.2f} P), "
       f"{100 * m['saved_fraction']:.1f}% of the step.",
   ])
 
@@ -185,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       micro_batch_size=args.micro_batch_size,
                       nu_estimator=args.nu_estimator, memory_preset=args.memory_preset,
                       memory_seq_len=args.memory_seq_len, loss_chunks=args.loss_chunks)
-  runs = {name: train.train(config.train_config(name), progress=not args.no_progress)
+  runs = {name: harness.train(config.train_config(name), progress=not args.no_progress)
           for name in ("adama", "adam")}
   result = summary(config, runs, step_memory(config))
   print(report(result))

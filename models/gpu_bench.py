@@ -17,7 +17,7 @@ release on the scanned layout) is measured twice:
   release step, which recomputes each layer in its backward, the same with
   every block rematerialized);
 - time, the methods of one preset, N and layout in one process, interleaved
-  round by round (`models.bench.measure_throughput`), median step time.
+  round by round (`models.harness.measure_throughput`), median step time.
 
 The memory processes run a few at a time (`--workers`) and share a persistent
 compilation cache with the timing processes, so each step compiles once.
@@ -48,9 +48,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models import bench
-from models.demo import format_bytes
-from models.train import machine_info
+from models import harness
 
 METHODS = ("scan_accumulation", "optax_microbatching", "multisteps", "adama")
 # The memory fields of a row whose process failed (its "error" says why).
@@ -83,7 +81,7 @@ class Case:
     return models.get_config(self.preset, scan_layers=self.scan_layers)
 
   def batch(self, config: models.Config) -> dict:
-    return bench.random_batch(config, bench.abstract_batch(
+    return harness.random_batch(config, harness.abstract_batch(
         config, self.micro_batch_size * self.num_micro_batches, self.seq_len))
 
 
@@ -91,11 +89,11 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
   """Compiles and runs one method's step; meant for a process of its own."""
   config = case.config()
   model = models.create(config, rngs=nnx.Rngs(0))
-  split = models.staged_loss if method in bench.RELEASE_METHODS else models.split_loss_fn
+  split = models.staged_loss if method in harness.RELEASE_METHODS else models.split_loss_fn
   loss_fn, params = split(model)
   del model
   batch = case.batch(config)
-  step, tx = bench.make_step(method, loss_fn, num_micro_batches=case.num_micro_batches)
+  step, tx = harness.make_step(method, loss_fn, num_micro_batches=case.num_micro_batches)
   state = tx.init(params)
   param_bytes = optax_adama.memory.tree_bytes(params)
   start = time.perf_counter()
@@ -112,17 +110,17 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
 
 
 def measure_floor(case: Case, method: str) -> dict[str, Any]:
-  """The floor ``method`` is held to (`models.bench.floor_for`)."""
+  """The floor ``method`` is held to (`models.harness.floor_for`)."""
   config = models.get_config(case.preset, scan_layers=False)
-  batch = bench.abstract_batch(
+  batch = harness.abstract_batch(
       config, case.micro_batch_size * case.num_micro_batches, case.seq_len)
-  floor = bench.floor_for(method, config, batch, case.num_micro_batches)
+  floor = harness.floor_for(method, config, batch, case.num_micro_batches)
   return {"floor_bytes": floor.total_bytes, "param_bytes": floor.param_bytes}
 
 
 def measure_times(case: Case, rounds: int, steps_per_round: int) -> dict[str, Any]:
   """Interleaved median step time of every method of the case."""
-  times = bench.measure_throughput(
+  times = harness.measure_throughput(
       case.config(), case.methods, case.num_micro_batches,
       micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, rounds=rounds,
       steps_per_round=steps_per_round, progress=False)
@@ -186,7 +184,7 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
   def floor_key(case, method):
     # One floor per model, N and kind of step (the release's is remat "full").
     return (case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len,
-            method in bench.RELEASE_METHODS)
+            method in harness.RELEASE_METHODS)
 
   floor_cases = {floor_key(c, m): (c, m) for c in cases for m in c.methods}
   floor_tasks = [{"kind": "floor", "case": dataclasses.asdict(c), "method": m}
@@ -231,7 +229,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
   def amount(num_bytes, p):
     if num_bytes is None or p is None:
       return "n/a"
-    return f"{format_bytes(num_bytes)} ({num_bytes / p:.2f} P)"
+    return f"{harness.format_bytes(num_bytes)} ({num_bytes / p:.2f} P)"
 
   def failure(error):
     last = error.strip().splitlines()[-1] if error.strip() else "failed"
@@ -298,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   command = "python -m models.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
   (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
   (args.out_dir / "raw" / f"gpu_{slug}.json").write_text(json.dumps(
-      {"command": command, "machine": machine_info(), "wall_s": wall_s, "rows": rows},
+      {"command": command, "machine": harness.machine_info(), "wall_s": wall_s, "rows": rows},
       indent=1))
-  text = (f"Measured by `{command}` on {machine_info()['device']} in {wall_s:.0f} s.\n\n"
+  text = (f"Measured by `{command}` on {harness.machine_info()['device']} in {wall_s:.0f} s.\n\n"
           + table(rows))
   (args.out_dir / f"gpu_{slug}.md").write_text(text)
   print(text)

@@ -4,535 +4,64 @@
     python -m models.train --preset gpt2_large --plan 24      # trains with the plan
     python -m models.plan --preset gpt2_small --survey --num-micro-batches 4
 
-`plan` searches the settings this project can switch without changing the
-model's forward pass: the number of micro-batches N (the mini-batch is fixed),
-the remat policy or AdamA's gradient release (`optax_adama.release_step`), the
-few-bit GELU backward and GPT's chunked LM-head loss (`models.savers`) and the
-storage of AdamA's moments (float32, bfloat16, 8-bit blocks). Every number
-comes from compiling the real AdamA step (`models.train.make_step`: the
-`microbatch_step` or `release_step` `models.train` runs, with its optimizer) for
-abstract inputs: nothing is allocated or run.
-
-- Memory: `memory_analysis()` of the compiled step; device bytes are argument +
-  output + temp - alias, host bytes (what "offload" moves to pinned host
-  memory) the same over the host_* fields.
-- Time: `flops / peak_flops` with XLA's `cost_analysis()` flops of the step,
-  plus the traffic that grows with N and that flops miss: AdamA's fold, which
-  reads the gradient and m, v and writes m, v once per micro-batch,
-  `N * (param_bytes + 2 * state_bytes) / memory_bandwidth`, and offloaded
-  activations, out on the forward and back on the backward,
-  `N * 2 * host_bytes / host_bandwidth`. XLA counts a loop body once, so the
-  step's flops are taken per micro-batch and multiplied by N, and the layer
-  scan's body (the model is planned with `scan_layers`) is completed with the
-  flops of one more layer's forward and backward, compiled alone, times L - 1
-  (under the release, with remat "full": it recomputes each layer), and the
-  chunked loss's scan with one more chunk's, times chunks - 1.
-  XLA's "bytes accessed" is recorded but not used: on the CPU backend it counts
-  every unfused elementwise op's traffic and ranks remat "full" faster than no
-  remat on gpt2_small (a GPU fuses most of that traffic away).
-
-The model is planned with `scan_layers=True`: one block compiled, so a plan of
-gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
-shows in the compiled memory only under a scan (XLA's CPU scheduler keeps an
-unrolled model's activations alive whatever the policy saves).
-
-Search, per activation setting (remat policy or release, GELU bits): the
-smallest N that fits with float32 moments, by bisection over the divisors of
-the batch size (memory falls as N grows, predicted time grows with N: each
-micro-batch pays AdamA's fold over all moments); then the memory levers, each
-only where it lets a smaller N fit: the loss in chunks (exact, one more head
-forward), then bfloat16 and 8-bit moments (with the chunks). Narrower moments
-change the optimizer's numerics, so they are a memory lever, not a speed one.
-The fastest predicted candidate wins and is compiled once more, uncached, to
-verify it fits.
+The search and its step-time predictor are `models.planner` (its docstring
+says what is searched and how time is predicted); `models.train --plan` runs
+the same search. This command prints the plan, or with `--survey` measures
+every activation setting at one N (compile only), and with `--frontier` times
+a survey's settings on this machine and plots memory against step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax_adama
 from flax import nnx
 from tqdm import tqdm
 
 import models
-from models import bench, savers, train
+from models import harness, planner
 
-# Activation settings: (remat policy, few-bit GELU bits). Few-bit GELU only
-# changes what is saved where the GELU input would be saved: with no remat.
-# Every other policy saves the matmul outputs (the GELU input among them) or
-# recomputes the block. Only 4 bits: 2 bits is +6.3% on one bert_tiny seed of
-# five (median -0.19%; benchmarks/savers_convergence.md), as far off as any
-# seed of exact BERT, and its code biases every pre-activation outside +-0.5 by
-# 4.6%, so the planner does not pick it; `survey` measures it too. The sampled projection is
-# left out of the plan for the same reason (+2.9% on bert_tiny at keep ratio 0.5,
-# +3.8% on gpt_tiny at 0.25); `survey` measures it.
-#
-# RELEASE is AdamA's gradient release (`optax_adama.release_step`, `models.train
-# --release`) in place of a remat policy: it keeps each layer's input only,
-# recomputes the layer in the backward scan (remat "full"'s work) and folds and
-# drops each layer's gradient there, so the stack's gradient is never whole.
-RELEASE = "release"
-ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
-    ("none", None), ("none", 4), ("dots_no_batch", None), ("dots", None),
-    ("minimal", None), ("offload", None), ("full", None), (RELEASE, None),
-)
-# Moment storage, most precise first: the planner narrows only to fit.
-MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
-# GPT's LM-head loss over this many chunks of tokens (`models.savers.
-# chunked_cross_entropy`): the same loss up to summation order, one chunk's
-# logits alive instead of all (0.83 P a copy on GPT-2 small at 2,048 tokens), for
-# one more forward of the head. A memory lever like narrower moments: tried
-# where it lets a smaller N fit, before the moments are narrowed.
-LOSS_CHUNKS = 8
 
-
-@dataclasses.dataclass(frozen=True)
-class Machine:
-  """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
-
-  Attributes:
-    peak_flops: float32 flop/s.
-    memory_bandwidth: device memory bytes/s.
-    host_bandwidth: bytes/s each way between device and pinned host memory.
-  """
-
-  peak_flops: float = 80e12
-  memory_bandwidth: float = 1.0e12
-  host_bandwidth: float = 25e9
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """One setting of the step: what `models.train` takes as flags."""
-
-  num_micro_batches: int
-  remat: str = "none"  # a policy of models.REMAT_POLICIES, or RELEASE
-  gelu_bits: int | None = None
-  moments: str = "float32"  # one of MOMENT_STORAGES
-  loss_chunks: int = 1
-  linear_keep_ratio: float | None = None  # sampled MLP projection; survey only
-
-  def saver_names(self) -> list[str]:
-    names = []
-    if self.gelu_bits:
-      names.append(f"gelu {self.gelu_bits}-bit")
-    if self.loss_chunks > 1:
-      names.append(f"loss in {self.loss_chunks} chunks")
-    if self.linear_keep_ratio:
-      names.append(f"sampled dW {self.linear_keep_ratio:g}")
-    return names
-
-  def describe(self) -> str:
-    activations = RELEASE if self.remat == RELEASE else f"remat={self.remat}"
-    return (f"N={self.num_micro_batches} {activations} "
-            f"savers={' + '.join(self.saver_names()) or '-'} "
-            f"moments={self.moments}")
-
-  def label(self) -> str:
-    """The activation setting alone: "none + gelu 4-bit", "release", "full"."""
-    return " + ".join([self.remat] + self.saver_names())
-
-  def train_overrides(self) -> dict[str, Any]:
-    """The `models.train.TrainConfig` fields of this setting."""
-    narrow = "bfloat16" if self.moments == "bfloat16" else None
-    release = self.remat == RELEASE
-    return {"num_micro_batches": self.num_micro_batches,
-            "remat": "none" if release else self.remat, "release": release,
-            "gelu_bits": self.gelu_bits, "loss_chunks": self.loss_chunks,
-            "linear_keep_ratio": self.linear_keep_ratio,
-            "mu_dtype": narrow, "nu_dtype": narrow,
-            "quantize_moments": self.moments == "8bit", "scan_layers": True}
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-  """Compile-only numbers of one candidate's step.
-
-  Attributes:
-    device_bytes: argument + output + temp - alias bytes on the device.
-    host_bytes: the same over the host_* fields (offloaded activations).
-    param_bytes: P, bytes of one float32 copy of the params.
-    state_bytes: bytes of the optimizer state (m, v in their storage).
-    flops: predicted flops of the whole step (all micro-batches and layers).
-    bytes_accessed: predicted memory traffic of the whole step, bytes.
-    compile_s: seconds spent compiling.
-  """
-
-  device_bytes: int
-  host_bytes: int
-  param_bytes: int
-  state_bytes: int
-  flops: float
-  bytes_accessed: float
-  compile_s: float
-
-  def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
-    """The roofline step time (see the module docstring), seconds."""
-    fold_bytes = self.param_bytes + 2 * self.state_bytes
-    return (self.flops / machine.peak_flops
-            + num_micro_batches * fold_bytes / machine.memory_bandwidth
-            + num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth)
-
-
-@dataclasses.dataclass(frozen=True)
-class Considered:
-  """A candidate the planner compiled, and whether it fits.
-
-  `measurable` is False for "offload" on a backend that keeps nothing in
-  host memory (the CPU lowering drops the move to pinned_host): there it is
-  "minimal" under another name, and its host traffic cannot be predicted, so
-  the planner does not choose it.
-  """
-
-  candidate: Candidate
-  measurement: Measurement
-  predicted_s: float
-  fits: bool
-  measurable: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """The planner's answer and why: every candidate it compiled."""
-
-  preset: str
-  budget_bytes: int
-  batch_size: int
-  seq_len: int | None
-  choice: Candidate
-  verified: Measurement  # the choice compiled again, uncached
-  predicted_s: float
-  considered: tuple[Considered, ...]
-
-  def table(self) -> str:
-    """Markdown: every candidate compiled, best predicted first; the choice marked."""
-    p = self.verified.param_bytes
-    lines = ["| candidate | device memory | host memory | predicted step | fits |",
-             "|---|---|---|---|---|"]
-    for row in sorted(self.considered, key=lambda r: (not r.fits, r.predicted_s)):
-      mark = " **(chosen)**" if row.candidate == self.choice else ""
-      m = row.measurement
-      lines.append(
-          f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.4g} GB "
-          f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.4g} GB "
-          f"| {row.predicted_s * 1e3:.4g} ms | {'yes' if row.fits else 'no'}"
-          f"{'' if row.measurable else ' (offload not measurable here)'} |")
-    return "\n".join(lines)
-
-  def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-
-def model_kind(config: models.Config) -> str:
-  """"gpt", "bert" or "vit": the `models.train --model` of a config."""
-  kinds = {models.GPTConfig: "gpt", models.BERTConfig: "bert", models.ViTConfig: "vit"}
-  return kinds[type(config)]
-
-
-def train_config(preset: str, candidate: Candidate, *, batch_size: int,
-                 seq_len: int | None) -> train.TrainConfig:
-  """The `models.train` run of a candidate (so the plan compiles what train runs)."""
-  kind = model_kind(models.get_config(preset))
-  extra = {} if seq_len is None else {"seq_len": seq_len}
-  return train.TrainConfig(model=kind, preset=preset, batch_size=batch_size,
-                           **extra, **candidate.train_overrides())
-
-
-def _cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
-  analysis = compiled.cost_analysis()
-  return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-
-
-def measure(preset: str, candidate: Candidate, *, batch_size: int,
-            seq_len: int | None) -> Measurement:
-  """Compiles a candidate's AdamA step (compile only) and measures it.
-
-  Args:
-    preset: a key of `models.PRESETS`.
-    candidate: the setting to compile.
-    batch_size: the mini-batch (sequences or images); split into N micro-batches.
-    seq_len: tokens per sequence (text models); None: the preset's context.
-
-  Returns:
-    Its `Measurement`.
-  """
-  run = train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-  config = train.model_config_of(run)
-  if seq_len is not None and hasattr(config, "max_len"):
-    seq_len = min(seq_len, config.max_len)  # as models.train reads its batches
-  model = models.create_abstract(config)
-  loss_fn, params = models.split_loss_fn(model, has_aux=True)
-  tx = train.make_optimizer(run)
-  step = train.make_step(run, model, loss_fn, tx)
-  batch = bench.abstract_batch(config, batch_size, seq_len)
-  state = jax.eval_shape(tx.init, params)
-  start = time.perf_counter()
-  compiled = step.lower(params, state, batch).compile()
-  micro_batch_size = batch_size // run.num_micro_batches
-  # XLA counts a loop body once: complete the layer scan (and the loss's chunk
-  # scan) with one more body's work, compiled alone, per uncounted iteration.
-  # The release recomputes each layer in its backward scan, as remat "full".
-  layer_remat = "full" if run.release else candidate.remat
-  step_flops, step_bytes = _cost(compiled)
-  layer_flops, layer_bytes = _layer_cost(
-      preset, layer_remat, candidate.gelu_bits, micro_batch_size, seq_len)
-  chunk_flops, chunk_bytes = (0.0, 0.0) if run.loss_chunks == 1 else _loss_chunk_cost(
-      preset, run.loss_chunks, micro_batch_size, seq_len)
-  compile_s = time.perf_counter() - start
-  memory = compiled.memory_analysis()
-  extra_layers, extra_chunks = config.num_layers - 1, run.loss_chunks - 1
-  n = run.num_micro_batches
-  return Measurement(
-      device_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
-                       + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
-      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
-                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      param_bytes=optax_adama.memory.tree_bytes(params),
-      state_bytes=optax_adama.memory.tree_bytes(state),
-      flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
-      bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
-      compile_s=compile_s)
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size: int,
-                seq_len: int | None) -> tuple[float, float]:
-  """(flops, bytes) of one block's forward and backward under `remat`, compiled alone.
-
-  The program returns the block's output as well as its gradients, so the
-  forward is kept (in the model it feeds the next block), and the remat is
-  applied with `prevent_cse=True`, so XLA cannot merge the backward's
-  recomputation into that forward (inside the model's scan it cannot either).
-  """
-  config = models.get_config(preset, remat="none", gelu_bits=gelu_bits, scan_layers=True)
-  staged, params = models.staged_loss(models.create_abstract(config))
-  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                              params["blocks"])
-  micro_batch = bench.abstract_batch(config, micro_batch_size, seq_len)
-  x = jax.eval_shape(staged.embed, params, micro_batch)
-
-  def block(layer_params, x):
-    return staged.block(layer_params, x, micro_batch)
-
-  policy = models.REMAT_POLICIES[remat]
-  if policy is not None:
-    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
-
-  def forward_and_backward(layer_params, x):
-    out, vjp = jax.vjp(block, layer_params, x)
-    return out, vjp(jnp.ones_like(out))
-
-  return _cost(jax.jit(forward_and_backward).lower(layer_params, x).compile())
-
-
-@functools.lru_cache(maxsize=None)
-def _loss_chunk_cost(preset: str, num_chunks: int, micro_batch_size: int,
-                     seq_len: int | None) -> tuple[float, float]:
-  """(flops, bytes) of the chunked LM-head loss's forward and backward, compiled alone.
-
-  The loss's scans count one chunk (a forward, and a recomputed forward and
-  backward): what each of the other num_chunks - 1 chunks adds to the step.
-  """
-  config = models.get_config(preset)
-  tokens = micro_batch_size * (seq_len or config.max_len)
-  sds = jax.ShapeDtypeStruct
-  features = sds((tokens, config.hidden), jnp.float32)
-  table = sds((config.vocab_size, config.hidden), jnp.float32)
-  labels = sds((tokens,), jnp.int32)
-
-  def loss_and_grads(features, table, labels):
-    loss = lambda f, t: savers.chunked_cross_entropy(f, t, labels, num_chunks=num_chunks)[0]
-    return jax.value_and_grad(loss, argnums=(0, 1))(features, table)
-
-  return _cost(jax.jit(loss_and_grads).lower(features, table, labels).compile())
-
-
-def divisors(n: int) -> list[int]:
-  """The divisors of n, increasing: the N that split a batch of n evenly."""
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def plan(
-    preset: str,
-    budget_bytes: float,
-    *,
-    batch_size: int,
-    seq_len: int | None = None,
-    machine: Machine = Machine(),
-    activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
-    moment_storages: Sequence[str] = MOMENT_STORAGES,
-    loss_chunks: Sequence[int] | None = None,
-    measure_fn: Callable[[Candidate], Measurement] | None = None,
-    verify_fn: Callable[[Candidate], Measurement] | None = None,
-    progress: bool = False,
-) -> Plan:
-  """The fastest predicted AdamA step of `preset` that fits `budget_bytes`.
-
-  See the module docstring for the predictor and the search. Compiles are
-  cached per candidate in `measure_fn` (default: a fresh cache per call).
-
-  Args:
-    preset: a key of `models.PRESETS`.
-    budget_bytes: device memory budget, bytes.
-    batch_size: the mini-batch; N ranges over its divisors.
-    seq_len: tokens per sequence (text models); None: the preset's context.
-    machine: the rates of the time predictor.
-    activation_settings: (remat, gelu_bits) pairs to consider.
-    moment_storages: moment storages to consider, most precise first.
-    loss_chunks: LM-head loss chunk counts to consider, 1 first; None: (1,
-      LOSS_CHUNKS) for a GPT whose sequence length they divide, else (1,).
-    measure_fn: `measure_fn(candidate) -> Measurement`; pass a cached one to
-      share compiles between calls (tests do).
-    verify_fn: measures the choice once more; default: `measure`, uncached.
-    progress: print each compile to stderr.
-
-  Returns:
-    The `Plan`: its choice was compiled again and fits.
-
-  Raises:
-    ValueError: if no candidate fits (the message gives the smallest measured).
-  """
-  if measure_fn is None:
-    measure_fn = cached_measure(preset, batch_size=batch_size, seq_len=seq_len)
-  considered: dict[Candidate, Considered] = {}
-
-  def consider(candidate: Candidate) -> Considered:
-    if candidate not in considered:
-      measurement = measure_fn(candidate)
-      considered[candidate] = Considered(
-          candidate, measurement,
-          measurement.predicted_s(machine, candidate.num_micro_batches),
-          measurement.device_bytes <= budget_bytes,
-          measurable=candidate.remat != "offload" or measurement.host_bytes > 0)
-      if progress:
-        row = considered[candidate]
-        print(f"  {candidate.describe()}: {measurement.device_bytes / 1e9:.2f} GB, "
-              f"{row.predicted_s * 1e3:.1f} ms, compiled in {measurement.compile_s:.1f} s",
-              file=sys.stderr)
-    return considered[candidate]
-
-  if loss_chunks is None:
-    loss_chunks = default_loss_chunks(preset, seq_len)
-  splits = divisors(batch_size)
-  fitting: list[Considered] = []
-  for remat, gelu_bits in activation_settings:
-    # Smallest fitting N with each memory lever; each must beat the last.
-    upper = len(splits)
-    for moments, chunks in memory_levers(moment_storages, loss_chunks):
-      def candidate(i: int) -> Candidate:
-        return Candidate(splits[i], remat, gelu_bits, moments, chunks)
-      index = _smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
-      if index is not None:
-        found = considered[candidate(index)]
-        if found.measurable:
-          fitting.append(found)
-        upper = index
-      if upper == 0:
-        break
-  if not fitting:
-    smallest = min(considered.values(), key=lambda r: r.measurement.device_bytes)
-    raise ValueError(
-        f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset} at batch {batch_size}: the "
-        f"smallest step measured is {smallest.candidate.describe()} at "
-        f"{smallest.measurement.device_bytes / 1e9:.3g} GB. Raise the budget or the "
-        "batch's divisibility (a larger N), or shorten the sequences.")
-  precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
-  best = min(fitting, key=lambda r: (r.predicted_s, precision[r.candidate.moments],
-                                     r.candidate.loss_chunks))
-  if verify_fn is None:
-    verify_fn = functools.partial(measure, preset, batch_size=batch_size, seq_len=seq_len)
-  verified = verify_fn(best.candidate)
-  if verified.device_bytes > budget_bytes:
-    raise RuntimeError(f"the chosen {best.candidate.describe()} measured "
-                       f"{verified.device_bytes:,} B on recompiling, over the budget.")
-  return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
-              best.predicted_s, tuple(considered.values()))
-
-
-def default_loss_chunks(preset: str, seq_len: int | None) -> tuple[int, ...]:
-  """(1, LOSS_CHUNKS) for a GPT whose sequences they divide into chunks, else (1,)."""
-  config = models.get_config(preset)
-  if not isinstance(config, models.GPTConfig):
-    return (1,)
-  return (1, LOSS_CHUNKS) if (seq_len or config.max_len) % LOSS_CHUNKS == 0 else (1,)
-
-
-def memory_levers(moment_storages: Sequence[str],
-                  loss_chunks: Sequence[int]) -> list[tuple[str, int]]:
-  """(moment storage, loss chunks) pairs, in the order the planner pulls them.
-
-  Exact levers first: the loss's chunk counts with the most precise moments,
-  then narrower moments (which change the numerics) with the most chunks.
-  """
-  levers = [(moment_storages[0], chunks) for chunks in loss_chunks]
-  return levers + [(moments, loss_chunks[-1]) for moments in moment_storages[1:]]
-
-
-def _smallest_fitting(fits: Callable[[int], bool], upper: int) -> int | None:
-  """Smallest i in [0, upper) with fits(i), for fits monotone in i; None if none."""
-  if upper == 0 or not fits(upper - 1):
-    return None
-  low, high = 0, upper - 1  # fits(high) holds
-  while low < high:
-    mid = (low + high) // 2
-    if fits(mid):
-      high = mid
-    else:
-      low = mid + 1
-  return high
-
-
-def cached_measure(preset: str, *, batch_size: int,
-                   seq_len: int | None) -> Callable[[Candidate], Measurement]:
-  """`measure` for one preset and batch, with each candidate compiled once."""
-
-  @functools.lru_cache(maxsize=None)
-  def measure_candidate(candidate: Candidate) -> Measurement:
-    return measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-
-  return measure_candidate
-
-
-def survey_candidates(num_micro_batches: int,
-                      loss_chunks: Sequence[int] = (1, LOSS_CHUNKS)) -> list[Candidate]:
+def survey_candidates(
+    num_micro_batches: int, loss_chunks: Sequence[int] = (1, planner.LOSS_CHUNKS),
+) -> list[planner.Candidate]:
   """What `survey` measures at one N, float32 moments: every activation setting of
   the planner, 2-bit GELU, the loss in each chunk count above 1 of `loss_chunks`
-  (`default_loss_chunks`: GPT's) under remat "full" and the release, and the
+  (`planner.default_loss_chunks`: GPT's) under remat "full" and the release, and the
   sampled projection (keep ratio 0.5) with no remat."""
-  settings = [Candidate(num_micro_batches, remat, bits) for remat, bits in ACTIVATION_SETTINGS]
-  settings.insert(2, Candidate(num_micro_batches, "none", 2))
-  settings += [Candidate(num_micro_batches, remat, loss_chunks=chunks)
-               for chunks in loss_chunks if chunks > 1 for remat in ("full", RELEASE)]
-  return settings + [Candidate(num_micro_batches, "none", linear_keep_ratio=0.5)]
+  settings = [planner.Candidate(num_micro_batches, remat, bits)
+              for remat, bits in planner.ACTIVATION_SETTINGS]
+  settings.insert(2, planner.Candidate(num_micro_batches, "none", 2))
+  settings += [planner.Candidate(num_micro_batches, remat, loss_chunks=chunks)
+               for chunks in loss_chunks if chunks > 1 for remat in ("full", planner.RELEASE)]
+  return settings + [planner.Candidate(num_micro_batches, "none", linear_keep_ratio=0.5)]
 
 
-def survey(preset: str, candidates: Sequence[Candidate], *, batch_size: int,
-           seq_len: int | None = None, machine: Machine = Machine()) -> list[Considered]:
+def survey(preset: str, candidates: Sequence[planner.Candidate], *, batch_size: int,
+           seq_len: int | None = None,
+           machine: planner.Machine = planner.Machine()) -> list[planner.Considered]:
   """Each candidate compiled and measured, in order (fits: always True)."""
   rows = []
   for candidate in candidates:
-    measurement = measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-    rows.append(Considered(candidate, measurement,
-                           measurement.predicted_s(machine, candidate.num_micro_batches),
-                           True))
+    measurement = planner.measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+    rows.append(planner.Considered(
+        candidate, measurement, measurement.predicted_s(machine, candidate.num_micro_batches),
+        True))
   return rows
 
 
 def time_settings(
     preset: str,
-    candidates: Sequence[Candidate],
+    candidates: Sequence[planner.Candidate],
     *,
     batch_size: int,
     seq_len: int | None = None,
@@ -547,14 +76,14 @@ def time_settings(
   """
   runners = {}
   for candidate in candidates:
-    # The step models.train runs for this setting (as `measure` compiles it).
-    run = train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-    config = train.model_config_of(run)
+    # The step models.train runs for this setting (as `planner.measure` compiles it).
+    run = planner.train_config(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+    config = harness.model_config_of(run)
     model = models.create(config, rngs=nnx.Rngs(0))
     loss_fn, params = models.split_loss_fn(model, has_aux=True)
-    tx = train.make_optimizer(run)
-    step = train.make_step(run, model, loss_fn, tx)
-    batch = bench.random_batch(config, bench.abstract_batch(config, batch_size, seq_len))
+    tx = harness.make_optimizer(run)
+    step = harness.make_train_step(run, model, loss_fn, tx)
+    batch = harness.random_batch(config, harness.abstract_batch(config, batch_size, seq_len))
     state = tx.init(params)
     runners[candidate.label()] = [step.lower(params, state, batch).compile(),
                                   params, state, batch]
@@ -579,7 +108,7 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   import matplotlib.pyplot as plt
 
   def is_saver(label: str) -> bool:
-    return " + " in label or label == RELEASE
+    return " + " in label or label == planner.RELEASE
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   remat_only = sorted((memory_p[k], step_s[k] * 1e3) for k in memory_p
@@ -617,9 +146,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="mini-batch (sequences or images); N divides it")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="tokens per sequence; default: the preset's context")
-  parser.add_argument("--peak-tflops", type=float, default=Machine.peak_flops / 1e12)
-  parser.add_argument("--bandwidth-gbs", type=float, default=Machine.memory_bandwidth / 1e9)
-  parser.add_argument("--host-gbs", type=float, default=Machine.host_bandwidth / 1e9)
+  parser.add_argument("--peak-tflops", type=float, default=planner.Machine.peak_flops / 1e12)
+  parser.add_argument("--bandwidth-gbs", type=float,
+                      default=planner.Machine.memory_bandwidth / 1e9)
+  parser.add_argument("--host-gbs", type=float, default=planner.Machine.host_bandwidth / 1e9)
   parser.add_argument("--survey", action="store_true",
                       help="instead: measure every activation setting at one N")
   parser.add_argument("--num-micro-batches", type=int, default=4,
@@ -638,16 +168,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
+def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Considered]:
   args = _parse_args(argv)
-  machine = Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9, args.host_gbs * 1e9)
+  machine = planner.Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
+                            args.host_gbs * 1e9)
   header = (f"{args.preset}, batch {args.batch_size}, seq_len {args.seq_len or 'preset'}, "
             f"on {jax.default_backend()} (compile only); predictor: {machine}")
   if args.frontier:
     return _frontier(args)
   if args.survey:
     candidates = survey_candidates(args.num_micro_batches,
-                                   default_loss_chunks(args.preset, args.seq_len))
+                                   planner.default_loss_chunks(args.preset, args.seq_len))
     rows = survey(args.preset, candidates, batch_size=args.batch_size,
                   seq_len=args.seq_len, machine=machine)
     p = rows[0].measurement.param_bytes
@@ -658,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered]:
     table, result = "\n".join(lines), rows
     payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
   else:
-    result = plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
+    result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
                   seq_len=args.seq_len, machine=machine, progress=True)
     c = result.verified
     table = (f"{result.table()}\n\nchosen: {result.choice.describe()}: verified "
@@ -685,7 +216,7 @@ def _frontier(args: argparse.Namespace) -> dict[str, Any]:
   memory_p, candidates = {}, []
   for row in surveyed["rows"]:
     # Timed at this command's N; the memory is the survey's.
-    candidates.append(dataclasses.replace(Candidate(**row["candidate"]),
+    candidates.append(dataclasses.replace(planner.Candidate(**row["candidate"]),
                                           num_micro_batches=args.num_micro_batches))
     measurement = row["measurement"]
     memory_p[candidates[-1].label()] = measurement["device_bytes"] / measurement["param_bytes"]
@@ -693,7 +224,7 @@ def _frontier(args: argparse.Namespace) -> dict[str, Any]:
                          seq_len=args.seq_len, rounds=args.rounds)
   header = (f"memory: {surveyed['header']}; time: {args.preset}, batch {args.batch_size}, "
             f"N={args.num_micro_batches}, seq_len {args.seq_len or 'preset'}, on "
-            f"{train.cpu_name()} ({jax.default_backend()})")
+            f"{harness.cpu_name()} ({jax.default_backend()})")
   lines = ["| setting | memory | step time |", "|---|---|---|"]
   lines += [f"| {label} | {memory_p[label]:.2f} P | {step_s[label] * 1e3:.1f} ms |"
             for label in memory_p]
@@ -705,7 +236,7 @@ def _frontier(args: argparse.Namespace) -> dict[str, Any]:
     survey_n = surveyed["rows"][0]["candidate"]["num_micro_batches"]
     plot_frontier(memory_p, step_s, args.plot,
                   f"memory: {memory_of}, N={survey_n}, compile only; "
-                  f"time: {args.preset}, N={args.num_micro_batches}, on {train.cpu_name()}")
+                  f"time: {args.preset}, N={args.num_micro_batches}, on {harness.cpu_name()}")
   result = {"header": header, "memory_p": memory_p, "step_s": step_s,
             "argv": list(sys.argv[1:])}
   if args.markdown:

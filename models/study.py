@@ -15,6 +15,11 @@ be grown over several invocations (`--seeds` at the best rates only: `--best-see
 
 `rho` runs `optax_adama.diagnose_second_moment` along Adam's path on each
 model and plots rho = v_estimator / v_adam over training.
+
+Both are subcommands of `python -m models.validate`, which hands them to
+`main` here; this module is a library below that command (it imports
+models.harness, the zoo and optax_adama, never a command), so it has no
+`__main__` of its own.
 """
 
 from __future__ import annotations
@@ -34,8 +39,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models import train
-from models.validate import save_figure
+from models import harness
 
 # Each model's base learning rate and run length (models.validate's settings).
 BASE: dict[str, dict[str, Any]] = {
@@ -69,10 +73,10 @@ class Run:
   def batch_size(self) -> int:
     return self.num_micro_batches * self.micro_batch_size
 
-  def config(self) -> train.TrainConfig:
+  def config(self) -> harness.TrainConfig:
     settings = {k: v for k, v in BASE[self.model].items() if k != "learning_rate"}
     adam = self.arm in ("adam", "adam_bf16acc")
-    return train.TrainConfig(
+    return harness.TrainConfig(
         model=self.model, optimizer="adam" if adam else "adama",
         num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
         batch_size=self.batch_size, steps=self.steps,
@@ -116,7 +120,7 @@ def run_grid(runs: Sequence[Run], results_path: Path, *, command: str = "",
   todo = [r for r in runs if r.key not in done]
   results_path.parent.mkdir(parents=True, exist_ok=True)
   for run in tqdm(todo, desc="study", disable=not progress, file=sys.stderr):
-    result = train.train(run.config(), progress=False)
+    result = harness.train(run.config(), progress=False)
     record = {
         "key": run.key, **dataclasses.asdict(run), "command": command,
         "tokens_per_micro_batch": run.micro_batch_size * _tokens_per_example(run.model),
@@ -307,7 +311,7 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
     _gap_axis(ax, ticks)
     ax.set_title(f"{kind}: held-out loss vs Adam, best lr vs best")
   fig.legend(handles=_gap_legend(rows), loc="center right", fontsize=8, frameon=False)
-  save_figure(fig, path, rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
+  harness.save_figure(fig, path, rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
 
 
 def _draw_gap(ax: Any, row: dict[str, Any]) -> None:
@@ -359,7 +363,7 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
   model_config = models.get_config(config.preset_name)
   loss_fn, params = models.split_loss_fn(
       models.create(model_config, rngs=nnx.Rngs(seed)), has_aux=True)
-  stream, _ = train.make_data(config, model_config)
+  stream, _ = harness.make_data(config, model_config)
   batches: Iterator[Any] = (next(stream) for _ in range(steps))
   with jax.numpy_dtype_promotion("standard"):
     return optax_adama.diagnose_second_moment(
@@ -391,14 +395,14 @@ def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path
     ax.set_ylabel("rho: median, quartiles, 5th percentile (dotted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  save_figure(fig, path)
+  harness.save_figure(fig, path)
 
 
 def main(argv: Sequence[str]) -> None:
   parser = argparse.ArgumentParser(prog="python -m models.validate study|rho",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("command", choices=("study", "rho"))
-  parser.add_argument("--models", nargs="+", choices=train.MODEL_KINDS, default=["gpt"])
+  parser.add_argument("--models", nargs="+", choices=harness.MODEL_KINDS, default=["gpt"])
   parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
   parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
   parser.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[4],

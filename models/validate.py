@@ -16,6 +16,10 @@ from the same initial weights on the same data order, and writes
 ``convergence.md`` (final held-out loss, mean ± std over seeds, and the relative
 difference to Adam), ``convergence.png`` (training curves) and the raw runs as
 JSON. Target: AdamA within 1% of Adam's held-out loss for every model and N.
+
+The experiment is this command's own; the training run is
+`models.harness.train`, and `study` and `rho` are `models.study`'s (a library
+below this command).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from models import train
+from models import harness, study
 
 # Per-model settings: enough steps for the curves to flatten on two CPU cores.
 # BERT (post-LN) needs the lower learning rate to leave the unigram plateau.
@@ -74,10 +78,10 @@ def run_experiment(
     settings = dict(SETTINGS[model_kind])
     if steps is not None:
       settings["steps"] = steps
-    config = train.TrainConfig(
+    config = harness.TrainConfig(
         model=model_kind, optimizer=arm.optimizer,
         num_micro_batches=arm.num_micro_batches, seed=seed, **settings)
-    run = train.train(config, progress=False)
+    run = harness.train(config, progress=False)
     run["arm"] = arm.label
     runs.append(run)
   return runs
@@ -144,17 +148,6 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, machine: dict[str, An
   return "\n".join(lines) + "\n"
 
 
-def save_figure(fig: Any, path: Path, *, rect: Any = None) -> None:
-  """Lays out (within ``rect``, figure fractions, if given), writes (creating
-  the folder) and closes a matplotlib figure."""
-  import matplotlib.pyplot as plt
-
-  fig.tight_layout(rect=rect)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> None:
   """Training-loss curves, mean over seeds, one panel per model."""
   import matplotlib
@@ -179,18 +172,17 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> Non
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  save_figure(fig, path)
+  harness.save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] in (["study"], ["rho"]):  # the estimator study (models/study.py)
-    from models import study
     return study.main(argv)
   parser = argparse.ArgumentParser(prog="python -m models.validate",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--models", nargs="+", choices=train.MODEL_KINDS,
-                      default=list(train.MODEL_KINDS))
+  parser.add_argument("--models", nargs="+", choices=harness.MODEL_KINDS,
+                      default=list(harness.MODEL_KINDS))
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[2, 4, 8])
   parser.add_argument("--steps", type=int, default=None,

@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt
 from flax import nnx
 import models, optax_adama
 from models import data
-from models.train import warmup_cosine_schedule
+from models.harness import warmup_cosine_schedule
 
 NUM_MICRO_BATCHES, BATCH_SIZE, SEQ_LEN = 4, 32, 64
 STEPS = 20 if SMOKE else 300
@@ -198,7 +198,7 @@ params, optimizer moments, gradient buffers and activations."""),
 import jax, numpy as np
 import matplotlib.pyplot as plt
 import models, optax_adama
-from models import bench
+from models import bench, harness
 
 PRESET = "gpt_test" if SMOKE else "gpt2_small"
 NUM_MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 1
@@ -206,7 +206,7 @@ SEQ_LEN = 32 if SMOKE else 512
 config = models.get_config(PRESET)
 print(f"{PRESET}: {models.param_count(config):,} parameters; micro-batch {MICRO_BATCH_SIZE} x {SEQ_LEN} tokens")'''),
     ("code", '''\
-rows = bench.measure_memory(PRESET, bench.METHODS, NUM_MICRO_BATCHES,
+rows = bench.measure_memory(PRESET, harness.METHODS, NUM_MICRO_BATCHES,
                             micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
 floor = rows[0].floor
 P = floor["param_bytes"]
@@ -225,11 +225,11 @@ gradient-only program); the rest of the temp is gradient buffers and other
 scratch. (The full-batch step has N micro-batches' worth of activations, so its
 "gradient and other" bar includes the extra activations.)"""),
     ("code", '''\
-loss_fn, abstract_params = bench.split_model(config)
+loss_fn, abstract_params = harness.split_model(config)
 state_bytes = {  # each method's optimizer state, from its abstract init
     m: optax_adama.memory.tree_bytes(jax.eval_shape(
-        bench.make_step(m, loss_fn, num_micro_batches=NUM_MICRO_BATCHES)[1].init, abstract_params))
-    for m in bench.METHODS}
+        harness.make_step(m, loss_fn, num_micro_batches=NUM_MICRO_BATCHES)[1].init, abstract_params))
+    for m in harness.METHODS}
 
 def anatomy(row):
   r, f = row.report, row.floor

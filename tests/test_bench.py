@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from models import bench
+from models import bench, harness
 import optax_adama
 
 
@@ -73,8 +73,8 @@ def test_capacity_smoke_scanned_release_holds_less():
   # layer's, the embeddings') come back; nothing else changes.
   offloaded, _ = bench.total_bytes_at(2, "adama_release_8bit_offload", **scanned)
   config = bench.gpt_family(2, remat="full", vocab_size=256, hidden=128, scan_layers=True)
-  staged, params = bench.split_model(config)
-  _, tx = bench.make_step("adama_release_8bit_offload", staged, num_micro_batches=2)
+  staged, params = harness.split_model(config)
+  _, tx = harness.make_step("adama_release_8bit_offload", staged, num_micro_batches=2)
   state = jax.eval_shape(tx.init, params)
   host, in_flight = optax_adama.moments.host_state_bytes(state), bench.release_in_flight_bytes(staged, state)
   assert 0 < in_flight < host
@@ -167,7 +167,7 @@ SMALL_STEP = dict(num_micro_batches=2, micro_batch_size=1, seq_len=8, remat="ful
                   vocab_size=256, hidden=64)
 
 
-@pytest.mark.parametrize("method", sorted(bench.STATE_METHODS))
+@pytest.mark.parametrize("method", sorted(harness.STATE_METHODS))
 def test_state_method_smoke(method, width_64_adama_bytes):
   """Fast smoke of each capacity state method on a width-64 model (one compile):
   it holds less than float32 AdamA (measured 3.02-3.51 P against 3.75 P; at

@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from models import demo
+from models import demo, harness
 
 
 @pytest.fixture(autouse=True)
@@ -36,5 +36,5 @@ def test_demo_reports_the_gap_and_the_saving_from_its_own_runs(tmp_path, capsys)
 
 
 def test_byte_formatting_switches_to_mib_for_tiny_steps():
-  assert demo.format_bytes(3 * 2**30) == "3.00 GiB"
-  assert demo.format_bytes(5 * 2**20) == "5.00 MiB"
+  assert harness.format_bytes(3 * 2**30) == "3.00 GiB"
+  assert harness.format_bytes(5 * 2**20) == "5.00 MiB"

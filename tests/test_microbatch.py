@@ -14,7 +14,7 @@ from optax_adama import _microbatch
 from optax_adama import _steps
 import models
 from flax import nnx
-from models import bench
+from models import harness
 
 from conftest import MLP
 
@@ -487,7 +487,7 @@ def test_split_estimator_costs_at_most_one_leaf_in_an_mlp():
 def test_momentum_estimator_costs_no_memory_in_a_transformer(preset):
   model = models.create(models.get_config(preset), rngs=nnx.Rngs(0))
   loss_fn, params = models.split_loss_fn(model)
-  batch = bench.abstract_batch(models.get_config(preset), 4, None)
+  batch = harness.abstract_batch(models.get_config(preset), 4, None)
   P = optax_adama.memory.tree_bytes(params)
   totals = _estimator_totals(loss_fn, jax.eval_shape(lambda: params), batch,
                              ("mean", "momentum"))

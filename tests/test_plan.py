@@ -1,4 +1,4 @@
-"""Tests for models/plan.py: the planner's search, its predictor and its CLI path.
+"""Tests for models/planner.py and models/plan.py: the search, its predictor, the CLI paths.
 
 The search is tested on a synthetic memory/time model (no compiles, so every
 budget can be tried) against exhaustive enumeration; the compile-only
@@ -16,9 +16,9 @@ import pytest
 
 import models
 import optax_adama
-from models import bench, plan, train
+from models import harness, plan, planner, train
 
-MACHINE = plan.Machine(peak_flops=1.0, memory_bandwidth=1e12, host_bandwidth=1.0)
+MACHINE = planner.Machine(peak_flops=1.0, memory_bandwidth=1e12, host_bandwidth=1.0)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ class SyntheticSteps:
   def __init__(self):
     self.calls = 0
 
-  def __call__(self, candidate: plan.Candidate) -> plan.Measurement:
+  def __call__(self, candidate: planner.Candidate) -> planner.Measurement:
     self.calls += 1
     setting = (candidate.remat, candidate.gelu_bits)
     n = candidate.num_micro_batches
@@ -57,24 +57,24 @@ class SyntheticSteps:
     seconds = COMPUTE[setting] + chunked * CHUNKED_COMPUTE + n * FOLD[candidate.moments]
     # The fold's traffic is the predictor's own: N * (P + 2 * state) / bandwidth.
     seconds -= n * (1.0 + 2 * STATE[candidate.moments]) * 1e6 / MACHINE.memory_bandwidth
-    return plan.Measurement(device_bytes=int(memory * 1e6), host_bytes=0, param_bytes=10**6,
-                            state_bytes=int(STATE[candidate.moments] * 1e6), flops=seconds,
-                            bytes_accessed=0.0, compile_s=0.0)
+    return planner.Measurement(device_bytes=int(memory * 1e6), host_bytes=0, param_bytes=10**6,
+                               state_bytes=int(STATE[candidate.moments] * 1e6), flops=seconds,
+                               bytes_accessed=0.0, compile_s=0.0)
 
 
-def synthetic_plan(budget_bytes: float, steps: SyntheticSteps | None = None) -> plan.Plan:
+def synthetic_plan(budget_bytes: float, steps: SyntheticSteps | None = None) -> planner.Plan:
   steps = steps or SyntheticSteps()
-  return plan.plan("gpt_test", budget_bytes, batch_size=16, machine=MACHINE,
-                   activation_settings=SETTINGS, loss_chunks=LOSS_CHUNKS, measure_fn=steps,
-                   verify_fn=steps)
+  return planner.plan("gpt_test", budget_bytes, batch_size=16, machine=MACHINE,
+                      activation_settings=SETTINGS, loss_chunks=LOSS_CHUNKS, measure_fn=steps,
+                      verify_fn=steps)
 
 
 def best_remat_only(measure_fn, budget_bytes: float, batch_size: int,
                     remats: tuple[str, ...]) -> float:
   """The fastest predicted step over every remat policy and N, float32, no saver."""
   times = []
-  for remat, n in itertools.product(remats, plan.divisors(batch_size)):
-    candidate = plan.Candidate(n, remat)
+  for remat, n in itertools.product(remats, planner.divisors(batch_size)):
+    candidate = planner.Candidate(n, remat)
     measurement = measure_fn(candidate)
     if measurement.device_bytes <= budget_bytes:
       times.append(measurement.predicted_s(MACHINE, n))
@@ -90,9 +90,9 @@ def test_plan_fits_and_is_never_slower_than_remat_alone(budget_mb):
       SyntheticSteps(), budget, 16, ("none", "dots", "full")) + 1e-12
   # The choice is the best of everything that fits (exhaustive over the grid).
   steps = SyntheticSteps()
-  every = [plan.Candidate(n, remat, bits, moments, chunks)
+  every = [planner.Candidate(n, remat, bits, moments, chunks)
            for (remat, bits), n, moments, chunks in itertools.product(
-               SETTINGS, plan.divisors(16), plan.MOMENT_STORAGES, LOSS_CHUNKS)]
+               SETTINGS, planner.divisors(16), planner.MOMENT_STORAGES, LOSS_CHUNKS)]
   fitting = [steps(c).predicted_s(MACHINE, c.num_micro_batches) for c in every
              if steps(c).device_bytes <= budget]
   # Narrower moments are considered only where they buy a smaller N, so the
@@ -106,8 +106,8 @@ def test_plan_fits_and_is_never_slower_than_remat_alone(budget_mb):
 def test_plan_compiles_far_fewer_candidates_than_the_grid():
   steps = SyntheticSteps()
   result = synthetic_plan(6e6, steps)
-  grid = (len(SETTINGS) * len(plan.divisors(16))
-          * len(plan.memory_levers(plan.MOMENT_STORAGES, LOSS_CHUNKS)))
+  grid = (len(SETTINGS) * len(planner.divisors(16))
+          * len(planner.memory_levers(planner.MOMENT_STORAGES, LOSS_CHUNKS)))
   assert steps.calls == len(result.considered) + 1  # + the verification
   assert steps.calls <= grid // 2
 
@@ -127,43 +127,43 @@ def test_impossible_budget_raises_a_clear_error():
 
 
 def test_train_overrides_are_train_config_fields():
-  candidate = plan.Candidate(4, "none", 2, "8bit", loss_chunks=8)
-  config = plan.train_config("gpt_test", candidate, batch_size=8, seq_len=16)
+  candidate = planner.Candidate(4, "none", 2, "8bit", loss_chunks=8)
+  config = planner.train_config("gpt_test", candidate, batch_size=8, seq_len=16)
   assert (config.num_micro_batches, config.remat, config.gelu_bits, config.quantize_moments,
           config.scan_layers, config.loss_chunks, config.release) == (
               4, "none", 2, True, True, 8, False)
-  assert plan.train_config("gpt_test", dataclasses.replace(candidate, moments="bfloat16"),
-                           batch_size=8, seq_len=16).nu_dtype == "bfloat16"
-  released = plan.train_config("gpt_test", plan.Candidate(2, plan.RELEASE), batch_size=8,
-                               seq_len=16)
+  assert planner.train_config("gpt_test", dataclasses.replace(candidate, moments="bfloat16"),
+                              batch_size=8, seq_len=16).nu_dtype == "bfloat16"
+  released = planner.train_config("gpt_test", planner.Candidate(2, planner.RELEASE), batch_size=8,
+                                  seq_len=16)
   assert (released.release, released.remat, released.scan_layers) == (True, "none", True)
-  assert "N=2 release" in plan.Candidate(2, plan.RELEASE).describe()
+  assert "N=2 release" in planner.Candidate(2, planner.RELEASE).describe()
 
 
 def test_exact_levers_come_before_narrower_moments():
-  assert plan.memory_levers(plan.MOMENT_STORAGES, (1, 8)) == [
+  assert planner.memory_levers(planner.MOMENT_STORAGES, (1, 8)) == [
       ("float32", 1), ("float32", 8), ("bfloat16", 8), ("8bit", 8)]
-  assert plan.memory_levers(("float32",), (1,)) == [("float32", 1)]
-  assert plan.default_loss_chunks("gpt_test", None) == (1, plan.LOSS_CHUNKS)
-  assert plan.default_loss_chunks("gpt_test", 30) == (1,)  # 8 does not divide 30
-  assert plan.default_loss_chunks("bert_test", None) == (1,)
+  assert planner.memory_levers(("float32",), (1,)) == [("float32", 1)]
+  assert planner.default_loss_chunks("gpt_test", None) == (1, planner.LOSS_CHUNKS)
+  assert planner.default_loss_chunks("gpt_test", 30) == (1,)  # 8 does not divide 30
+  assert planner.default_loss_chunks("bert_test", None) == (1,)
 
 
 def test_the_chunked_loss_lets_a_smaller_n_fit():
   # 5.3 MB, float32 moments: "dots" (9 units of activations) needs N = 8;
   # with the loss in chunks (4.05) N = 4 fits, which the search must find.
   result = synthetic_plan(5.3e6)
-  assert plan.Candidate(4, "dots", None, "float32", 8) in {
+  assert planner.Candidate(4, "dots", None, "float32", 8) in {
       row.candidate for row in result.considered if row.fits}
 
 
 def test_measure_matches_memory_report_and_counts_every_layer():
   """gpt_tiny (2 layers): device bytes are memory_report's; flops cover both layers."""
-  candidate = plan.Candidate(2, "none")
-  measurement = plan.measure("gpt_tiny", candidate, batch_size=4, seq_len=32)
+  candidate = planner.Candidate(2, "none")
+  measurement = planner.measure("gpt_tiny", candidate, batch_size=4, seq_len=32)
   config = models.get_config("gpt_tiny", scan_layers=True)
   assert measurement.host_bytes == 0  # nothing is offloaded without "offload"
-  assert measurement.param_bytes == optax_adama.memory.tree_bytes(bench.split_model(config)[1])
+  assert measurement.param_bytes == optax_adama.memory.tree_bytes(harness.split_model(config)[1])
   # Forward and backward of a transformer take at least 6 flops per parameter
   # per token in its matmuls (Kaplan et al. 2020); XLA's count of one scanned
   # layer alone would be below that for the 2-layer stack.
@@ -176,27 +176,27 @@ def test_measure_matches_memory_report_and_counts_every_layer():
 def test_measure_completes_the_loss_chunks_and_the_release_scans():
   """Flops: chunks add one head forward; the release does remat "full"'s work."""
   config = models.get_config("gpt_test")
-  flops = {c: plan.measure("gpt_test", c, batch_size=4, seq_len=16).flops
-           for c in (plan.Candidate(2), plan.Candidate(2, loss_chunks=4),
-                     plan.Candidate(2, "full"), plan.Candidate(2, plan.RELEASE))}
+  flops = {c: planner.measure("gpt_test", c, batch_size=4, seq_len=16).flops
+           for c in (planner.Candidate(2), planner.Candidate(2, loss_chunks=4),
+                     planner.Candidate(2, "full"), planner.Candidate(2, planner.RELEASE))}
   head_forward = 2 * (2 * 16) * config.vocab_size * config.hidden  # per micro-batch
-  extra = flops[plan.Candidate(2, loss_chunks=4)] - flops[plan.Candidate(2)]
+  extra = flops[planner.Candidate(2, loss_chunks=4)] - flops[planner.Candidate(2)]
   # Uncompleted, the chunk scans would count a quarter of the head: -3/4 of it.
   assert extra == pytest.approx(2 * head_forward, rel=0.1)
-  released, full = flops[plan.Candidate(2, plan.RELEASE)], flops[plan.Candidate(2, "full")]
+  released, full = flops[planner.Candidate(2, planner.RELEASE)], flops[planner.Candidate(2, "full")]
   assert released == pytest.approx(full, rel=0.05)
 
 
 @pytest.mark.slow
 def test_plan_on_gpt_test_fits_and_beats_remat_alone():
-  measure_fn = plan.cached_measure("gpt_test", batch_size=2, seq_len=16)
+  measure_fn = planner.cached_measure("gpt_test", batch_size=2, seq_len=16)
   remats = ("none", "full")
-  sizes = [measure_fn(plan.Candidate(n, r)).device_bytes
+  sizes = [measure_fn(planner.Candidate(n, r)).device_bytes
            for r, n in itertools.product(remats, (1, 2))]
   budget = (min(sizes) + max(sizes)) / 2
-  result = plan.plan("gpt_test", budget, batch_size=2, seq_len=16, machine=MACHINE,
-                     activation_settings=(("none", None), ("none", 2), ("full", None)),
-                     moment_storages=("float32",), measure_fn=measure_fn)
+  result = planner.plan("gpt_test", budget, batch_size=2, seq_len=16, machine=MACHINE,
+                        activation_settings=(("none", None), ("none", 2), ("full", None)),
+                        moment_storages=("float32",), measure_fn=measure_fn)
   assert result.verified.device_bytes <= budget
   assert result.predicted_s <= best_remat_only(measure_fn, budget, 2, remats)
   assert jax.default_backend() != "cpu" or result.verified.host_bytes == 0
@@ -210,8 +210,8 @@ def test_train_plan_flag_takes_the_plans_settings(monkeypatch):
     calls.append((preset, budget_bytes, kwargs["batch_size"], kwargs["seq_len"]))
     return chosen
 
-  monkeypatch.setattr(plan, "plan", fake_plan)
-  config = train.TrainConfig(model="gpt", preset="gpt_test", batch_size=16, seq_len=16)
+  monkeypatch.setattr(planner, "plan", fake_plan)
+  config = harness.TrainConfig(model="gpt", preset="gpt_test", batch_size=16, seq_len=16)
   overrides = train._planned(config, 0.0043, progress=False)
   assert calls == [("gpt_test", 0.0043 * 1e9, 16, 16)]
   planned = dataclasses.replace(config, **overrides)
@@ -237,14 +237,14 @@ def test_offload_without_host_memory_is_not_chosen():
         # Offload predicted a hair faster, as the CPU measured it.
         flops=13.0 - (candidate.remat == "offload") * 1e-3)
 
-  result = plan.plan("gpt_test", 40e6, batch_size=16, machine=MACHINE,
-                     activation_settings=settings, measure_fn=steps, verify_fn=steps)
+  result = planner.plan("gpt_test", 40e6, batch_size=16, machine=MACHINE,
+                        activation_settings=settings, measure_fn=steps, verify_fn=steps)
   assert result.choice.remat == "minimal"
   assert "offload not measurable here" in result.table()
 
 
 def test_time_settings_times_the_step_models_train_runs_for_each_setting():
-  candidates = (plan.Candidate(2, "none"), plan.Candidate(2, plan.RELEASE, loss_chunks=2))
+  candidates = (planner.Candidate(2, "none"), planner.Candidate(2, planner.RELEASE, loss_chunks=2))
   times = plan.time_settings("gpt_test", candidates, batch_size=4, seq_len=16, rounds=1,
                              steps_per_round=1)
   assert set(times) == {"none", "release + loss in 2 chunks"}
@@ -257,14 +257,14 @@ def test_survey_candidates_cover_every_saver_and_reach_train():
   assert len(set(labels)) == len(labels)
   assert {"none + gelu 2-bit", "full + loss in 8 chunks", "release + loss in 8 chunks",
           "none + sampled dW 0.5"} <= set(labels)
-  assert {c.label() for c in candidates} >= {r for r, _ in plan.ACTIVATION_SETTINGS}
-  sampled = plan.train_config("gpt_test", candidates[-1], batch_size=8, seq_len=16)
+  assert {c.label() for c in candidates} >= {r for r, _ in planner.ACTIVATION_SETTINGS}
+  sampled = planner.train_config("gpt_test", candidates[-1], batch_size=8, seq_len=16)
   assert sampled.linear_keep_ratio == 0.5 and sampled.num_micro_batches == 4
 
 
 def test_survey_measures_what_the_savers_save():
   """The chunked loss keeps less than the whole logits (gpt_test: 256-token vocab)."""
-  candidates = [plan.Candidate(1, "full"), plan.Candidate(1, "full", loss_chunks=4)]
+  candidates = [planner.Candidate(1, "full"), planner.Candidate(1, "full", loss_chunks=4)]
   whole, chunked = plan.survey("gpt_test", candidates, batch_size=4, seq_len=32)
   assert chunked.measurement.device_bytes < whole.measurement.device_bytes
   assert chunked.predicted_s > 0 and chunked.candidate == candidates[1]

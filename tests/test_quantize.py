@@ -251,13 +251,13 @@ def test_quantized_state_through_adamaw_and_jit_is_stable():
 
 def _train_gpt(quantize_moments, **config):
   """Held-out loss of a GPT trained by `models.train` with AdamA."""
-  from models import train  # the tests may use the models; the library may not
+  from models import harness  # the tests may use the models; the library may not
 
-  config = train.TrainConfig(
+  config = harness.TrainConfig(
       model="gpt", optimizer="adama", quantize_moments=quantize_moments,
       **config)
   with jax.numpy_dtype_promotion("standard"):  # optax's schedule
-    return train.train(config, progress=False)["eval_loss"]
+    return harness.train(config, progress=False)["eval_loss"]
 
 
 def test_tiny_gpt_smoke_eight_bit_trains_like_float32():

@@ -351,14 +351,14 @@ def test_bench_memory_scan_layers_smoke():
 
 
 def test_release_floor_is_the_scanned_remat_full_one_with_a_layer_slice():
-  from models import bench  # pylint: disable=g-import-not-at-top
+  from models import bench, harness  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
 
   config = models.get_config("gpt_test", scan_layers=True)
-  batch = bench.abstract_batch(config, 4, None)
-  adama = bench.floor_for("adama", config, batch, 4)
-  release = bench.floor_for("adama_release", config, batch, 4)
-  _, params = bench.split_model(config)
+  batch = harness.abstract_batch(config, 4, None)
+  adama = harness.floor_for("adama", config, batch, 4)
+  release = harness.floor_for("adama_release", config, batch, 4)
+  _, params = harness.split_model(config)
   slices = [optax_adama.memory.tree_bytes(x) // config.num_layers
             for x in jax.tree.leaves(params["blocks"])]
   outer = [optax_adama.memory.tree_bytes(x) for k, v in params.items() if k != "blocks"

@@ -18,7 +18,7 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import bench, savers
+from models import harness, savers
 
 ALL_BITS = savers.CODE_BITS
 
@@ -156,8 +156,8 @@ def test_bad_bits_raise():
 def test_model_with_few_bit_gelu_has_the_same_loss_and_close_gradients(kind):
   exact_config = models.get_config(f"{kind}_test")
   exact_loss, params = models.split_loss_fn(models.create(exact_config, rngs=nnx.Rngs(0)))
-  few_bit_loss, _ = bench.split_model(models.get_config(f"{kind}_test", gelu_bits=4))
-  batch = bench.random_batch(exact_config, bench.abstract_batch(exact_config, 2))
+  few_bit_loss, _ = harness.split_model(models.get_config(f"{kind}_test", gelu_bits=4))
+  batch = harness.random_batch(exact_config, harness.abstract_batch(exact_config, 2))
   exact_value, exact_grad = jax.jit(jax.value_and_grad(exact_loss))(params, batch)
   few_bit_value, few_bit_grad = jax.jit(jax.value_and_grad(few_bit_loss))(params, batch)
   assert few_bit_value == exact_value
@@ -178,8 +178,8 @@ def gradient_temp_bytes(preset: str, batch_size: int, **overrides) -> int:
   scan's saved residuals are exactly what the backward pass reads.
   """
   config = models.get_config(preset, scan_layers=True, **overrides)
-  loss_fn, params = bench.split_model(config)
-  batch = bench.abstract_batch(config, batch_size)
+  loss_fn, params = harness.split_model(config)
+  batch = harness.abstract_batch(config, batch_size)
   compiled = jax.jit(jax.grad(loss_fn)).lower(params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -199,10 +199,10 @@ def test_gpt2_small_adama_step_memory_with_two_and_four_bits():
   totals = {}
   for bits in (None, 4, 2):
     config = models.get_config("gpt2_small", scan_layers=True, gelu_bits=bits)
-    loss_fn, params = bench.split_model(config)
-    step, tx = bench.make_step("adama", loss_fn, num_micro_batches=4)
+    loss_fn, params = harness.split_model(config)
+    step, tx = harness.make_step("adama", loss_fn, num_micro_batches=4)
     report = optax_adama.memory_report(
-        step, params, jax.eval_shape(tx.init, params), bench.abstract_batch(config, 4))
+        step, params, jax.eval_shape(tx.init, params), harness.abstract_batch(config, 4))
     totals[bits] = report.total_bytes
   # 12 layers x 1024 x 3072 float32 GELU inputs: 151 MB that the code shrinks 8x or 16x.
   gelu_input_bytes = 12 * 1024 * 3072 * 4
@@ -251,11 +251,11 @@ def test_sampled_matmul_saves_the_kept_rows_only():
 def test_model_with_sampled_projection_samples_only_the_projection_kernel_gradient():
   config = models.get_config("gpt_test")
   exact_loss, params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
-  batch = bench.random_batch(config, bench.abstract_batch(config, 2))
+  batch = harness.random_batch(config, harness.abstract_batch(config, 2))
   exact_value, exact_grad = jax.jit(jax.value_and_grad(exact_loss))(params, batch)
   kernel = ("blocks", 0, "mlp", "proj", "kernel")
   for keep_ratio in (1.0, 0.5):
-    loss_fn, _ = bench.split_model(models.get_config("gpt_test", linear_keep_ratio=keep_ratio))
+    loss_fn, _ = harness.split_model(models.get_config("gpt_test", linear_keep_ratio=keep_ratio))
     value, grad = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
     np.testing.assert_allclose(value, exact_value, rtol=1e-6)
     flat, exact_flat = (dict(jax.tree_util.tree_leaves_with_path(g)) for g in (grad, exact_grad))

@@ -50,7 +50,7 @@ def test_run_grid_appends_and_skips_finished_runs(tmp_path, monkeypatch):
     return {"eval_loss": 1.0 + config.learning_rate, "final_train_loss": 1.0,
             "train_loss": [1.0] * 10, "median_step_s": 0.1, "machine": {}}
 
-  monkeypatch.setattr(study.train, "train", fake_train)
+  monkeypatch.setattr(study.harness, "train", fake_train)
   results = tmp_path / "study.jsonl"
   # N = 2 and 4 at 4 examples per micro-batch: batches of 8 and 16.
   runs = study.grid(["gpt"], ["adam", "mean"], [2, 4], [4], [1.0], [0], 5)

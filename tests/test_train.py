@@ -9,7 +9,7 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import train
+from models import harness, train
 
 
 @pytest.fixture(autouse=True)
@@ -64,49 +64,49 @@ def test_an_adama_only_option_without_compare_is_still_an_error():
 def test_vit_mini_batch_larger_than_the_held_out_split_is_scored_on_all_of_it():
   # 359 held-out digits: a 512-image mini-batch is scored on one batch of all
   # 359, a 128-image one on two full batches as before (the study's cells).
-  config = train.TrainConfig(model="vit", batch_size=512, num_micro_batches=4)
-  _, held_out = train.make_data(config, train.model_config_of(config))
+  config = harness.TrainConfig(model="vit", batch_size=512, num_micro_batches=4)
+  _, held_out = harness.make_data(config, harness.model_config_of(config))
   assert [b["labels"].shape[0] for b in held_out] == [359]
-  config = train.TrainConfig(model="vit", batch_size=128, num_micro_batches=4)
-  _, held_out = train.make_data(config, train.model_config_of(config))
+  config = harness.TrainConfig(model="vit", batch_size=128, num_micro_batches=4)
+  _, held_out = harness.make_data(config, harness.model_config_of(config))
   assert [b["labels"].shape[0] for b in held_out] == [128, 128]
 
 
 def test_bad_config_is_rejected_with_both_numbers():
   with pytest.raises(ValueError, match=r"batch size 10 .*num_micro_batches=4"):
-    train.TrainConfig(batch_size=10, num_micro_batches=4)
+    harness.TrainConfig(batch_size=10, num_micro_batches=4)
   with pytest.raises(ValueError, match="optimizer"):
-    train.TrainConfig(optimizer="sgd")
+    harness.TrainConfig(optimizer="sgd")
 
 
 def test_schedule_warms_up_then_decays_to_a_tenth():
-  schedule = train.warmup_cosine_schedule(1.0, steps=100, warmup_steps=10)
+  schedule = harness.warmup_cosine_schedule(1.0, steps=100, warmup_steps=10)
   assert float(schedule(0)) == 0.0
   assert float(schedule(5)) == pytest.approx(0.5)
   assert float(schedule(10)) == pytest.approx(1.0)
   assert float(schedule(55)) == pytest.approx(0.55)  # half-way down the cosine
   assert float(schedule(100)) == pytest.approx(0.1)
   # A warm-up longer than half the run is cut to half the run.
-  short = train.warmup_cosine_schedule(1.0, steps=10, warmup_steps=20)
+  short = harness.warmup_cosine_schedule(1.0, steps=10, warmup_steps=20)
   assert float(short(5)) == pytest.approx(1.0)
   with pytest.raises(ValueError, match="-1"):
-    train.warmup_cosine_schedule(1.0, steps=10, warmup_steps=-1)
+    harness.warmup_cosine_schedule(1.0, steps=10, warmup_steps=-1)
 
 
 def _moment_bytes(config):
   """(P, bytes of the optimizer state) of `config`'s optimizer on gpt_test."""
   params = models.split_loss_fn(models.create("gpt_test", rngs=nnx.Rngs(0)))[1]
-  state = jax.eval_shape(train.make_optimizer(config).init, params)
+  state = jax.eval_shape(harness.make_optimizer(config).init, params)
   return optax_adama.memory.tree_bytes(params), optax_adama.memory.tree_bytes(state)
 
 
 @pytest.mark.parametrize("optimizer", ["adama", "adam", "multisteps"])
 def test_bfloat16_first_moment_halves_its_bytes(optimizer):
-  P, float32 = _moment_bytes(train.TrainConfig(optimizer=optimizer))
-  _, narrow = _moment_bytes(train.TrainConfig(optimizer=optimizer, mu_dtype="bfloat16"))
+  P, float32 = _moment_bytes(harness.TrainConfig(optimizer=optimizer))
+  _, narrow = _moment_bytes(harness.TrainConfig(optimizer=optimizer, mu_dtype="bfloat16"))
   assert float32 - narrow == P // 2  # m: 4 bytes a parameter -> 2
   if optimizer == "adama":
-    _, both = _moment_bytes(train.TrainConfig(mu_dtype="bfloat16", nu_dtype="bfloat16"))
+    _, both = _moment_bytes(harness.TrainConfig(mu_dtype="bfloat16", nu_dtype="bfloat16"))
     assert float32 - both == P
 
 
@@ -124,19 +124,19 @@ def test_quantized_moments_from_the_cli(tmp_path):
   # Params (1 P) + 8-bit m and v (about P / 2) + the batch: well under the
   # 3 P of float32 moments.
   assert run["memory"]["argument_p"] < 1.7
-  P, state = _moment_bytes(train.TrainConfig(quantize_moments=True))
+  P, state = _moment_bytes(harness.TrainConfig(quantize_moments=True))
   assert state < 0.6 * P
 
 
 def test_moment_options_are_checked_and_quote_the_bad_value():
   with pytest.raises(ValueError, match="'float8'"):
-    train.TrainConfig(mu_dtype="float8")
+    harness.TrainConfig(mu_dtype="float8")
   with pytest.raises(ValueError, match="nu_dtype.*'bf16'"):
-    train.TrainConfig(nu_dtype="bf16")
+    harness.TrainConfig(nu_dtype="bf16")
   with pytest.raises(ValueError, match="quantize_moments.*'adam'"):
-    train.TrainConfig(optimizer="adam", quantize_moments=True)
+    harness.TrainConfig(optimizer="adam", quantize_moments=True)
   with pytest.raises(ValueError, match="nu_dtype='bfloat16'.*'multisteps'"):
-    train.TrainConfig(optimizer="multisteps", nu_dtype="bfloat16")
+    harness.TrainConfig(optimizer="multisteps", nu_dtype="bfloat16")
 
 
 def test_loss_chunks_train_gpt_as_the_whole_logits_do(tmp_path):
@@ -152,7 +152,7 @@ def test_loss_chunks_train_gpt_as_the_whole_logits_do(tmp_path):
   # The same sums in another order; three steps of lr 1e-3-scale updates.
   np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
   with pytest.raises(ValueError, match="loss_chunks is GPT's"):
-    train.train(train.TrainConfig(model="bert", loss_chunks=2))
+    harness.train(harness.TrainConfig(model="bert", loss_chunks=2))
 
 
 def test_release_trains_as_the_fused_scanned_step(tmp_path):
@@ -176,4 +176,4 @@ def test_release_trains_as_the_fused_scanned_step(tmp_path):
   assert not train.config_for(options, "adam").release
   for bad in ({"optimizer": "adam", "scan_layers": True}, {"scan_layers": False}):
     with pytest.raises(ValueError, match="release .* needs scan_layers=True and optimizer"):
-      train.TrainConfig(release=True, **bad)
+      harness.TrainConfig(release=True, **bad)

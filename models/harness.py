@@ -1,0 +1,630 @@
+"""The harness's shared machinery: what more than one command runs.
+
+The commands (`python -m models.train`, `.bench`, `.plan`, `.validate`,
+`.demo`, `.gpu_bench`) and the libraries beside this one (`models.planner`,
+`models.study`) import this module; it imports the model zoo (`models`) and
+`optax_adama` only, never a command. So no command imports another, and the
+imports run one way: commands -> harness -> zoo -> optax_adama
+(tests/test_imports.py holds them to it). What one command alone uses stays
+in that command.
+
+- Where a result was measured: `machine_info`, `cpu_name`.
+- Output: `format_bytes`, `save_figure`.
+- Batches: `abstract_batch` (shapes, for compile-only measurements),
+  `random_batch` (values, for timing), `tokens_per_example`.
+- A training run: `TrainConfig` and `train` (models.train, models.validate and
+  its study, models.demo), with the pieces the planner compiles on their own
+  (`make_optimizer`, `make_train_step`, `model_config_of`).
+- The accumulation methods the benchmarks compare (`models.bench` describes
+  each): `make_step(method, loss_fn, ...)`, `split_model`, the floor a method
+  is held to (`floor_for`) and interleaved step timing (`measure_throughput`),
+  for models.bench, models.gpu_bench and models.demo.
+
+None of this is the zoo's API (`models/__init__.py`): it trains and measures
+models, it does not build them, and it is not in the wheel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import models
+import optax_adama
+from models import data
+
+
+# Where a result was measured.
+
+
+def cpu_name() -> str:
+  """The CPU model, e.g. 'AMD EPYC 7B13', from /proc/cpuinfo where there is one."""
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+  """Where a result was measured: backend, device, CPU, versions."""
+  device = jax.devices()[0]
+  return {
+      "backend": jax.default_backend(),
+      "device": getattr(device, "device_kind", str(device)),
+      "num_devices": jax.device_count(),
+      "cpu": cpu_name(),
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "optax": optax.__version__,
+  }
+
+
+# Output.
+
+GIB = 2**30
+
+
+def format_bytes(num_bytes: float) -> str:
+  """GiB, or MiB below a tenth of a GiB (the tiny models' steps)."""
+  if abs(num_bytes) >= 0.1 * GIB:
+    return f"{num_bytes / GIB:.2f} GiB"
+  return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def save_figure(fig: Any, path: Path, *, rect: Any = None) -> None:
+  """Lays out (within ``rect``, figure fractions, if given), writes (creating
+  the folder) and closes a matplotlib figure."""
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout(rect=rect)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# Batches.
+
+
+def abstract_batch(config: models.Config, batch_size: int, seq_len: int | None = None) -> dict:
+  """ShapeDtypeStructs of a batch in the format the model's loss expects."""
+  sds = jax.ShapeDtypeStruct
+  if isinstance(config, models.GPTConfig):
+    seq_len = seq_len or config.max_len
+    return {"tokens": sds((batch_size, seq_len + 1), jnp.int32)}
+  if isinstance(config, models.BERTConfig):
+    seq_len = seq_len or config.max_len
+    return {"tokens": sds((batch_size, seq_len), jnp.int32),
+            "targets": sds((batch_size, seq_len), jnp.int32),
+            "mask_weights": sds((batch_size, seq_len), jnp.float32)}
+  size, channels = config.image_size, config.num_channels
+  return {"images": sds((batch_size, size, size, channels), jnp.float32),
+          "labels": sds((batch_size,), jnp.int32)}
+
+
+def random_batch(config: models.Config, batch: dict, seed: int = 0) -> dict:
+  """A concrete batch for timing (speed does not depend on the values)."""
+  rng = np.random.default_rng(seed)
+  vocab = getattr(config, "vocab_size", None)
+  out = {}
+  for name, leaf in batch.items():
+    if name == "labels":
+      out[name] = rng.integers(0, config.num_classes, leaf.shape).astype(np.int32)
+    elif name == "mask_weights":
+      out[name] = (rng.random(leaf.shape) < 0.15).astype(np.float32)
+    elif leaf.dtype == jnp.int32:
+      out[name] = rng.integers(0, vocab, leaf.shape).astype(np.int32)
+    else:
+      out[name] = rng.random(leaf.shape).astype(np.float32)
+  return jax.tree.map(jnp.asarray, out)
+
+
+def tokens_per_example(model_config: models.Config, batch: dict) -> int:
+  """Positions the model processes per example (patches + CLS for the ViT)."""
+  if isinstance(model_config, models.ViTConfig):
+    return model_config.num_patches + 1
+  length = batch["tokens"].shape[1]
+  # GPT batches carry one extra token: the last target.
+  return length - 1 if isinstance(model_config, models.GPTConfig) else length
+
+
+# A training run.
+
+MODEL_KINDS = ("gpt", "bert", "vit")
+OPTIMIZERS = ("adama", "adam", "multisteps")
+MOMENT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One training run. Field names match the command-line flags."""
+
+  model: str = "gpt"
+  preset: str | None = None  # None: f"{model}_tiny".
+  optimizer: str = "adama"
+  num_micro_batches: int = 4
+  batch_size: int = 32  # mini-batch size; micro-batches are batch_size / N.
+  seq_len: int = 64  # text models only.
+  steps: int = 300
+  learning_rate: float = 2e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.0
+  seed: int = 0
+  eval_batches: int = 16
+  data_path: str | None = None  # a user text file or directory (text models).
+  max_bytes: int = 2_000_000  # corpus cap for the standard-library text.
+  remat: str = "none"
+  gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
+  linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
+  loss_chunks: int = 1  # gpt: the LM head's loss over this many chunks of tokens.
+  scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
+  # AdamA's gradient release (optax_adama.release_step): each scanned layer's
+  # gradient folded and dropped in the backward scan. Needs scan_layers, adama.
+  release: bool = False
+  # Moment storage, as `optax_adama.adamaw` takes it. None: the params' dtype.
+  mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
+  nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
+  quantize_moments: bool = False  # 8-bit BlockQuantization(); adama only.
+  nu_estimator: str = "mean"  # AdamA's second-moment estimator; adama only.
+  accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
+
+  def __post_init__(self):
+    if self.model not in MODEL_KINDS:
+      raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}.")
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}.")
+    if self.steps < 1:
+      raise ValueError(f"steps must be >= 1, got {self.steps}.")
+    if self.num_micro_batches < 1:
+      raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}.")
+    if self.batch_size % self.num_micro_batches:
+      raise ValueError(
+          f"batch size {self.batch_size} does not split into "
+          f"num_micro_batches={self.num_micro_batches} equal micro-batches.")
+    for name in ("mu_dtype", "nu_dtype"):
+      value = getattr(self, name)
+      if value is not None and value not in MOMENT_DTYPES:
+        raise ValueError(f"{name} must be one of {MOMENT_DTYPES} or None, got {value!r}.")
+    if self.optimizer != "adama":
+      if self.nu_dtype is not None:
+        raise ValueError(
+            f"nu_dtype={self.nu_dtype!r} needs optimizer='adama' (optax.adamw has no "
+            f"nu_dtype), got optimizer={self.optimizer!r}.")
+      if self.quantize_moments:
+        raise ValueError(
+            "quantize_moments (8-bit moments) needs optimizer='adama', got "
+            f"optimizer={self.optimizer!r}.")
+      if self.nu_estimator != "mean":
+        raise ValueError(
+            f"nu_estimator={self.nu_estimator!r} needs optimizer='adama', got "
+            f"optimizer={self.optimizer!r}.")
+    if self.nu_estimator not in optax_adama.NU_ESTIMATORS:
+      raise ValueError(f"nu_estimator must be one of {optax_adama.NU_ESTIMATORS}, "
+                       f"got {self.nu_estimator!r}.")
+    if self.release and not (self.scan_layers and self.optimizer == "adama"):
+      raise ValueError(
+          "release (optax_adama.release_step) needs scan_layers=True and optimizer='adama', "
+          f"got scan_layers={self.scan_layers}, optimizer={self.optimizer!r}.")
+    if self.accumulation_dtype is not None:
+      if self.accumulation_dtype not in MOMENT_DTYPES:
+        raise ValueError(f"accumulation_dtype must be one of {MOMENT_DTYPES} or None, "
+                         f"got {self.accumulation_dtype!r}.")
+      if self.optimizer != "adam":
+        raise ValueError(
+            f"accumulation_dtype={self.accumulation_dtype!r} is for gradient "
+            f"accumulation (optimizer='adam'), got optimizer={self.optimizer!r}.")
+
+  @property
+  def preset_name(self) -> str:
+    return self.preset or f"{self.model}_tiny"
+
+
+def warmup_cosine_schedule(
+    learning_rate: float, steps: int, warmup_steps: int
+) -> optax.Schedule:
+  """Linear warm-up from 0 to `learning_rate`, then cosine decay to a tenth of it.
+
+  Args:
+    learning_rate: the peak learning rate.
+    steps: length of the schedule, in optimizer (mini-batch) steps.
+    warmup_steps: steps of linear warm-up; capped at `steps // 2`, so short
+      runs (smoke tests) keep at least half their steps after warm-up.
+
+  Returns:
+    The schedule, a function of the step count.
+  """
+  if steps < 1:
+    raise ValueError(f"steps must be >= 1, got {steps}.")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+  return optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, min(warmup_steps, steps // 2), steps,
+      end_value=0.1 * learning_rate)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  """The optimizer of a run; every one counts its schedule in mini-batches."""
+  schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
+  if config.optimizer == "adama":
+    quantization = optax_adama.BlockQuantization() if config.quantize_moments else None
+    return optax_adama.adamaw(
+        schedule, weight_decay=config.weight_decay,
+        num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
+        nu_dtype=config.nu_dtype, quantization=quantization,
+        nu_estimator=config.nu_estimator)
+  adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
+  if config.optimizer == "multisteps":
+    return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
+  return adamw  # microbatch_step accumulates the mean gradient for it.
+
+
+def model_config_of(config: TrainConfig) -> models.Config:
+  """The model config of a run: its preset with the run's remat, savers and layout."""
+  if config.loss_chunks != 1 and config.model != "gpt":
+    raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
+  chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
+  return models.get_config(config.preset_name, remat=config.remat, gelu_bits=config.gelu_bits,
+                           scan_layers=config.scan_layers,
+                           linear_keep_ratio=config.linear_keep_ratio, **chunks)
+
+
+def make_train_step(config: TrainConfig, model: nnx.Module, loss_fn: Callable,
+                    tx: optax.GradientTransformation) -> Callable:
+  """The jitted training step: `release_step` on the model's stages, or `microbatch_step`.
+
+  Both take and return the same (params, opt_state, batch) and metrics with
+  "loss"; the release's loss is the head's (it has no accuracy aux).
+  """
+  if config.release:
+    staged, _ = models.staged_loss(model)
+    return optax_adama.release_step(staged, tx)
+  return optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
+      accumulation_dtype=config.accumulation_dtype)
+
+
+def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], list[dict]]:
+  """(training batch stream, fixed list of held-out batches) for a run."""
+  if config.model == "vit":
+    digits = data.load_digits(seed=0)
+    train = data.image_batches(
+        digits.train_images, digits.train_labels, batch_size=config.batch_size,
+        seed=config.seed)
+    # Capped at the held-out split (359 digits), so a mini-batch larger than it
+    # is scored on the whole split, in one batch; smaller ones as before.
+    valid = data.image_batches(
+        digits.valid_images, digits.valid_labels,
+        batch_size=min(config.batch_size, len(digits.valid_labels)),
+        shuffle=False, epochs=1)
+  else:
+    text = (data.load_text(config.data_path) if config.data_path
+            else data.load_stdlib_text(max_bytes=config.max_bytes))
+    seq_len = min(config.seq_len, model_config.max_len)
+    batches = data.lm_batches if config.model == "gpt" else data.mlm_batches
+    train = batches(text.train, batch_size=config.batch_size, seq_len=seq_len,
+                    seed=config.seed)
+    # Held-out masks are drawn from a fixed seed: every run scores the same task.
+    valid = batches(text.valid, batch_size=config.batch_size, seq_len=seq_len,
+                    seed=1234, shuffle=False, epochs=1)
+  eval_batches = [b for _, b in zip(range(config.eval_batches), valid)]
+  if not eval_batches:
+    raise ValueError("the held-out split is too small for one batch.")
+  return train, eval_batches
+
+
+def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
+  """Mean loss and aux metrics over held-out batches."""
+  eval_step = jax.jit(loss_fn)
+  totals: dict[str, float] = {}
+  for batch in batches:
+    loss, aux = eval_step(params, batch)
+    for name, value in {"loss": loss, **aux}.items():
+      totals[name] = totals.get(name, 0.0) + float(value)
+  return {name: value / len(batches) for name, value in totals.items()}
+
+
+def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
+  """Trains one model and returns its metrics (see the module docstring)."""
+  model_config = model_config_of(config)
+  model = models.create(model_config, rngs=nnx.Rngs(config.seed))
+  loss_fn, params = models.split_loss_fn(model, has_aux=True)
+  tx = make_optimizer(config)
+  step = make_train_step(config, model, loss_fn, tx)
+  del model  # the loss merges params back into a fresh module each call
+  opt_state = tx.init(params)
+  train_batches, eval_batches = make_data(config, model_config)
+
+  first = next(train_batches)
+  compile_start = time.perf_counter()
+  compiled = step.lower(params, opt_state, first).compile()
+  compile_s = time.perf_counter() - compile_start
+  memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.memory.tree_bytes(params))
+  tokens_per_step = config.batch_size * tokens_per_example(model_config, first)
+
+  train_loss: list[float] = []
+  step_times: list[float] = []
+  bar = tqdm(total=config.steps, desc=f"{config.preset_name}/{config.optimizer}",
+             disable=not progress, dynamic_ncols=True, file=sys.stderr)
+  batch = first
+  for i in range(config.steps):
+    start = time.perf_counter()
+    params, opt_state, metrics = compiled(params, opt_state, batch)
+    loss = float(metrics["loss"])  # blocks: the timing covers the step
+    step_times.append(time.perf_counter() - start)
+    train_loss.append(loss)
+    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+    bar.update()
+    if i + 1 < config.steps:
+      batch = next(train_batches)
+  bar.close()
+
+  eval_metrics = evaluate(loss_fn, params, eval_batches)
+  # The first steps include one-off work (allocation, caches): time the rest.
+  steady = step_times[len(step_times) // 10:] or step_times
+  median_step_s = float(np.median(steady))
+  adama_state = optax_adama.find_adama_state(opt_state)
+  return {
+      "config": dataclasses.asdict(config),
+      "preset": config.preset_name,
+      "param_count": models.param_count(model_config),
+      "train_loss": train_loss,
+      "final_train_loss": float(np.mean(train_loss[-max(1, config.steps // 20):])),
+      "eval_loss": eval_metrics["loss"],
+      "eval_metrics": eval_metrics,
+      "median_step_s": median_step_s,
+      "steps_per_s": 1.0 / median_step_s,
+      "tokens_per_s": tokens_per_step / median_step_s,
+      "compile_s": compile_s,
+      "memory": memory.to_dict(),
+      "num_dropped": None if adama_state is None else int(adama_state.num_dropped),
+      "machine": machine_info(),
+  }
+
+
+# The accumulation methods of models.bench (its docstring describes each).
+
+METHODS = ("full_batch", "scan_accumulation", "multisteps", "optax_microbatching", "adama")
+# Capacity: smaller optimizer state. The careful user's accumulation baseline,
+# then AdamA with 8-bit, low-rank (GaLore) and host-offloaded moments.
+STATE_METHODS = ("scan_accumulation_bf16_8bit", "adama_8bit", "adama_8bit_lowrank",
+                 "adama_8bit_lowrank_offload")
+LOW_RANK_REFRESH_PERIOD = 200  # mini-batches, GaLore's default
+# Data parallel on a mesh (capacity with a per-device budget): plain data-parallel
+# accumulation and AdamA (params, m, v replicated), AdamA with ZeRO-2 (m, v split,
+# gradients reduce-scattered), and ZeRO-2 with 8-bit moments.
+SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation",
+                   "zero2_adama", "zero2_adama_8bit")
+# Needs the model in stages, so only with --scan-layers: the release step with
+# float32 moments, with 8-bit ones whose blocks tile each layer, and with those
+# kept in host memory (each layer's slice brought in for its fold and update).
+RELEASE_METHODS = ("adama_release", "adama_release_8bit", "adama_release_8bit_offload")
+Step = Callable[..., Any]
+
+
+def make_step(
+    method: str, loss_fn: Callable, *, num_micro_batches: int, learning_rate: float = 1e-4,
+    mesh: jax.sharding.Mesh | None = None, rank: int | None = None,
+) -> tuple[Step, optax.GradientTransformation]:
+  """(jitted donating step, its optimizer) of a method.
+
+  ``full_batch`` runs the whole mini-batch as one micro-batch; every other
+  method scans ``num_micro_batches`` of them. ``rank``: the low-rank methods'
+  projection rank.
+  """
+  adam = optax.adam(learning_rate)
+  if method in STATE_METHODS:
+    return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
+  if method in SHARDED_METHODS:
+    if mesh is None:
+      raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
+    quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
+    tx = (adam if method.endswith("_scan_accumulation") else optax_adama.adama(
+        learning_rate, num_micro_batches=num_micro_batches, quantization=quantization))
+    step = optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=num_micro_batches, mesh=mesh,
+        shard_states="zero2" if method.startswith("zero2") else None)
+    return step, tx
+  if method == "full_batch":
+    return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam
+  if method == "scan_accumulation":
+    step = optax_adama.microbatch_step(
+        loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False)
+    return step, adam
+  if method == "multisteps":
+    tx = optax.MultiSteps(adam, every_k_schedule=num_micro_batches)
+    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
+  if method == "optax_microbatching":
+    return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam
+  if method == "adama":
+    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
+    return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
+  if method in RELEASE_METHODS:
+    if not isinstance(loss_fn, optax_adama.StagedLoss):
+      raise ValueError(f"{method} needs a scanned model (--scan-layers).")
+    quantization = (optax_adama.BlockQuantization(layer_aligned=True)
+                    if "_8bit" in method else None)
+    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
+                           quantization=quantization)
+    if method.endswith("_offload"):
+      tx = optax_adama.offload_moments(tx)
+    return optax_adama.release_step(loss_fn, tx), tx
+  raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank):
+  """The steps of STATE_METHODS: 8-bit, low-rank and offloaded moments."""
+  quantization = optax_adama.BlockQuantization()
+  if method == "scan_accumulation_bf16_8bit":
+    adam_8bit = _without_adama_state(optax_adama.adama(
+        learning_rate, num_micro_batches=1, quantization=quantization))
+    step = optax_adama.microbatch_step(
+        loss_fn, adam_8bit, num_micro_batches=num_micro_batches,
+        update_every_micro_batch=False, accumulation_dtype=jnp.bfloat16)
+    return step, adam_8bit
+  tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
+                         quantization=quantization)
+  if "lowrank" in method:
+    if rank is None:
+      raise ValueError(f"method {method!r} needs a rank.")
+    tx = optax_adama.low_rank(tx, rank=rank, refresh_period=LOW_RANK_REFRESH_PERIOD,
+                              projector_dtype=jnp.bfloat16)
+  if method.endswith("_offload"):
+    tx = optax_adama.offload_moments(tx)
+  return optax_adama.microbatch_step(loss_fn, tx), tx
+
+
+def _without_adama_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` with its state as a flat tuple of arrays.
+
+  AdamA at N = 1 is Adam; with its state flattened, ``microbatch_step`` finds
+  no AdamA state and runs it as any optax optimizer, after a gradient-sum
+  carry: Adam with 8-bit moments for the accumulation baseline.
+  """
+
+  def update_fn(updates, state, params=None):
+    treedef = jax.tree.structure(jax.eval_shape(tx.init, params))
+    new_updates, new_state = tx.update(updates, treedef.unflatten(state), params)
+    return new_updates, tuple(jax.tree.leaves(new_state))
+
+  return optax.GradientTransformation(lambda p: tuple(jax.tree.leaves(tx.init(p))), update_fn)
+
+
+def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
+  """The step a user writes with optax.microbatching: mean gradient, one update."""
+
+  def step(params, opt_state, batch):
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    value_and_grad = optax.microbatching.microbatch(
+        jax.value_and_grad(loss_fn), argnums=1,
+        microbatch_size=batch_size // num_micro_batches,
+        accumulator=optax.microbatching.AccumulationType.MEAN)
+    loss, grads = value_and_grad(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def split_model(config: models.Config) -> tuple[Callable, Any]:
+  """(pure loss_fn, abstract params) of a config, nothing allocated.
+
+  With ``scan_layers`` the loss is a ``StagedLoss`` (also a plain loss_fn).
+  """
+  if config.scan_layers:
+    return models.staged_loss(models.create_abstract(config))
+  graphdef, params, rest = nnx.split(models.create_abstract(config), nnx.Param, ...)
+  return models.make_loss_fn(graphdef, rest), params
+
+
+def adama_floor(config: models.Config, batch: dict,
+                num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
+  """AdamA's floor on the unrolled model (its largest gradient is one leaf)."""
+  loss_fn, params = split_model(dataclasses.replace(config, scan_layers=False))
+  state = jax.eval_shape(
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+  return optax_adama.memory.memory_floor(loss_fn, params, state, batch,
+                                  num_micro_batches=num_micro_batches)
+
+
+def floor_for(method: str, config: models.Config, batch: dict,
+              num_micro_batches: int) -> optax_adama.memory.MemoryFloor:
+  """The floor a method is held to.
+
+  AdamA's (`adama_floor`): the unrolled model's, whose largest gradient is one
+  leaf. The release step's: it recomputes each layer from its saved input in
+  the backward pass, so its activations are those of the scanned model with
+  every block rematerialized (the layer inputs, one layer's recomputation and
+  the head), and its largest gradient is one layer's slice of a stacked leaf
+  or an outer leaf.
+  """
+  if method not in RELEASE_METHODS:
+    return adama_floor(config, batch, num_micro_batches)
+  config = dataclasses.replace(config, scan_layers=True, remat="full")
+  loss_fn, params = split_model(config)
+  state = jax.eval_shape(
+      optax_adama.adama(1e-4, num_micro_batches=num_micro_batches).init, params)
+  floor = optax_adama.memory.memory_floor(loss_fn, params, state, batch,
+                                   num_micro_batches=num_micro_batches)
+  stack_path = (loss_fn.layers,) if isinstance(loss_fn.layers, str) else tuple(loss_fn.layers)
+
+  def gradient_bytes(path, leaf):
+    keys = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    stacked = keys[:len(stack_path)] == stack_path
+    return optax_adama.memory.tree_bytes(leaf) // (config.num_layers if stacked else 1)
+
+  largest = max(gradient_bytes(path, leaf)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(params))
+  return dataclasses.replace(floor, largest_gradient_bytes=largest)
+
+
+def measure_throughput(
+    preset: str,
+    methods: Sequence[str],
+    num_micro_batches: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    rounds: int = 7,
+    steps_per_round: int = 5,
+    progress: bool = True,
+) -> dict[str, dict[str, float]]:
+  """Median step time per method, the methods interleaved round by round.
+
+  Interleaving means slow drift of the machine (other load, thermal state)
+  hits every method alike, so their ratio is trustworthy.
+  """
+  config = models.get_config(preset)
+  model = models.create(config, rngs=nnx.Rngs(0))
+  # The release step needs the model in stages (scanned configs only).
+  splits = {False: models.split_loss_fn(model)}
+  if any(m in RELEASE_METHODS for m in methods):
+    splits[True] = models.staged_loss(model)
+  batch_size = micro_batch_size * num_micro_batches
+  batch = random_batch(config, abstract_batch(config, batch_size, seq_len))
+  tokens_per_step = batch_size * tokens_per_example(config, batch)
+  runners = {}
+  for method in methods:
+    loss_fn, init_params = splits[method in RELEASE_METHODS]
+    step, tx = make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    params = jax.tree.map(jnp.array, init_params)
+    state = tx.init(params)
+    compiled = step.lower(params, state, batch).compile()
+    runners[method] = [compiled, params, state]
+  times: dict[str, list[float]] = {m: [] for m in methods}
+  with tqdm(total=rounds * len(methods), desc=f"throughput {preset}", disable=not progress,
+            file=sys.stderr) as bar:
+    for round_index in range(rounds + 1):  # round 0 warms up, untimed
+      for method in methods:
+        compiled, params, state = runners[method]
+        start = time.perf_counter()
+        for _ in range(steps_per_round):
+          params, state, metrics = compiled(params, state, batch)
+        jax.block_until_ready((params, state, metrics))
+        elapsed = (time.perf_counter() - start) / steps_per_round
+        runners[method][1:] = [params, state]
+        if round_index:
+          times[method].append(elapsed)
+          bar.update()
+  out = {}
+  for method in methods:
+    median = float(np.median(times[method]))
+    out[method] = {"median_step_s": median, "steps_per_s": 1.0 / median,
+                   "tokens_per_s": tokens_per_step / median,
+                   "step_s_all": times[method]}
+  return out
