@@ -1,0 +1,274 @@
+"""The import graph of the repository's packages is acyclic and layered.
+
+Data flows one way: the harness (the commands `python -m models.<command>`
+and the library below them) imports the model zoo, the zoo imports
+`optax_adama`, and nothing imports back up. The graph is read from the source
+with `ast`, lazy (function-level) imports included: a circle closed by an
+import inside a function still ties the modules together, it only fails
+later, on the first call that reaches it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("optax_adama", "models")
+# The published model zoo: models/__init__.py is its front.
+ZOO = frozenset({"models", "models.bert", "models.data", "models.gpt", "models.layers",
+                 "models.savers", "models.vit"})
+
+
+class Import:
+  """One import statement's target, resolved to a module of the packages."""
+
+  def __init__(self, target: str, line: int, lazy: bool):
+    self.target = target  # dotted module name, e.g. "models.bench"
+    self.line = line
+    self.lazy = lazy  # inside a function body: runs on a call, not at import
+
+  def __repr__(self) -> str:
+    return f"{self.target} (line {self.line}{', lazy' if self.lazy else ''})"
+
+
+def module_name(path: Path, root: Path) -> str:
+  """`models/bench.py` -> "models.bench"; a package's `__init__.py` -> its name."""
+  parts = list(path.relative_to(root).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def package_sources(root: Path, packages: Iterable[str]) -> dict[str, Path]:
+  """Module name -> source file, for every .py file of the packages."""
+  return {module_name(path, root): path
+          for package in packages for path in sorted((root / package).rglob("*.py"))}
+
+
+class _Collector(ast.NodeVisitor):
+  """Every import of a module's source, each marked lazy when a function holds it."""
+
+  def __init__(self, module: str, is_package: bool):
+    self.module, self.is_package = module, is_package
+    self.depth = 0  # enclosing function bodies
+    self.found: list[tuple[str, str | None, int, bool]] = []  # (base, name, line, lazy)
+
+  def _function(self, node: ast.AST) -> None:
+    self.depth += 1
+    self.generic_visit(node)
+    self.depth -= 1
+
+  visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+  def visit_Import(self, node: ast.Import) -> None:
+    for alias in node.names:
+      self.found.append((alias.name, None, node.lineno, self.depth > 0))
+
+  def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+    base = node.module or ""
+    if node.level:  # relative: from the module's package, `level - 1` packages up
+      package = self.module.split(".")
+      if not self.is_package:
+        package.pop()
+      package = package[:len(package) - (node.level - 1)]
+      base = ".".join(package + ([base] if base else []))
+    for alias in node.names:
+      self.found.append((base, alias.name, node.lineno, self.depth > 0))
+
+
+def module_imports(module: str, path: Path, known: Iterable[str]) -> list[Import]:
+  """The imports of one module that land in `known` modules.
+
+  `import models` and `from models import PRESETS` are the package's
+  `__init__`; `from models import bench` and `import models.bench` are the
+  submodule (which Python runs after the package).
+  """
+  known = set(known)
+  collector = _Collector(module, path.name == "__init__.py")
+  collector.visit(ast.parse(path.read_text(), filename=str(path)))
+  imports = []
+  for base, name, line, lazy in collector.found:
+    target = f"{base}.{name}" if name is not None and f"{base}.{name}" in known else base
+    while target and target not in known:  # `import optax_adama.memory.x`: the longest known
+      target = target.rpartition(".")[0]
+    if target and (target, line) not in {(i.target, i.line) for i in imports}:
+      imports.append(Import(target, line, lazy))
+  return imports
+
+
+def import_graph(root: Path = ROOT,
+                 packages: Iterable[str] = PACKAGES) -> dict[str, list[Import]]:
+  """Module -> the imports it makes of the packages' modules (lazy ones too)."""
+  sources = package_sources(root, packages)
+  return {module: module_imports(module, path, sources) for module, path in sources.items()}
+
+
+def find_cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+  """Circles of `edges` (node -> its successors), each a closed path [a, ..., a].
+
+  Tarjan's algorithm finds the strongly connected components; in each, the
+  shortest circle through every member not yet on a reported one, so each
+  module caught in a circle shows up in at least one.
+  """
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  components: list[list[str]] = []
+
+  def connect(node: str) -> None:
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for succ in edges.get(node, ()):
+      if succ not in index:
+        connect(succ)
+        low[node] = min(low[node], low[succ])
+      elif succ in on_stack:
+        low[node] = min(low[node], index[succ])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.append(member)
+        if member == node:
+          break
+      components.append(component)
+
+  def shortest_circle(start: str, members: set[str]) -> list[str]:
+    previous: dict[str, str] = {}  # breadth first, inside the component
+    frontier = [start]
+    while start not in previous:
+      successors = []
+      for node in frontier:
+        for succ in sorted(set(edges.get(node, ()))):
+          if succ in members and succ not in previous:
+            previous[succ] = node
+            successors.append(succ)
+      frontier = successors
+    path = [start]
+    while path[-1] != start or len(path) == 1:
+      path.append(previous[path[-1]])
+    return path[::-1]
+
+  for node in sorted(edges):
+    if node not in index:
+      connect(node)
+  cycles = []
+  for component in components:
+    members = set(component)
+    if len(component) == 1 and component[0] not in set(edges.get(component[0], ())):
+      continue
+    covered: set[str] = set()
+    for start in sorted(component):
+      if start not in covered:
+        cycles.append(shortest_circle(start, members))
+        covered.update(cycles[-1])
+  return sorted(cycles)
+
+
+def command_modules(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> set[str]:
+  """Modules with an `if __name__ == "__main__":` block: `python -m` commands."""
+  commands = set()
+  for module, path in package_sources(root, packages).items():
+    for node in ast.parse(path.read_text()).body:
+      if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+          and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"):
+        commands.add(module)
+  return commands
+
+
+def _edges(graph: Mapping[str, list[Import]]) -> dict[str, list[str]]:
+  return {module: [i.target for i in imports if i.target != module]
+          for module, imports in graph.items()}
+
+
+def test_no_import_circle():
+  graph = import_graph()
+  cycles = find_cycles(_edges(graph))
+
+  def describe(cycle):
+    steps = [f"{a} -> {b} ({', '.join(dict.fromkeys(repr(i) for i in graph[a] if i.target == b))})"
+             for a, b in zip(cycle, cycle[1:])]
+    return "\n  ".join(steps)
+
+  assert not cycles, "import circles:\n  " + "\n\n  ".join(map(describe, cycles))
+
+
+def test_library_imports_neither_models_nor_flax_at_module_level():
+  graph = import_graph()
+  assert any(m.startswith("optax_adama") for m in graph)
+  wrong = {}
+  for module, imports in graph.items():
+    if module.split(".")[0] != "optax_adama":
+      continue
+    tree = ast.parse(package_sources(ROOT, ["optax_adama"])[module].read_text())
+    collector = _Collector(module, module == "optax_adama")
+    collector.visit(tree)
+    for base, name, line, lazy in collector.found:
+      top = base.split(".")[0]
+      # models at any level; flax only lazily (an optional NNX entry may).
+      if top == "models" or (top == "flax" and not lazy):
+        wrong.setdefault(module, []).append(f"{base} (line {line})")
+  assert not wrong, wrong
+
+
+def test_zoo_imports_no_harness_module():
+  graph = import_graph()
+  assert ZOO <= set(graph), ZOO - set(graph)
+  harness = {m for m in graph if m.split(".")[0] == "models"} - ZOO
+  wrong = [f"{m} imports {i}" for m in sorted(ZOO) for i in graph[m] if i.target in harness]
+  assert not wrong, "the zoo imports the harness:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_a_command():
+  """Commands sit on top: shared code lives below them, so none imports another."""
+  graph = import_graph()
+  commands = command_modules()
+  assert {"models.train", "models.bench", "models.plan", "models.validate",
+          "models.demo", "models.gpu_bench"} <= commands
+  wrong = [f"{m} imports the command {i}" for m, imports in sorted(graph.items())
+           for i in imports if i.target in commands and i.target != m]
+  assert not wrong, "\n".join(wrong)
+
+
+def test_find_cycles_reports_each_circle():
+  assert find_cycles({"a": ["b"], "b": ["c"], "c": []}) == []
+  assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
+  assert find_cycles({"a": ["a"]}) == [["a", "a"]]
+  cycles = find_cycles({"a": ["b"], "b": ["a"], "c": ["d"], "d": ["c"]})
+  assert sorted(cycles) == [["a", "b", "a"], ["c", "d", "c"]]
+
+
+def test_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
+  package = tmp_path / "pkg"
+  (package / "sub").mkdir(parents=True)
+  (package / "__init__.py").write_text("from pkg import a\n")
+  (package / "a.py").write_text("import os\nfrom . import b\n")
+  (package / "b.py").write_text(
+      "def later():\n  from pkg.sub import c\n  return c\n")
+  (package / "sub" / "__init__.py").write_text("")
+  (package / "sub" / "c.py").write_text("from ..a import x\nimport pkg\n")
+  graph = import_graph(tmp_path, ["pkg"])
+  assert {m: [(i.target, i.lazy) for i in imports] for m, imports in graph.items()} == {
+      "pkg": [("pkg.a", False)],
+      "pkg.a": [("pkg.b", False)],
+      "pkg.b": [("pkg.sub.c", True)],
+      "pkg.sub": [],
+      "pkg.sub.c": [("pkg.a", False), ("pkg", False)],
+  }
+  assert find_cycles(_edges(graph)) == [["pkg", "pkg.a", "pkg.b", "pkg.sub.c", "pkg"]]
+
+
+@pytest.mark.parametrize("source", ["if __name__ == '__main__':\n  main()\n"])
+def test_commands_are_found_by_their_main_block(tmp_path, source):
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "__init__.py").write_text("")
+  (tmp_path / "pkg" / "cli.py").write_text("def main():\n  pass\n" + source)
+  (tmp_path / "pkg" / "lib.py").write_text("def main():\n  pass\n")
+  assert command_modules(tmp_path, ["pkg"]) == {"pkg.cli"}
