@@ -1,11 +1,16 @@
-"""The dependency floors in pyproject.toml are the versions `make test-min` runs.
+"""What pyproject.toml promises: the dependency floors `make test-min` runs, and
+a wheel that installs the library alone.
 
 `make test-min` installs .ci/constraints-min.txt, which pins each floor
 exactly; a floor raised or lowered in one file and not the other would leave
-the floors untested.
+the floors untested. The wheel ships `optax_adama` only: models/ (the Flax
+zoo and the harness) runs from a checkout.
 """
 
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -53,3 +58,16 @@ def test_constraints_pin_exactly_the_floors():
       assert pins["jaxlib"] == pins["jax"]
     else:
       assert floors.get(name) == pins[name], (name, floors.get(name), pins[name])
+
+
+def test_wheel_installs_the_library_and_nothing_else(tmp_path):
+  # Built as a user's `pip install .` would (isolated, hatchling from the index).
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                  "--wheel-dir", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
+  (wheel,) = tmp_path.glob("*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  top = {name.split("/")[0] for name in names}
+  assert {t for t in top if not t.endswith(".dist-info")} == {"optax_adama"}, sorted(top)
+  library = {f"optax_adama/{p.name}" for p in (ROOT / "optax_adama").glob("*.py")}
+  assert library <= names, sorted(library - names)
+  assert not any(name.startswith("models/") for name in names)
