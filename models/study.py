@@ -274,7 +274,7 @@ GAP_PLOT_TICKS = (-20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50, 100)
 
 def _plotted_gap(row: dict[str, Any]) -> tuple[float, float, float]:
   """``(gap, low, high)`` in percent: the median paired gap and its range over
-  seeds from three seeds on (what the README quotes), else the gap itself."""
+  seeds from three seeds on (what docs/estimators.md quotes), else the gap itself."""
   paired = [100 * g for g in row["paired_gaps"]]
   if len(paired) > 2:
     return 100 * row["paired_gap_median"], min(paired), max(paired)
