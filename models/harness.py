@@ -13,7 +13,8 @@ in that command.
 - Batches: `abstract_batch` (shapes, for compile-only measurements),
   `random_batch` (values, for timing), `tokens_per_example`.
 - A training run: `TrainConfig` and `train` (models.train, models.validate and
-  its study, models.demo), with the pieces the planner compiles on their own
+  its study, models.demo), checkpointed and resumed with `CheckpointOptions`
+  (`models.checkpoint`), with the pieces the planner compiles on their own
   (`make_optimizer`, `make_train_step`, `model_config_of`).
 - The accumulation methods the benchmarks compare (`models.bench` describes
   each): `make_step(method, loss_fn, ...)`, `split_model`, the floor a method
@@ -29,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -44,6 +47,7 @@ from tqdm import tqdm
 
 import models
 import optax_adama
+from models import checkpoint as checkpointing
 from models import data
 
 
@@ -339,8 +343,78 @@ def evaluate(loss_fn, params, batches: Sequence[dict]) -> dict[str, float]:
   return {name: value / len(batches) for name, value in totals.items()}
 
 
-def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
-  """Trains one model and returns its metrics (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+  """Where and how often a run saves itself (`--checkpoint-dir` and friends)."""
+
+  directory: str
+  every: int = 100  # steps between saves; the last step and a stop signal save too.
+  keep: int = 3  # the newest checkpoints kept.
+
+  def __post_init__(self):
+    if self.every < 1:
+      raise ValueError(f"checkpoint every must be >= 1 steps, got {self.every}.")
+    if self.keep < 1:
+      raise ValueError(f"keep must be >= 1, got {self.keep}.")
+
+
+# A held-out batch count changes what is scored, not what is trained.
+_RESUMABLE_CHANGES = ("eval_batches",)
+
+
+class _StopSignals:
+  """SIGTERM / SIGINT set a flag the step loop reads after each step.
+
+  The loop then saves and exits, instead of dying mid-step: the preemption
+  notice of a shared or spot machine. Installed only in the main thread (the
+  only one Python delivers signals to); the previous handlers come back on exit.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signum
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def _resume(run_checkpoints, params, opt_state, config):
+  """``(params, opt_state, first step, losses so far)``, from the newest checkpoint."""
+  restored = run_checkpoints.restore_latest(
+      checkpointing.abstract_like({"params": params, "opt_state": opt_state}))
+  if restored is None:
+    return params, opt_state, 0, []
+  print(f"resuming from {run_checkpoints.directory / str(restored.step)}: "
+        f"step {restored.step} of {config.steps}", file=sys.stderr)
+  return (restored.state["params"], restored.state["opt_state"], restored.step,
+          list(restored.record["train_loss"]))
+
+
+def train(config: TrainConfig, *, progress: bool = True,
+          checkpoint: CheckpointOptions | None = None) -> dict[str, Any]:
+  """Trains one model and returns its metrics (see the module docstring).
+
+  With ``checkpoint`` the run saves params, optimizer state and its record
+  (step, data position, losses) every ``checkpoint.every`` steps, at the last
+  step and when SIGTERM or SIGINT arrives (then it exits with status 128 +
+  the signal); started again with the same directory it resumes from the
+  newest complete checkpoint and ends bitwise where the uninterrupted run
+  would have (the data stream and all randomness are functions of the seed
+  and the step).
+  """
   model_config = model_config_of(config)
   model = models.create(model_config, rngs=nnx.Rngs(config.seed))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
@@ -350,6 +424,15 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   opt_state = tx.init(params)
   train_batches, eval_batches = make_data(config, model_config)
 
+  run_checkpoints, start, train_loss = None, 0, []
+  if checkpoint is not None:
+    run_checkpoints = checkpointing.RunCheckpoints(
+        Path(checkpoint.directory), identity=dataclasses.asdict(config),
+        keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
+    params, opt_state, start, train_loss = _resume(run_checkpoints, params, opt_state, config)
+  for _ in range(start):  # the data position: batches the checkpointed steps used.
+    next(train_batches)
+
   first = next(train_batches)
   compile_start = time.perf_counter()
   compiled = step.lower(params, opt_state, first).compile()
@@ -357,26 +440,45 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
   memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.memory.tree_bytes(params))
   tokens_per_step = config.batch_size * tokens_per_example(model_config, first)
 
-  train_loss: list[float] = []
+  def save(done: int) -> None:
+    if run_checkpoints is not None and done not in run_checkpoints.steps():
+      run_checkpoints.save(done, {"params": params, "opt_state": opt_state},
+                           {"train_loss": train_loss, "data_position": done,
+                            "seed": config.seed})
+
   step_times: list[float] = []
-  bar = tqdm(total=config.steps, desc=f"{config.preset_name}/{config.optimizer}",
+  bar = tqdm(total=config.steps, initial=start, desc=f"{config.preset_name}/{config.optimizer}",
              disable=not progress, dynamic_ncols=True, file=sys.stderr)
   batch = first
-  for i in range(config.steps):
-    start = time.perf_counter()
-    params, opt_state, metrics = compiled(params, opt_state, batch)
-    loss = float(metrics["loss"])  # blocks: the timing covers the step
-    step_times.append(time.perf_counter() - start)
-    train_loss.append(loss)
-    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
-    bar.update()
-    if i + 1 < config.steps:
-      batch = next(train_batches)
+  with _StopSignals() as stop:
+    for i in range(start, config.steps):
+      begin = time.perf_counter()
+      params, opt_state, metrics = compiled(params, opt_state, batch)
+      loss = float(metrics["loss"])  # blocks: the timing covers the step
+      step_times.append(time.perf_counter() - begin)
+      train_loss.append(loss)
+      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
+      bar.update()
+      done = i + 1
+      if checkpoint is not None and (done % checkpoint.every == 0 or done == config.steps
+                                     or stop.received is not None):
+        save(done)
+      if stop.received is not None:
+        bar.close()
+        run_checkpoints.close()
+        name = signal.Signals(stop.received).name
+        print(f"{name} at step {done}: saved {run_checkpoints.directory / str(done)}; "
+              "run the same command again to resume", file=sys.stderr)
+        raise SystemExit(128 + stop.received)
+      if done < config.steps:
+        batch = next(train_batches)
   bar.close()
+  if run_checkpoints is not None:
+    run_checkpoints.close()
 
   eval_metrics = evaluate(loss_fn, params, eval_batches)
   # The first steps include one-off work (allocation, caches): time the rest.
-  steady = step_times[len(step_times) // 10:] or step_times
+  steady = step_times[len(step_times) // 10:] or step_times or [float("nan")]
   median_step_s = float(np.median(steady))
   adama_state = optax_adama.find_adama_state(opt_state)
   return {
@@ -393,6 +495,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
       "compile_s": compile_s,
       "memory": memory.to_dict(),
       "num_dropped": None if adama_state is None else int(adama_state.num_dropped),
+      "resumed_from": start or None,
       "machine": machine_info(),
   }
 

@@ -113,8 +113,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="write the run(s) as JSON here")
   parser.add_argument("--compare", action="store_true",
                       help="train AdamA and Adam with gradient accumulation, print both")
+  parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                      help="save params, optimizer state, step and data position here (orbax, "
+                           "in the background) and resume from the newest complete checkpoint "
+                           "when started again with the same directory")
+  parser.add_argument("--checkpoint-every", type=int, default=100, metavar="K",
+                      help="with --checkpoint-dir: steps between saves (the last step and "
+                           "SIGTERM / SIGINT save too)")
+  parser.add_argument("--keep", type=int, default=3, metavar="N",
+                      help="with --checkpoint-dir: how many of the newest checkpoints to keep")
   parser.add_argument("--no-progress", action="store_true")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.checkpoint_dir is not None and args.compare:
+    parser.error("--checkpoint-dir saves one run; --compare trains two: give each run "
+                 "its own directory (run without --compare, once per --optimizer)")
+  return args
 
 
 def _planned(config: harness.TrainConfig, budget_gb: float, *,
@@ -141,7 +154,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   else:
     run_configs = [harness.TrainConfig(**options)]
   config = run_configs[0]
-  runs = [harness.train(run_config, progress=not args.no_progress) for run_config in run_configs]
+  checkpoint = None
+  if args.checkpoint_dir is not None:
+    checkpoint = harness.CheckpointOptions(
+        str(args.checkpoint_dir), every=args.checkpoint_every, keep=args.keep)
+  runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint)
+          for run_config in run_configs]
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "
         f"batch {config.batch_size} = {config.num_micro_batches} micro-batches, "
         f"{config.steps} steps, on {runs[0]['machine']['device']}")
