@@ -450,6 +450,7 @@ def train(config: TrainConfig, *, progress: bool = True,
   bar = tqdm(total=config.steps, initial=start, desc=f"{config.preset_name}/{config.optimizer}",
              disable=not progress, dynamic_ncols=True, file=sys.stderr)
   batch = first
+  loop_start = time.perf_counter()
   with _StopSignals() as stop:
     for i in range(start, config.steps):
       begin = time.perf_counter()
@@ -474,7 +475,8 @@ def train(config: TrainConfig, *, progress: bool = True,
         batch = next(train_batches)
   bar.close()
   if run_checkpoints is not None:
-    run_checkpoints.close()
+    run_checkpoints.close()  # the last save written: part of the run's cost.
+  loop_s = time.perf_counter() - loop_start
 
   eval_metrics = evaluate(loss_fn, params, eval_batches)
   # The first steps include one-off work (allocation, caches): time the rest.
@@ -493,6 +495,7 @@ def train(config: TrainConfig, *, progress: bool = True,
       "steps_per_s": 1.0 / median_step_s,
       "tokens_per_s": tokens_per_step / median_step_s,
       "compile_s": compile_s,
+      "loop_s": loop_s,  # wall time of the steps this process ran, saves included.
       "memory": memory.to_dict(),
       "num_dropped": None if adama_state is None else int(adama_state.num_dropped),
       "resumed_from": start or None,

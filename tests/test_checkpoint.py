@@ -279,3 +279,13 @@ def test_low_rank_and_host_offloaded_state_round_trips(tmp_path):
   want, _ = tx.update(g, state, params)
   got, _ = tx.update(g, restored.state["opt_state"], params)
   _assert_bitwise_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+
+
+@pytest.mark.slow
+def test_release_step_run_resumes_bitwise(tmp_path):
+  release = dict(scan_layers=True, release=True, remat="full")
+  full = _train(tmp_path / "full", **release)
+  _stopped_after(tmp_path / "full", tmp_path / "run", 6)
+  resumed = _train(tmp_path / "run", **release)
+  assert resumed["resumed_from"] == 6
+  _assert_resumed_run_matches(resumed, tmp_path / "run", (tmp_path / "full", full))

@@ -1,0 +1,63 @@
+"""What checkpointing every K steps costs a training run, interleaved.
+
+    python benchmarks/checkpoint_overhead.py --steps 300 --every 100 --rounds 3
+
+Trains the same run (the tiny GPT, `models.train`'s defaults) with and without
+`--checkpoint-dir`, alternating the two in each round so that machine noise
+falls on both, and compares the wall time of the step loop (the saves and the
+wait for the last one included; compile and evaluation excluded). Writes
+benchmarks/raw/checkpoint_overhead.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import jax
+
+from models import harness
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", default="gpt_tiny")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--every", type=int, default=100)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--out", type=Path, default=Path("benchmarks/raw/checkpoint_overhead.json"))
+  args = parser.parse_args()
+  config = harness.TrainConfig(model="gpt", preset=args.preset, steps=args.steps)
+  loops: dict[str, list[float]] = {"none": [], "checkpoint": []}
+  with jax.numpy_dtype_promotion("standard"):
+    for round_index in range(args.rounds):
+      for arm in ("none", "checkpoint") if round_index % 2 == 0 else ("checkpoint", "none"):
+        with tempfile.TemporaryDirectory() as directory:
+          options = (harness.CheckpointOptions(directory, every=args.every)
+                     if arm == "checkpoint" else None)
+          run = harness.train(config, progress=False, checkpoint=options)
+        loops[arm].append(run["loop_s"])
+        print(f"round {round_index} {arm}: {run['loop_s']:.2f} s", flush=True)
+  median = {arm: statistics.median(times) for arm, times in loops.items()}
+  overhead = median["checkpoint"] / median["none"] - 1
+  paired = [c / n - 1 for c, n in zip(loops["checkpoint"], loops["none"])]
+  result = {"preset": args.preset, "steps": args.steps, "every": args.every,
+            "rounds": args.rounds, "loop_s": loops, "median_loop_s": median,
+            "overhead": overhead, "paired_overheads": paired,
+            "command": f"python benchmarks/checkpoint_overhead.py --steps {args.steps} "
+                       f"--every {args.every} --rounds {args.rounds}",
+            "machine": harness.machine_info()}
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(result, indent=1))
+  print(f"| {args.preset}, {args.steps} steps | no checkpoints | every {args.every} steps | "
+        "cost |\n|---|---|---|---|")
+  print(f"| step loop, median of {args.rounds} interleaved rounds | {median['none']:.2f} s | "
+        f"{median['checkpoint']:.2f} s | {100 * overhead:+.2f}% (paired: "
+        + ", ".join(f"{100 * p:+.2f}%" for p in paired) + ") |")
+
+
+if __name__ == "__main__":
+  main()
