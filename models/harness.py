@@ -393,6 +393,8 @@ class _StopSignals:
 
 def _resume(run_checkpoints, params, opt_state, config):
   """``(params, opt_state, first step, losses so far)``, from the newest checkpoint."""
+  if run_checkpoints is None:
+    return params, opt_state, 0, []
   restored = run_checkpoints.restore_latest(
       checkpointing.abstract_like({"params": params, "opt_state": opt_state}))
   if restored is None:
@@ -401,6 +403,57 @@ def _resume(run_checkpoints, params, opt_state, config):
         f"step {restored.step} of {config.steps}", file=sys.stderr)
   return (restored.state["params"], restored.state["opt_state"], restored.step,
           list(restored.record["train_loss"]))
+
+
+@dataclasses.dataclass
+class _Progress:
+  """Where a run stands: its state, the steps done, their losses and this process's times."""
+
+  params: Any
+  opt_state: Any
+  done: int
+  train_loss: list[float]
+  step_times: list[float] = dataclasses.field(default_factory=list)
+
+  def save(self, run_checkpoints) -> None:
+    if run_checkpoints is not None and self.done not in run_checkpoints.steps():
+      run_checkpoints.save(
+          self.done, {"params": self.params, "opt_state": self.opt_state},
+          {"train_loss": self.train_loss, "data_position": self.done})
+
+
+def _run_steps(config, compiled, batches, first, progress: _Progress, run_checkpoints,
+               every: int | None, tokens_per_step: int, show: bool) -> None:
+  """Steps ``progress`` to ``config.steps``, saving every ``every`` and on a stop signal."""
+  bar = tqdm(total=config.steps, initial=progress.done, disable=not show,
+             desc=f"{config.preset_name}/{config.optimizer}", dynamic_ncols=True,
+             file=sys.stderr)
+  batch = first
+  with _StopSignals() as stop:
+    while progress.done < config.steps:
+      begin = time.perf_counter()
+      progress.params, progress.opt_state, metrics = compiled(
+          progress.params, progress.opt_state, batch)
+      loss = float(metrics["loss"])  # blocks: the timing covers the step
+      progress.step_times.append(time.perf_counter() - begin)
+      progress.train_loss.append(loss)
+      progress.done += 1
+      bar.set_postfix(loss=f"{loss:.3f}",
+                      tok_s=f"{tokens_per_step / progress.step_times[-1]:,.0f}")
+      bar.update()
+      if every is not None and (progress.done % every == 0 or progress.done == config.steps
+                                or stop.received is not None):
+        progress.save(run_checkpoints)
+      if stop.received is not None:
+        bar.close()
+        run_checkpoints.close()
+        print(f"{signal.Signals(stop.received).name} at step {progress.done}: saved "
+              f"{run_checkpoints.directory / str(progress.done)}; run the same command "
+              "again to resume", file=sys.stderr)
+        raise SystemExit(128 + stop.received)
+      if progress.done < config.steps:
+        batch = next(batches)
+  bar.close()
 
 
 def train(config: TrainConfig, *, progress: bool = True,
@@ -421,74 +474,41 @@ def train(config: TrainConfig, *, progress: bool = True,
   tx = make_optimizer(config)
   step = make_train_step(config, model, loss_fn, tx)
   del model  # the loss merges params back into a fresh module each call
-  opt_state = tx.init(params)
   train_batches, eval_batches = make_data(config, model_config)
-
-  run_checkpoints, start, train_loss = None, 0, []
-  if checkpoint is not None:
-    run_checkpoints = checkpointing.RunCheckpoints(
-        Path(checkpoint.directory), identity=dataclasses.asdict(config),
-        keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
-    params, opt_state, start, train_loss = _resume(run_checkpoints, params, opt_state, config)
+  run_checkpoints = None if checkpoint is None else checkpointing.RunCheckpoints(
+      Path(checkpoint.directory), identity=dataclasses.asdict(config),
+      keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
+  run = _Progress(*_resume(run_checkpoints, params, tx.init(params), config))
+  start = run.done
   for _ in range(start):  # the data position: batches the checkpointed steps used.
     next(train_batches)
 
   first = next(train_batches)
   compile_start = time.perf_counter()
-  compiled = step.lower(params, opt_state, first).compile()
+  compiled = step.lower(run.params, run.opt_state, first).compile()
   compile_s = time.perf_counter() - compile_start
-  memory = optax_adama.memory_report(compiled, param_bytes=optax_adama.memory.tree_bytes(params))
+  memory = optax_adama.memory_report(
+      compiled, param_bytes=optax_adama.memory.tree_bytes(run.params))
   tokens_per_step = config.batch_size * tokens_per_example(model_config, first)
 
-  def save(done: int) -> None:
-    if run_checkpoints is not None and done not in run_checkpoints.steps():
-      run_checkpoints.save(done, {"params": params, "opt_state": opt_state},
-                           {"train_loss": train_loss, "data_position": done,
-                            "seed": config.seed})
-
-  step_times: list[float] = []
-  bar = tqdm(total=config.steps, initial=start, desc=f"{config.preset_name}/{config.optimizer}",
-             disable=not progress, dynamic_ncols=True, file=sys.stderr)
-  batch = first
   loop_start = time.perf_counter()
-  with _StopSignals() as stop:
-    for i in range(start, config.steps):
-      begin = time.perf_counter()
-      params, opt_state, metrics = compiled(params, opt_state, batch)
-      loss = float(metrics["loss"])  # blocks: the timing covers the step
-      step_times.append(time.perf_counter() - begin)
-      train_loss.append(loss)
-      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
-      bar.update()
-      done = i + 1
-      if checkpoint is not None and (done % checkpoint.every == 0 or done == config.steps
-                                     or stop.received is not None):
-        save(done)
-      if stop.received is not None:
-        bar.close()
-        run_checkpoints.close()
-        name = signal.Signals(stop.received).name
-        print(f"{name} at step {done}: saved {run_checkpoints.directory / str(done)}; "
-              "run the same command again to resume", file=sys.stderr)
-        raise SystemExit(128 + stop.received)
-      if done < config.steps:
-        batch = next(train_batches)
-  bar.close()
+  _run_steps(config, compiled, train_batches, first, run, run_checkpoints,
+             None if checkpoint is None else checkpoint.every, tokens_per_step, progress)
   if run_checkpoints is not None:
     run_checkpoints.close()  # the last save written: part of the run's cost.
   loop_s = time.perf_counter() - loop_start
 
-  eval_metrics = evaluate(loss_fn, params, eval_batches)
+  eval_metrics = evaluate(loss_fn, run.params, eval_batches)
   # The first steps include one-off work (allocation, caches): time the rest.
-  steady = step_times[len(step_times) // 10:] or step_times or [float("nan")]
+  steady = run.step_times[len(run.step_times) // 10:] or run.step_times or [float("nan")]
   median_step_s = float(np.median(steady))
-  adama_state = optax_adama.find_adama_state(opt_state)
+  adama_state = optax_adama.find_adama_state(run.opt_state)
   return {
       "config": dataclasses.asdict(config),
       "preset": config.preset_name,
       "param_count": models.param_count(model_config),
-      "train_loss": train_loss,
-      "final_train_loss": float(np.mean(train_loss[-max(1, config.steps // 20):])),
+      "train_loss": run.train_loss,
+      "final_train_loss": float(np.mean(run.train_loss[-max(1, config.steps // 20):])),
       "eval_loss": eval_metrics["loss"],
       "eval_metrics": eval_metrics,
       "median_step_s": median_step_s,
