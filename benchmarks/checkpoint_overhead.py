@@ -15,11 +15,40 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import jax
+from flax import nnx
 
+import models
+import optax_adama
+from models import checkpoint as checkpointing
 from models import harness
+
+
+def save_costs(config: harness.TrainConfig, saves: int = 7) -> dict:
+  """One save of the run's state, taken apart: the time `save` blocks the loop
+  (the copy off the device, orbax's bookkeeping) and the time its background
+  write takes after that; medians over `saves`, with the state's leaves and bytes."""
+  loss_fn, params = models.split_loss_fn(
+      models.create(harness.model_config_of(config), rngs=nnx.Rngs(0)), has_aux=True)
+  state = {"params": params, "opt_state": harness.make_optimizer(config).init(params)}
+  blocking, writing = [], []
+  with tempfile.TemporaryDirectory() as directory:
+    runs = checkpointing.RunCheckpoints(directory, identity={}, keep=2)
+    for step in range(1, saves + 1):
+      begin = time.perf_counter()
+      runs.save(step, state, {"train_loss": [0.0] * config.steps})
+      saved = time.perf_counter()
+      runs.wait()
+      blocking.append(saved - begin)
+      writing.append(time.perf_counter() - saved)
+    runs.close()
+  return {"leaves": len(jax.tree.leaves(state)),
+          "bytes": optax_adama.memory.tree_bytes(state),
+          "median_blocking_s": statistics.median(blocking),
+          "median_background_write_s": statistics.median(writing)}
 
 
 def main() -> None:
@@ -42,11 +71,13 @@ def main() -> None:
         loops[arm].append(run["loop_s"])
         print(f"round {round_index} {arm}: {run['loop_s']:.2f} s", flush=True)
   median = {arm: statistics.median(times) for arm, times in loops.items()}
+  costs = save_costs(config)
   overhead = median["checkpoint"] / median["none"] - 1
   paired = [c / n - 1 for c, n in zip(loops["checkpoint"], loops["none"])]
   result = {"preset": args.preset, "steps": args.steps, "every": args.every,
             "rounds": args.rounds, "loop_s": loops, "median_loop_s": median,
-            "overhead": overhead, "paired_overheads": paired,
+            "overhead": overhead, "paired_overheads": paired, "one_save": costs,
+            "median_step_s_without": median["none"] / args.steps,
             "command": f"python benchmarks/checkpoint_overhead.py --steps {args.steps} "
                        f"--every {args.every} --rounds {args.rounds}",
             "machine": harness.machine_info()}
@@ -57,6 +88,9 @@ def main() -> None:
   print(f"| step loop, median of {args.rounds} interleaved rounds | {median['none']:.2f} s | "
         f"{median['checkpoint']:.2f} s | {100 * overhead:+.2f}% (paired: "
         + ", ".join(f"{100 * p:+.2f}%" for p in paired) + ") |")
+  print(f"one save of {costs['leaves']} leaves, {costs['bytes'] / 1e6:.2f} MB: blocks "
+        f"{1e3 * costs['median_blocking_s']:.1f} ms, writes {1e3 * costs['median_background_write_s']:.1f} "
+        f"ms more in the background")
 
 
 if __name__ == "__main__":

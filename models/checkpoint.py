@@ -93,6 +93,16 @@ def _from_names(named: dict[str, Any], abstract: Any) -> Any:
   return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
+def _structure_difference(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str:
+  missing = sorted(set(wanted) - set(saved))
+  extra = sorted(set(saved) - set(wanted))
+  changed = [f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, this run {wanted[k][0]} {wanted[k][1]}"
+             for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]
+  parts = ([f"not in the checkpoint: {', '.join(missing[:5])}"] if missing else []) + (
+      [f"only in the checkpoint: {', '.join(extra[:5])}"] if extra else []) + changed[:5]
+  return "; ".join(parts)
+
+
 def _mismatches(saved: dict[str, Any], current: dict[str, Any],
                 ignored: Iterable[str]) -> list[str]:
   keys = sorted((set(saved) | set(current)) - set(ignored))
@@ -131,7 +141,10 @@ class RunCheckpoints:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=self.keep, enable_async_checkpointing=self.asynchronous,
             create=True),
-        item_names=("state", "record"))
+        # Handlers named up front, so a new process can read a checkpoint's
+        # metadata (leaf shapes) before it restores anything.
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "record": ocp.JsonCheckpointHandler()})
 
   def steps(self) -> list[int]:
     """The steps of the complete checkpoints, oldest first."""
@@ -179,28 +192,62 @@ class RunCheckpoints:
     """The newest checkpoint that restores, placed like ``abstract_state``.
 
     A checkpoint that fails to read (a file truncated or damaged on disk) is
-    skipped with a warning, and the one before it is tried. ``None`` if no
-    checkpoint restores (or there is none).
+    moved aside (renamed ``<step>.damaged``, so a later save of that step is
+    not skipped or shadowed) with a warning, and the one before it is tried.
+    ``None`` only where there is no checkpoint at all.
 
     Raises:
       ValueError: if the checkpoints belong to another run (see
-        :meth:`check_identity`).
+        :meth:`check_identity`), or hold a state of another structure (leaf
+        names, shapes or dtypes: the model code changed); nothing is written.
+      RuntimeError: if checkpoints exist but none restores.
     """
     self.check_identity()
-    for step in reversed(self.steps()):
+    steps = self.steps()
+    wanted = {name: (tuple(x.shape), np.dtype(x.dtype))
+              for name, x in _by_name(abstract_state).items()}
+    for step in reversed(steps):
+      saved = self._saved_leaves(step)
+      if saved is not None and saved != wanted:
+        raise ValueError(
+            f"{self.directory / str(step)} holds a state of another structure; nothing "
+            f"was overwritten. {_structure_difference(saved, wanted)}")
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_by_name(abstract_state)),
             record=ocp.args.JsonRestore()))
         state = _from_names(restored.state, abstract_state)
       except Exception as error:  # orbax raises many types for a damaged file.
+        damaged = self._move_aside(step)
         warnings.warn(
             f"checkpoint {self.directory / str(step)} does not restore "
-            f"({type(error).__name__}: {str(error)[:200]}); trying an older one.",
-            RuntimeWarning, stacklevel=2)
+            f"({type(error).__name__}: {str(error)[:200]}); moved to {damaged.name}, "
+            "trying an older one.", RuntimeWarning, stacklevel=2)
         continue
       return Restored(step, state, dict(restored.record))
+    if steps:
+      raise RuntimeError(
+          f"none of the checkpoints in {self.directory} restores (each was moved aside "
+          "as <step>.damaged); start a new directory, or restore one by hand.")
     return None
+
+  def _saved_leaves(self, step: int) -> Optional[dict[str, tuple]]:
+    """Name -> (shape, dtype) of checkpoint ``step``'s state; ``None`` if unreadable."""
+    try:
+      metadata = self._manager.item_metadata(step)["state"]
+      return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in metadata.items()}
+    except Exception:  # unreadable metadata: the restore below fails and says why.
+      return None
+
+  def _move_aside(self, step: int) -> pathlib.Path:
+    damaged = self.directory / f"{step}.damaged"
+    suffix = 0
+    while damaged.exists():
+      suffix += 1
+      damaged = self.directory / f"{step}.damaged{suffix}"
+    (self.directory / str(step)).rename(damaged)
+    self._manager.reload()
+    return damaged
 
   def _read_record(self, step: int) -> Optional[dict[str, Any]]:
     try:

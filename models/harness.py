@@ -372,12 +372,13 @@ class _StopSignals:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, active: bool):
+    self.active = active  # without checkpoints there is nothing to save first.
     self.received: int | None = None
     self._previous: dict[int, Any] = {}
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    if self.active and threading.current_thread() is threading.main_thread():
       for sig in self.SIGNALS:
         self._previous[sig] = signal.signal(sig, self._handle)
     return self
@@ -385,6 +386,9 @@ class _StopSignals:
   def _handle(self, signum, frame):
     del frame
     self.received = signum
+    # A second signal while the checkpoint is written acts as it always does.
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -401,12 +405,12 @@ def _resume(run_checkpoints, params, opt_state, config):
     return params, opt_state, 0, []
   print(f"resuming from {run_checkpoints.directory / str(restored.step)}: "
         f"step {restored.step} of {config.steps}", file=sys.stderr)
-  return (restored.state["params"], restored.state["opt_state"], restored.step,
-          list(restored.record["train_loss"]))
+  return (restored.state["params"], restored.state["opt_state"],
+          int(restored.record["data_position"]), list(restored.record["train_loss"]))
 
 
 @dataclasses.dataclass
-class _Progress:
+class _RunState:
   """Where a run stands: its state, the steps done, their losses and this process's times."""
 
   params: Any
@@ -422,43 +426,52 @@ class _Progress:
           {"train_loss": self.train_loss, "data_position": self.done})
 
 
-def _run_steps(config, compiled, batches, first, progress: _Progress, run_checkpoints,
+def _run_steps(config, compiled, batches, first, run: _RunState, run_checkpoints,
                every: int | None, tokens_per_step: int, show: bool) -> None:
-  """Steps ``progress`` to ``config.steps``, saving every ``every`` and on a stop signal."""
-  bar = tqdm(total=config.steps, initial=progress.done, disable=not show,
+  """Steps ``run`` to ``config.steps``, saving every ``every`` and on a stop signal."""
+  bar = tqdm(total=config.steps, initial=run.done, disable=not show,
              desc=f"{config.preset_name}/{config.optimizer}", dynamic_ncols=True,
              file=sys.stderr)
   batch = first
-  with _StopSignals() as stop:
-    while progress.done < config.steps:
+  with _StopSignals(active=run_checkpoints is not None) as stop:
+    while run.done < config.steps:
       begin = time.perf_counter()
-      progress.params, progress.opt_state, metrics = compiled(
-          progress.params, progress.opt_state, batch)
+      run.params, run.opt_state, metrics = compiled(
+          run.params, run.opt_state, batch)
       loss = float(metrics["loss"])  # blocks: the timing covers the step
-      progress.step_times.append(time.perf_counter() - begin)
-      progress.train_loss.append(loss)
-      progress.done += 1
+      run.step_times.append(time.perf_counter() - begin)
+      run.train_loss.append(loss)
+      run.done += 1
       bar.set_postfix(loss=f"{loss:.3f}",
-                      tok_s=f"{tokens_per_step / progress.step_times[-1]:,.0f}")
+                      tok_s=f"{tokens_per_step / run.step_times[-1]:,.0f}")
       bar.update()
-      if every is not None and (progress.done % every == 0 or progress.done == config.steps
+      if every is not None and (run.done % every == 0 or run.done == config.steps
                                 or stop.received is not None):
-        progress.save(run_checkpoints)
+        run.save(run_checkpoints)
       if stop.received is not None:
         bar.close()
         run_checkpoints.close()
-        print(f"{signal.Signals(stop.received).name} at step {progress.done}: saved "
-              f"{run_checkpoints.directory / str(progress.done)}; run the same command "
+        print(f"{signal.Signals(stop.received).name} at step {run.done}: saved "
+              f"{run_checkpoints.directory / str(run.done)}; run the same command "
               "again to resume", file=sys.stderr)
         raise SystemExit(128 + stop.received)
-      if progress.done < config.steps:
+      if run.done < config.steps:
         batch = next(batches)
   bar.close()
 
 
 def train(config: TrainConfig, *, progress: bool = True,
           checkpoint: CheckpointOptions | None = None) -> dict[str, Any]:
-  """Trains one model and returns its metrics (see the module docstring).
+  """Trains one model and returns its metrics.
+
+  The metrics: the config, the preset and its parameter count, every step's
+  training loss (``train_loss``, restored ones first after a resume) and the
+  mean of the last 5% (``final_train_loss``), the held-out loss and metrics
+  (``eval_loss``, ``eval_metrics``), the median step time and throughput, the
+  compile time, the step loop's wall time (``loop_s``: this process's steps,
+  saves included), the compiled step's memory, the micro-batches AdamA
+  dropped, the step it resumed from (``resumed_from``) and the machine.
+  ``progress`` shows a progress bar.
 
   With ``checkpoint`` the run saves params, optimizer state and its record
   (step, data position, losses) every ``checkpoint.every`` steps, at the last
@@ -478,9 +491,9 @@ def train(config: TrainConfig, *, progress: bool = True,
   run_checkpoints = None if checkpoint is None else checkpointing.RunCheckpoints(
       Path(checkpoint.directory), identity=dataclasses.asdict(config),
       keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
-  run = _Progress(*_resume(run_checkpoints, params, tx.init(params), config))
+  run = _RunState(*_resume(run_checkpoints, params, tx.init(params), config))
   start = run.done
-  for _ in range(start):  # the data position: batches the checkpointed steps used.
+  for _ in range(start):  # the data position: one batch per step done.
     next(train_batches)
 
   first = next(train_batches)

@@ -117,13 +117,19 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="save params, optimizer state, step and data position here (orbax, "
                            "in the background) and resume from the newest complete checkpoint "
                            "when started again with the same directory")
-  parser.add_argument("--checkpoint-every", type=int, default=100, metavar="K",
+  parser.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                       help="with --checkpoint-dir: steps between saves (the last step and "
-                           "SIGTERM / SIGINT save too)")
-  parser.add_argument("--keep", type=int, default=3, metavar="N",
-                      help="with --checkpoint-dir: how many of the newest checkpoints to keep")
+                           "SIGTERM / SIGINT save too); default 100")
+  parser.add_argument("--keep", type=int, default=None, metavar="N",
+                      help="with --checkpoint-dir: how many of the newest checkpoints to "
+                           "keep; default 3")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
+  for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
+    if value is not None and args.checkpoint_dir is None:
+      parser.error(f"{flag} needs --checkpoint-dir (where to save)")
+    if value is not None and value < 1:
+      parser.error(f"{flag} must be >= 1, got {value}")
   if args.checkpoint_dir is not None and args.compare:
     parser.error("--checkpoint-dir saves one run; --compare trains two: give each run "
                  "its own directory (run without --compare, once per --optimizer)")
@@ -156,8 +162,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   config = run_configs[0]
   checkpoint = None
   if args.checkpoint_dir is not None:
+    defaults = harness.CheckpointOptions(str(args.checkpoint_dir))
     checkpoint = harness.CheckpointOptions(
-        str(args.checkpoint_dir), every=args.checkpoint_every, keep=args.keep)
+        defaults.directory, every=args.checkpoint_every or defaults.every,
+        keep=args.keep or defaults.keep)
   runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint)
           for run_config in run_configs]
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "

@@ -145,7 +145,7 @@ def folding_parts(tx: optax.GradientTransformation,
       "Pass transforms that must see AdamA's direction to mini_batch_chain.")
 
 
-def _check_num_micro_batches(num_micro_batches: Any) -> int:
+def check_num_micro_batches(num_micro_batches: Any) -> int:
   """``N`` as a Python int.
 
   Integer-like values are accepted as :class:`optax.MultiSteps` accepts them
@@ -669,7 +669,7 @@ def scale_by_adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  num_micro_batches = check_num_micro_batches(num_micro_batches)
   _check_hyperparams(b1, b2, eps, eps_root)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)

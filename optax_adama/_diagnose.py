@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 from optax_adama._adama import NU_ESTIMATORS
-from optax_adama._adama import _check_num_micro_batches
+from optax_adama._adama import check_num_micro_batches
 from optax_adama import _steps
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
@@ -152,7 +152,7 @@ def diagnose_second_moment(
     >>> d.median("mean") > d.median("sum")
     True
   """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  num_micro_batches = check_num_micro_batches(num_micro_batches)
   if follow not in ("adam",) + NU_ESTIMATORS:
     raise ValueError(f"follow must be 'adam' or one of {NU_ESTIMATORS}, got {follow!r}.")
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)

@@ -56,14 +56,6 @@ def low_rank_mask(params: optax.Params, rank: int, min_size: int = 4096) -> Any:
     >>> params = {"w": jnp.zeros((128, 64)), "b": jnp.zeros(64), "small": jnp.zeros((8, 8))}
     >>> optax_adama.moments.low_rank_mask(params, rank=4)
     {'b': False, 'small': False, 'w': True}
-
-  Args:
-    params: the params (arrays or ``jax.ShapeDtypeStruct``).
-    rank: the projection rank.
-    min_size: the fewest elements a projected leaf has.
-
-  Returns:
-    A tree of Python bools shaped like ``params``.
   """
   return jax.tree.map(
       lambda p: (len(jnp.shape(p)) == 2 and min(jnp.shape(p)) > rank

@@ -21,10 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _adama
 from optax_adama import _offload
+from optax_adama import _schedules
 from optax_adama import _sharding
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._adama import _check_num_micro_batches
+from optax_adama._adama import check_num_micro_batches
 from optax_adama._adama import find_adama_state
 
 __all__ = ["microbatch_step"]
@@ -165,7 +166,7 @@ def microbatch_step(
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.
   """
   if num_micro_batches is not None:
-    num_micro_batches = _check_num_micro_batches(num_micro_batches)
+    num_micro_batches = check_num_micro_batches(num_micro_batches)
   _sharding.check_shard_states(shard_states)
   if mesh is None and shard_states is not None:
     raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
@@ -254,8 +255,9 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
   ``tx`` (a bare AdamA folds itself: :func:`_fold_then_update`) and, at the
   top of its trace, for the state's structure (one ``update`` per
   micro-batch for AdamA or ``optax.MultiSteps`` inside other transforms,
-  gradient accumulation otherwise). The paths take the AdamA state found
-  there and do not ask again.
+  gradient accumulation otherwise). The paths take that decision as given;
+  where AdamA sits inside other transforms, its new state is read back out
+  of the new optimizer state (after each update, and for the metrics).
   """
   parts = _adama.folding_parts(tx)
 
@@ -264,6 +266,7 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
           (params, opt_state), (shardings.params, shardings.opt_state))
+    _schedules.check_schedules_count_mini_batches(opt_state)
     adama_state = find_adama_state(opt_state)
     n = _resolve_num_micro_batches(num_micro_batches, adama_state)
     micro_batches = placement.place_micro_batches(_steps.split_micro_batches(batch, n))

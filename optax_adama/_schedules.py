@@ -21,9 +21,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adama._adama import _check_num_micro_batches
+from optax_adama import _adama
+from optax_adama._adama import check_num_micro_batches
 
 __all__ = ["MiniBatchScheduleState", "mini_batch_schedule", "inject_hyperparams"]
+
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 # Arguments of adama / adamaw that are never hyperparameters to inject: N
 # fixes the state's structure, and dtypes and masks are callables that
@@ -96,7 +99,7 @@ def mini_batch_schedule(
   """
   if not callable(schedule):
     raise TypeError(f"schedule must be callable, got {schedule!r}.")
-  return _MiniBatchSchedule(schedule, _check_num_micro_batches(num_micro_batches))
+  return _MiniBatchSchedule(schedule, check_num_micro_batches(num_micro_batches))
 
 
 def inject_hyperparams(
@@ -152,7 +155,7 @@ def inject_hyperparams(
   @functools.wraps(inner_factory)
   def factory(*args: Any, **kwargs: Any) -> optax.GradientTransformation:
     bound = signature.bind(*args, **kwargs)
-    num_micro_batches = _check_num_micro_batches(
+    num_micro_batches = check_num_micro_batches(
         bound.arguments.get("num_micro_batches"))
     for name, value in bound.arguments.items():
       if (name not in static and callable(value)
@@ -161,3 +164,26 @@ def inject_hyperparams(
     return injected(*bound.args, **bound.kwargs)
 
   return factory
+
+
+def check_schedules_count_mini_batches(opt_state: Any) -> None:
+  """Raises if an ``optax.inject_hyperparams`` around AdamA counts micro-batches.
+
+  ``optax.inject_hyperparams(adama, static_args=("num_micro_batches",))``
+  with a plain schedule evaluates it once per ``update`` call, one per
+  micro-batch. Its state says so: the schedule's state is optax's call
+  counter, not a :class:`MiniBatchScheduleState`. The fused steps run this
+  on the state they are given while tracing, before any buffer is donated.
+  """
+  is_inject = lambda x: isinstance(x, _INJECT_STATES)
+  for state in jax.tree.leaves(opt_state, is_leaf=is_inject):
+    if not is_inject(state) or _adama.find_adama_state(state.inner_state) is None:
+      continue
+    counting = sorted(name for name, s in getattr(state, "hyperparams_states", {}).items()
+                      if not isinstance(s, MiniBatchScheduleState))
+    if counting:
+      raise ValueError(
+          f"optax.inject_hyperparams evaluates the schedule of {counting} once per "
+          "update call, i.e. per micro-batch; AdamA's schedules count mini-batches. "
+          "Use optax_adama.inject_hyperparams(...) instead (the same state), or pass "
+          "the schedule as optax_adama.mini_batch_schedule(schedule, num_micro_batches).")

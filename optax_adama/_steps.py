@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_adama._adama import _check_num_micro_batches
+from optax_adama._adama import check_num_micro_batches
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -40,7 +40,7 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
     ValueError: if the leaves disagree on the batch size, or ``N`` does not
       divide it.
   """
-  num_micro_batches = _check_num_micro_batches(num_micro_batches)
+  num_micro_batches = check_num_micro_batches(num_micro_batches)
   leaves = jax.tree.leaves(batch)
   if not leaves:
     raise ValueError("batch has no array leaves.")

@@ -530,10 +530,39 @@ def test_optax_inject_hyperparams_with_static_num_micro_batches_works_as_written
 
 
 def test_optax_inject_hyperparams_with_a_plain_schedule_fails_loudly():
+  # Without static_args: refused when the state is made (N arrives as an array).
   tx = optax.inject_hyperparams(optax_adama.adama)(
       learning_rate=LINEAR, num_micro_batches=2)
   with pytest.raises(ValueError, match="per micro-batch.*optax_adama.inject_hyperparams"):
     tx.init({"w": jnp.ones(3)})
+  # With static_args the state is made, and the fused step refuses it while
+  # tracing, before any buffer is donated: the schedule would count micro-batches.
+  tx = optax.inject_hyperparams(optax_adama.adama, static_args=("num_micro_batches",))(
+      learning_rate=LINEAR, num_micro_batches=2)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  step = optax_adama.microbatch_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), tx)
+  with pytest.raises(ValueError, match=r"per micro-batch.*optax_adama.inject_hyperparams"):
+    step(params, state, {"x": jnp.ones((2, 3))})
+  assert not params["w"].is_deleted()  # nothing donated
+  # The same wrapper with a schedule that counts mini-batches is taken.
+  tx = optax.inject_hyperparams(optax_adama.adama, static_args=("num_micro_batches",))(
+      learning_rate=optax_adama.mini_batch_schedule(LINEAR, 2), num_micro_batches=2)
+  optax_adama.microbatch_step(lambda p, b: jnp.sum(b["x"] @ p["w"]), tx)(
+      params, tx.init(params), {"x": jnp.ones((2, 3))})
+
+
+def test_optax_inject_hyperparams_without_static_n_is_refused_under_nnx_jit():
+  from flax import nnx
+
+  @nnx.jit
+  def build():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    tx = optax.inject_hyperparams(optax_adama.adamaw)(learning_rate=1e-2, num_micro_batches=2)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  with pytest.raises(ValueError, match=r'static_args=\("num_micro_batches",\)'):
+    build()
 
 
 def test_a_jax_array_num_micro_batches_is_refused_naming_both_fixes():

@@ -7,6 +7,7 @@ deterministic on the CPU, so any difference is a bug in what was saved or in
 where the data stream resumed.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -119,6 +120,40 @@ def test_a_torn_and_a_corrupt_checkpoint_are_skipped(uninterrupted, tmp_path):
   _assert_resumed_run_matches(resumed, run, uninterrupted)
 
 
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_written_again(uninterrupted, tmp_path):
+  run = tmp_path / "run"
+  _stopped_after(uninterrupted[0], run, RUN["steps"])
+  newest = run / str(RUN["steps"])
+  for path in (p for p in (newest / "state").rglob("*") if p.is_file() and p.stat().st_size > 64):
+    path.write_bytes(path.read_bytes()[:8])
+  with pytest.warns(RuntimeWarning, match="does not restore"):
+    resumed = _train(run)
+  assert resumed["resumed_from"] == RUN["steps"] - 2
+  assert (run / f"{RUN['steps']}.damaged").is_dir()
+  _assert_resumed_run_matches(resumed, run, uninterrupted)  # step 12 written anew
+
+
+def test_no_restorable_checkpoint_is_refused_not_restarted(uninterrupted, tmp_path):
+  run = tmp_path / "run"
+  _stopped_after(uninterrupted[0], run, 4)
+  for path in (p for p in run.rglob("*")
+               if p.is_file() and p.parent.name == "state" and p.stat().st_size > 64):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+  with pytest.warns(RuntimeWarning, match="does not restore"):
+    with pytest.raises(RuntimeError, match="none of the checkpoints"):
+      _train(run)
+
+
+def test_a_state_of_another_structure_is_refused_naming_the_leaf(tmp_path):
+  runs = checkpointing.RunCheckpoints(tmp_path, identity={"run": 1})
+  runs.save(1, {"w": np.ones((4, 2), np.float32)}, {"train_loss": []})
+  runs.close()
+  with pytest.raises(ValueError, match=r"w: checkpoint \(4, 2\) float32, this run \(4, 3\)"):
+    checkpointing.RunCheckpoints(tmp_path, identity={"run": 1}).restore_latest(
+        {"w": jax.ShapeDtypeStruct((4, 3), np.float32)})
+  assert [p.name for p in tmp_path.iterdir()] == ["1"]
+
+
 def test_another_runs_checkpoint_is_refused_and_left_alone(uninterrupted, tmp_path):
   run = tmp_path / "run"
   _stopped_after(uninterrupted[0], run, 6)
@@ -143,16 +178,21 @@ KILLED_RUN = {**RUN, "steps": 120}
 
 @pytest.fixture(scope="module")
 def uninterrupted_long(tmp_path_factory):
-  directory = tmp_path_factory.mktemp("uninterrupted_long")
-  with jax.numpy_dtype_promotion("standard"):
-    _train(directory, every=40, steps=KILLED_RUN["steps"])
-  return directory
+  """The uninterrupted killed-length runs, by moment storage: (directory, metrics)."""
+  runs = {}
+  for eight_bit in (False, True):
+    directory = tmp_path_factory.mktemp(f"uninterrupted_long_{eight_bit}")
+    with jax.numpy_dtype_promotion("standard"):
+      runs[eight_bit] = directory, _train(directory, every=40, steps=KILLED_RUN["steps"],
+                                          quantize_moments=eight_bit)
+  return runs
 
 
-def _command(directory):
+def _command(directory, eight_bit):
   return [sys.executable, "-m", "models.train", "--no-progress", "--checkpoint-dir",
           str(directory), "--checkpoint-every", "4", "--metrics-out", str(directory) + ".json",
-          *[f"--{k.replace('_', '-')}={v}" for k, v in KILLED_RUN.items()]]
+          *[f"--{k.replace('_', '-')}={v}" for k, v in KILLED_RUN.items()],
+          *(["--quantize-moments"] if eight_bit else [])]
 
 
 def _wait_for_step(directory, step, process, timeout=240):
@@ -166,12 +206,14 @@ def _wait_for_step(directory, step, process, timeout=240):
   raise TimeoutError(f"no checkpoint of step {step} in {timeout} s")
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_killed_training_process_resumes_bitwise(uninterrupted_long, tmp_path, how):
+@pytest.mark.parametrize("how, eight_bit", [("SIGKILL", False), ("SIGTERM", False),
+                                            ("SIGKILL", True)])
+def test_a_killed_training_process_resumes_bitwise(uninterrupted_long, tmp_path, how,
+                                                   eight_bit):
   run = tmp_path / "run"
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  process = subprocess.Popen(_command(run), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+  process = subprocess.Popen(_command(run, eight_bit), cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   _wait_for_step(run, 4, process)
   process.send_signal(getattr(signal, how))
   _, err = process.communicate(timeout=120)
@@ -182,14 +224,19 @@ def test_a_killed_training_process_resumes_bitwise(uninterrupted_long, tmp_path,
     assert process.returncode == -signal.SIGKILL
   stopped_at = max(int(p.name) for p in run.iterdir() if p.name.isdigit())
   assert 4 <= stopped_at < KILLED_RUN["steps"]
-  done = subprocess.run(_command(run), cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=300)
+  done = subprocess.run(_command(run, eight_bit), cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert f"resuming from {run / str(stopped_at)}" in done.stderr
+  want_dir, want_metrics = uninterrupted_long[eight_bit]
   step, state = _final_state(run)
-  _, want = _final_state(uninterrupted_long)
+  _, want = _final_state(want_dir)
   assert step == KILLED_RUN["steps"]
   _assert_bitwise_equal(state, want)
+  metrics = json.loads(pathlib.Path(str(run) + ".json").read_text())
+  assert metrics["resumed_from"] == stopped_at
+  assert metrics["train_loss"] == want_metrics["train_loss"]
+  assert metrics["eval_loss"] == want_metrics["eval_loss"]
 
 
 def test_abstract_like_keeps_each_leafs_placement():
