@@ -336,3 +336,15 @@ def test_release_step_run_resumes_bitwise(tmp_path):
   resumed = _train(tmp_path / "run", **release)
   assert resumed["resumed_from"] == 6
   _assert_resumed_run_matches(resumed, tmp_path / "run", (tmp_path / "full", full))
+
+
+def test_runs_without_checkpoints_leave_the_signal_handlers_alone():
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  with harness._StopSignals(active=False):
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+  with harness._StopSignals(active=True) as stop:
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    stop._handle(signal.SIGTERM, None)  # the first one is caught...
+    assert stop.received == signal.SIGTERM
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # ...a second is not.
+  assert {sig: signal.getsignal(sig) for sig in before} == before
