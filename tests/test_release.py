@@ -373,3 +373,29 @@ def test_release_floor_is_the_scanned_remat_full_one_with_a_layer_slice():
       for m, f in (("adama", adama), ("adama_release", release))])
   assert "release vs its floor (remat full)" in table
   assert f"({release.to_dict()['total_p']:.2f} P)" in table
+
+
+def test_bfloat16_params_with_float32_moments_update_as_the_fused_step():
+  # optax.adam's dtype rule on every path: bf16 params with f32 moments get a
+  # float32 update, added to the params before they are rounded once.
+  tx = optax_adama.adama(1e-2, num_micro_batches=2, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  staged = staged_loss()
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+  loss_fn = lambda p, b: staged(jax.tree.map(lambda x: x.astype(jnp.float32), p), b)
+  results = []
+  for step in (optax_adama.release_step(
+      optax_adama.StagedLoss(lambda o, b: embed(jax.tree.map(lambda x: x.astype(jnp.float32), o), b),
+                             lambda l, x, b: block(jax.tree.map(lambda y: y.astype(jnp.float32), l), x, b),
+                             lambda o, x, b: head(jax.tree.map(lambda y: y.astype(jnp.float32), o), x, b)[0],
+                             layers=("body", "stack")), tx),
+               optax_adama.microbatch_step(loss_fn, tx)):
+    new, _, _ = step(jax.tree.map(jnp.copy, params), tx.init(params), make_batch(0))
+    results.append(new)
+  for leaf in jax.tree.leaves(results[0]):
+    assert leaf.dtype == jnp.bfloat16
+  # The same float32 update on both paths, each rounded once to bfloat16.
+  assert_trees_close(jax.tree.map(lambda x: x.astype(jnp.float32), results[0]),
+                     jax.tree.map(lambda x: x.astype(jnp.float32), results[1]),
+                     rtol=1e-2, atol=1e-2)
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), results[0], params)
+  assert all(jax.tree.leaves(moved))
