@@ -10,14 +10,13 @@ write by hand (a gradient-sum carry, one `update` on the mean), the baseline.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
 from optax_adama import _offload
