@@ -54,8 +54,8 @@ class DemoConfig:
   micro_batch_size: int = 32  # sequences of 64 tokens: 2,048 tokens.
   learning_rate: float = 2e-3
   seed: int = 0
-  # docs/estimators.md's rule where micro-batches hold two or more examples.
-  nu_estimator: str = "split"
+  # The library's default: "split" here (micro-batches of 32 sequences).
+  nu_estimator: str = "auto"
   memory_preset: str = "gpt2_small"
   memory_seq_len: int = 1024
   memory_micro_batch_size: int = 2  # sequences of memory_seq_len.
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
   parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size,
                       help="sequences of 64 tokens per micro-batch")
-  parser.add_argument("--nu-estimator", choices=optax_adama.NU_ESTIMATORS,
+  parser.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
                       default=defaults.nu_estimator,
                       help="AdamA's second-moment estimator")
   parser.add_argument("--memory-preset", default=defaults.memory_preset,

@@ -153,6 +153,8 @@ def tokens_per_example(model_config: models.Config, batch: dict) -> int:
 MODEL_KINDS = ("gpt", "bert", "vit")
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
+# AdamA's estimators of v, "auto" (the library's default) first.
+NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.NU_ESTIMATORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +187,7 @@ class TrainConfig:
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
   nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
   quantize_moments: bool = False  # 8-bit BlockQuantization(); adama only.
-  nu_estimator: str = "mean"  # AdamA's second-moment estimator; adama only.
+  nu_estimator: str = "auto"  # AdamA's second-moment estimator; adama only.
   accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
 
   def __post_init__(self):
@@ -214,12 +216,12 @@ class TrainConfig:
         raise ValueError(
             "quantize_moments (8-bit moments) needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
-      if self.nu_estimator != "mean":
+      if self.nu_estimator != "auto":
         raise ValueError(
             f"nu_estimator={self.nu_estimator!r} needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
-    if self.nu_estimator not in optax_adama.NU_ESTIMATORS:
-      raise ValueError(f"nu_estimator must be one of {optax_adama.NU_ESTIMATORS}, "
+    if self.nu_estimator not in NU_ESTIMATOR_NAMES:
+      raise ValueError(f"nu_estimator must be one of {NU_ESTIMATOR_NAMES}, "
                        f"got {self.nu_estimator!r}.")
     if self.release and not (self.scan_layers and self.optimizer == "adama"):
       raise ValueError(

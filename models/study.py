@@ -14,7 +14,14 @@ to a JSON-lines file and skipped when the command runs again, so the grid can
 be grown over several invocations (`--seeds` at the best rates only: `--best-seeds`).
 
 `rho` runs `optax_adama.diagnose_second_moment` along Adam's path on each
-model and plots rho = v_estimator / v_adam over training.
+model and plots rho = v_estimator / v_adam over training. With `--rows` it
+measures every (model, N, micro-batch size) cell instead, appends one JSON row
+per cell (rho's and the step ratio |u| / |u_adam|'s quantiles, raw per-step
+values included) to that file, skipping cells already there, and writes a
+table of them against the tail targets (TAIL_TARGETS) beside `--out-dir`:
+
+    python -m models.validate rho --models gpt bert vit --num-micro-batches 2 4 8 \
+        --micro-batch-sizes 4 64 --steps 300 --rows benchmarks/raw/tails.json
 
 Both are subcommands of `python -m models.validate`, which hands them to
 `main` here; this module is a library below that command (it imports
@@ -28,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,7 +89,7 @@ class Run:
         num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
         batch_size=self.batch_size, steps=self.steps,
         learning_rate=self.learning_rate, seed=self.seed,
-        nu_estimator="mean" if adam else self.arm,
+        nu_estimator="auto" if adam else self.arm,
         accumulation_dtype="bfloat16" if self.arm == "adam_bf16acc" else None,
         **settings)
 
@@ -371,6 +379,148 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
         learning_rate=config.learning_rate, has_aux=True, follow=follow)
 
 
+# The requirement on the default estimator's tails: its step at most 1.3x
+# Adam's at the 99th percentile of coordinates and 2x at the 99.9th, its
+# median rho within [0.9, 1.1]; each a median over the run's second half.
+TAIL_TARGETS = {"p99": 1.3, "p999": 2.0, "median_rho": (0.9, 1.1)}
+TAIL_ESTIMATORS = ("split", "mean")  # the table's columns
+
+
+def rho_cell_key(model_kind: str, num_micro_batches: int, micro_batch_size: int,
+                 steps: int, seed: int, follow: str) -> str:
+  """The key of one `rho --rows` cell in its rows file."""
+  return f"{model_kind}/N{num_micro_batches}/b{micro_batch_size}/t{steps}/s{seed}/{follow}"
+
+
+def rho_row(model_kind: str, micro_batch_size: int, steps: int, seed: int, follow: str,
+            diagnosis: optax_adama.SecondMomentDiagnosis, seconds: float,
+            command: str) -> dict[str, Any]:
+  """One cell's row: the summary quantiles (second-half medians) and the raw
+  per-step quantiles of rho and of the step ratio, for every estimator."""
+  n = diagnosis.num_micro_batches
+  round_all = lambda a: np.round(np.asarray(a, np.float64), 6).tolist()
+  step_summary = {}
+  for name, per_step in diagnosis.step_ratio.items():
+    half = per_step[len(per_step) // 2:]
+    step_summary[name] = {
+        **{f"p{q * 100:g}": diagnosis.step_quantile(name, q)
+           for q in diagnosis.STEP_QUANTILES},
+        # Whether a tail is steady or a transient: its worst step, over the
+        # whole run and over the second half.
+        **{f"max_p{q * 100:g}": float(per_step[:, i].max())
+           for i, q in enumerate(diagnosis.STEP_QUANTILES)},
+        **{f"max_p{q * 100:g}_second_half": float(half[:, i].max())
+           for i, q in enumerate(diagnosis.STEP_QUANTILES)},
+    }
+  return {
+      "key": rho_cell_key(model_kind, n, micro_batch_size, steps, seed, follow),
+      "model": model_kind, "preset": Run(model_kind, "adam", n, micro_batch_size,
+                                         1.0, seed, steps).config().preset_name,
+      "num_micro_batches": n, "micro_batch_size": micro_batch_size,
+      "tokens_per_micro_batch": micro_batch_size * _tokens_per_example(model_kind),
+      "steps": steps, "seed": seed, "follow": follow, "seconds": seconds,
+      "command": command,
+      "median_rho": {name: diagnosis.median(name) for name in diagnosis.rho},
+      "rho": {name: {f"p{q * 100:g}": diagnosis.quantile(name, q)
+                     for q in diagnosis.QUANTILES} for name in diagnosis.rho},
+      "step_ratio": step_summary,
+      "per_step": {
+          "quantiles": {"rho": list(diagnosis.QUANTILES),
+                        "step_ratio": list(diagnosis.STEP_QUANTILES)},
+          "loss": round_all(diagnosis.losses),
+          "rho": {name: round_all(q) for name, q in diagnosis.rho.items()},
+          "step_ratio": {name: round_all(q) for name, q in diagnosis.step_ratio.items()},
+      },
+  }
+
+
+def meets_tail_targets(row: dict[str, Any], estimator: str) -> dict[str, bool]:
+  """Which of TAIL_TARGETS ``estimator`` meets in ``row`` (a `rho_row`)."""
+  low, high = TAIL_TARGETS["median_rho"]
+  step = row["step_ratio"][estimator]
+  return {"p99": step["p99"] <= TAIL_TARGETS["p99"],
+          "p999": step["p99.9"] <= TAIL_TARGETS["p999"],
+          "median_rho": low <= row["median_rho"][estimator] <= high}
+
+
+def load_rho_rows(path: Path) -> dict[str, Any]:
+  """A `--rows` file: ``{"commands": [...], "rows": [...]}`` (empty if absent)."""
+  if not path.exists():
+    return {"commands": [], "rows": []}
+  return json.loads(path.read_text())
+
+
+def tails_markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
+  """The `--rows` table: each cell's rho and step-ratio tails against TAIL_TARGETS."""
+  low, high = TAIL_TARGETS["median_rho"]
+  header = ["model", "N", "examples / micro-batch", "tokens / micro-batch", "steps"]
+  for name in TAIL_ESTIMATORS:
+    header += [f"`{name}` median rho", f"`{name}` step p50 / p99 / p99.9", f"`{name}` meets"]
+  lines = [
+      "# How far a coordinate's step runs from Adam's: the estimators' tails",
+      "",
+      "Made by:",
+      "",
+      *[f"    {c}" for c in commands],
+      "",
+      "Along Adam's path (`optax_adama.diagnose_second_moment`), after every "
+      "mini-batch: rho = v / v_adam over all coordinates, and the step ratio "
+      "|u| / |u_adam| with u = m_hat / (sqrt(v_hat) + eps), v_hat as AdamA reads it "
+      "(`\"split\"`'s at least m_hat^2), over the coordinates where Adam's step is "
+      "nonzero. Each number is that quantile's median over the second half of the "
+      f"run. Targets: step at most {TAIL_TARGETS['p99']}x Adam's at p99 and "
+      f"{TAIL_TARGETS['p999']}x at p99.9, median rho within [{low}, {high}]; "
+      "*meets* lists the ones missed.",
+      "",
+      "| " + " | ".join(header) + " |",
+      "|" + "---|" * len(header),
+  ]
+  order = lambda r: (harness.MODEL_KINDS.index(r["model"]) if r["model"] in harness.MODEL_KINDS
+                     else len(harness.MODEL_KINDS), r["micro_batch_size"],
+                     r["num_micro_batches"], r["steps"])
+  for r in sorted(rows, key=order):
+    cells = [r["preset"], str(r["num_micro_batches"]), str(r["micro_batch_size"]),
+             f"{r['tokens_per_micro_batch']:,}", str(r["steps"])]
+    for name in TAIL_ESTIMATORS:
+      if name not in r["step_ratio"]:
+        cells += ["", "", ""]
+        continue
+      step = r["step_ratio"][name]
+      missed = [k for k, ok in meets_tail_targets(r, name).items() if not ok]
+      cells += [f"{r['median_rho'][name]:.2f}",
+                f"{step['p50']:.2f} / {step['p99']:.2f} / {step['p99.9']:.2f}",
+                "yes" if not missed else "**no** (" + ", ".join(missed) + ")"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def run_rho_rows(model_kinds: Sequence[str], num_micro_batches: Sequence[int],
+                 micro_batch_sizes: Sequence[int], steps: int, seed: int, follow: str,
+                 rows_path: Path, table_path: Path, *, command: str = "") -> None:
+  """Measures every cell not yet in ``rows_path``, saving the rows and the
+  table after each (a long grid can be stopped and run again)."""
+  results = load_rho_rows(rows_path)
+  if command and command not in results["commands"]:
+    results["commands"].append(command)
+  done = {r["key"] for r in results["rows"]}
+  rows_path.parent.mkdir(parents=True, exist_ok=True)
+  table_path.parent.mkdir(parents=True, exist_ok=True)
+  for kind in model_kinds:
+    for size in micro_batch_sizes:
+      for n in num_micro_batches:
+        if rho_cell_key(kind, n, size, steps, seed, follow) in done:
+          continue
+        start = time.perf_counter()
+        d = measure_rho(kind, n, size, steps, seed, follow)
+        row = rho_row(kind, size, steps, seed, follow, d, time.perf_counter() - start,
+                      command)
+        print(f"{kind}, N={n}, {size} per micro-batch ({row['seconds']:.0f} s):\n"
+              f"{d.summary()}\n", flush=True)
+        results["rows"].append(row)
+        rows_path.write_text(json.dumps(results, indent=1))
+        table_path.write_text(tails_markdown(results["rows"], results["commands"]))
+
+
 def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path) -> None:
   """Median rho, its interquartile band and its 5th percentile (the coordinates whose
   steps most exceed Adam's) over training, per model and estimator."""
@@ -416,19 +566,32 @@ def main(argv: Sequence[str]) -> None:
                       help="extra seeds, run at each arm's best rate only")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--results", type=Path, default=Path("benchmarks/raw/study.jsonl"))
+  parser.add_argument("--rows", type=Path, default=None,
+                      help="rho: measure every model x N x micro-batch size cell, add "
+                      "one JSON row per cell to this file (cells already there are "
+                      "skipped) and write <out-dir>/<its stem>.md, their table against "
+                      "the tail targets, instead of rho.png and raw/rho.json")
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   command = "python -m models.validate " + " ".join(argv)
+  if args.command == "rho" and args.rows is not None:
+    table = args.out_dir / f"{args.rows.stem}.md"
+    run_rho_rows(args.models, args.num_micro_batches, args.micro_batch_sizes, args.steps,
+                 args.seeds[0], args.follow, args.rows, table, command=command)
+    print(table.read_text())
+    return
   if args.command == "rho":
     diagnoses = {}
     for kind in args.models:
-      for n in args.num_micro_batches:
-        d = measure_rho(kind, n, args.micro_batch_sizes[0], args.steps, args.seeds[0],
-                        args.follow)
-        path = "" if args.follow == "adam" else f", {args.follow!r}'s path"
-        diagnoses[f"{kind} N={n}{path}"] = d
-        print(f"{kind}, N={n}:\n{d.summary()}\n")
+      for size in args.micro_batch_sizes:
+        for n in args.num_micro_batches:
+          d = measure_rho(kind, n, size, args.steps, args.seeds[0], args.follow)
+          path = "" if args.follow == "adam" else f", {args.follow!r}'s path"
+          # One size keeps the names the plots and raw files always had.
+          per = "" if len(args.micro_batch_sizes) == 1 else f", {size} per micro-batch"
+          diagnoses[f"{kind} N={n}{per}{path}"] = d
+          print(f"{kind}, N={n}{per}:\n{d.summary()}\n")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_rho(diagnoses, args.out_dir / "rho.png")
     (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="second-moment dtype, adama only (default: the params' dtype)")
   parser.add_argument("--quantize-moments", action="store_true",
                       help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
-  parser.add_argument("--nu-estimator", choices=optax_adama.NU_ESTIMATORS,
+  parser.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
                       default=defaults.nu_estimator,
                       help="AdamA's second-moment estimator, adama only")
   parser.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,

@@ -70,11 +70,11 @@ class ScaleByAdamAState(NamedTuple):
   count: chex.Array  # int32 []: mini-batches completed, dropped ones included; bias correction and schedules count these.
   micro_step: chex.Array  # int32 []: micro-batches folded into the current mini-batch, in [0, N).
   mu: optax.Updates  # like params (dtype mu_dtype): first moment; with quantization, a QuantizedArray per large leaf.
-  nu: optax.Updates  # like params (dtype nu_dtype): second moment, mean of g_i**2; with quantization, a QuantizedArray of sqrt(v) per large leaf.
+  nu: optax.Updates  # like params (dtype nu_dtype): second moment, mean of g_i**2; with quantization, a QuantizedArray of sign(v) sqrt(|v|) per large leaf.
   mini_batch_accepted: chex.Array  # int32 []: micro-batches of the current (or just completed) mini-batch with an all-finite gradient.
   num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
   num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
-  nu_estimator: str = "mean"  # static: the estimator of v (NU_ESTIMATORS).
+  nu_estimator: str = "auto"  # static: the estimator of v ("auto" or one of NU_ESTIMATORS).
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -203,14 +203,9 @@ def _check_storage_options(quantization: Any, nu_estimator: Any,
   if quantization is not None and not isinstance(quantization, BlockQuantization):
     raise TypeError(
         f"quantization must be a BlockQuantization or None, got {quantization!r}.")
-  if nu_estimator not in NU_ESTIMATORS:
+  if nu_estimator not in NU_ESTIMATOR_NAMES:
     raise ValueError(
-        f"nu_estimator must be one of {NU_ESTIMATORS}, got {nu_estimator!r}.")
-  if nu_estimator == "split" and quantization is not None:
-    raise ValueError(
-        "nu_estimator='split' does not combine with 8-bit moments: its v may "
-        "dip below zero where noise dominates, and a quantized v is stored as "
-        "sqrt(v). Use nu_dtype=jnp.bfloat16 to narrow v instead.")
+        f"nu_estimator must be one of {NU_ESTIMATOR_NAMES}, got {nu_estimator!r}.")
   if not isinstance(stochastic_rounding, (bool, np.bool_)):
     raise TypeError(
         f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
@@ -244,15 +239,18 @@ def _compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
 
 
 # One load/store interface for both kinds of moment. `order` is 1 for m and 2
-# for v: a quantized v is stored as sqrt(v), so its codes span twice the
-# decades of v, and is squared on load.
+# for v: a quantized v is stored as its signed root sign(v) sqrt(|v|), so its
+# codes span twice the decades of v, and is squared on load, sign kept. v is
+# never negative but under "split", whose v can dip below zero where noise
+# dominates; the sign keeps that dip as a float32 v keeps it, rather than a
+# clip that would bias v upwards.
 
 
 def _load(moment: Moment, order: int) -> jax.Array:
   """The moment's value, widened for arithmetic, in the moment's own layout."""
   if isinstance(moment, QuantizedArray):
     root = _quantize.dequantize_blocks(moment)
-    return root * root if order == 2 else root
+    return root * jnp.abs(root) if order == 2 else root
   return moment.astype(_compute_dtype(moment.dtype))
 
 
@@ -272,8 +270,9 @@ def _store(
   """
   if isinstance(like, QuantizedArray):
     if order == 2:
+      signed_root = jnp.sign(value) * jnp.sqrt(jnp.abs(value))
       return _quantize.quantize_blocks(
-          jnp.sqrt(value), like.codes.dtype, seed, absmax=jnp.sqrt(absmax),
+          signed_root, like.codes.dtype, seed, absmax=jnp.sqrt(absmax),
           unbiased_square=True)
     return _quantize.quantize_blocks(value, like.codes.dtype, seed, absmax=absmax)
   narrows = jnp.dtype(like.dtype).itemsize < value.dtype.itemsize
@@ -299,27 +298,33 @@ class _Folded(NamedTuple):
 def _fold_moment(
     moment: Moment, grad: jax.Array, finite_grad: jax.Array, decay: jax.Array,
     weight: jax.Array, order: int, less: Optional[jax.Array] = None,
+    less_absmax: Optional[jax.Array] = None,
 ) -> _Folded:
   """``decay * moment + weight * (grad**order - less)``, not yet stored.
 
   ``grad`` is the raw gradient leaf, ``finite_grad`` the same with its
-  non-finite entries zeroed; ``less`` (dense moments only) is the "split"
-  estimator's noise term.
+  non-finite entries zeroed; ``less`` is the "split" estimator's noise term
+  (``less_absmax`` bounds it per block where ``moment`` is quantized).
   """
   dtype = _compute_dtype(_quantize.storage_dtype(moment))
   decay = jnp.asarray(decay).astype(dtype)
   weight = jnp.asarray(weight).astype(dtype)
   g = _to_layout(finite_grad.astype(dtype), moment)
-  increment = g**order if less is None else g**order - less.astype(dtype)
+  increment = g**order
+  if less is not None:
+    increment = increment - _to_layout(less.astype(dtype), moment)
   new = decay * _load(moment, order) + weight * increment
   if not isinstance(moment, QuantizedArray):
     return _Folded(new, None)
   # The new scales come from bounds (old block absmax, gradient block absmax),
   # not from the new values: an exact absmax would be a reduction over the
   # float32 result, which XLA then materializes for every leaf at once (2 P
-  # of temp, measured). |new| <= decay |old|max + weight |g|max**order.
-  grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)
-  return _Folded(new, decay * _stored_absmax(moment, order) + weight * grad_absmax**order)
+  # of temp, measured). |new| <= decay |old|max + weight |g|max**order; with
+  # "split"'s term, |g**2 - less| <= max(|g|max**2, |less|max).
+  grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)**order
+  if less_absmax is not None:
+    grad_absmax = jnp.maximum(grad_absmax, less_absmax)
+  return _Folded(new, decay * _stored_absmax(moment, order) + weight * grad_absmax)
 
 
 def _direction(
@@ -403,13 +408,15 @@ def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
 
 
 # The estimators of v, by name (``nu_estimator=``); see scale_by_adama and
-# docs/estimators.md.
+# docs/estimators.md. "auto", the default, is "split" where the step hands
+# over each micro-batch's half difference and "mean" where it cannot.
 NU_ESTIMATORS = ("mean", "sum", "momentum", "split")
+NU_ESTIMATOR_NAMES = ("auto",) + NU_ESTIMATORS
 
 
 def _nu_weight(b2, num_micro_batches: int, nu_estimator: str):
   """The weight of each g_i**2 in v's fold."""
-  if nu_estimator in ("mean", "split"):  # E = mu**2 + sigma**2 (before split's term)
+  if nu_estimator in ("auto", "mean", "split"):  # E = mu**2 + sigma**2 (before split's term)
     return (1 - b2) / num_micro_batches
   return (1 - b2) / num_micro_batches**2  # E = (mu**2 + sigma**2) / N
 
@@ -439,10 +446,15 @@ def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds
     is_finite &= jnp.isfinite(half_difference)
   finite_grad = jnp.where(is_finite, grad, jnp.zeros_like(grad))
   starts, n = state.micro_step == 0, state.num_micro_batches
-  less = None if half_difference is None else _split_noise(half_difference, is_finite, n)
+  less = less_absmax = None
+  if half_difference is not None:
+    less = _split_noise(half_difference, is_finite, n)
+    if isinstance(nu, QuantizedArray):  # from the raw input: see _fold_moment
+      less_absmax = (1 - 1 / n) * _quantize.finite_absmax_blocks(
+          half_difference, *nu.codes.shape)**2
   m = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1)
   v = _fold_moment(nu, grad, finite_grad, jnp.where(starts, b2, 1.0),
-                   _nu_weight(b2, n, nu_estimator), 2, less)
+                   _nu_weight(b2, n, nu_estimator), 2, less, less_absmax)
   if nu_estimator == "momentum" and n > 1:
     v = _add_squared_momentum(m, v, state, b1, b2)
   return (_store(m.value, mu, 1, seeds[0], m.absmax),
@@ -543,7 +555,7 @@ def scale_by_adama(
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
     rounding_seed: int = 0,
-    nu_estimator: str = "mean",
+    nu_estimator: str = "auto",
 ) -> optax.GradientTransformation:
   r"""Rescale micro-batch gradients with Adam Accumulation (AdamA).
 
@@ -620,21 +632,25 @@ def scale_by_adama(
       Adam at ``N = 1``, and none costs memory beyond m and v). With
       :math:`\mu` the mean gradient and :math:`\sigma^2` one micro-batch's
       gradient variance, Adam's :math:`E[\bar g^2] = \mu^2 + \sigma^2/N`:
+      ``"split"`` folds :math:`(g_i^2 - (1-1/N) d_i^2)/N` with :math:`d_i =
+      (g_a - g_b)/2` over the gradients of micro-batch :math:`i`'s two halves
+      (:math:`E[d_i^2] = \sigma^2`, so :math:`E = \mu^2 + \sigma^2/N`,
+      Adam's, from one micro-batch at a time) and reads :math:`\hat v` as at
+      least :math:`\hat m^2`, since this v can dip below zero where noise
+      dominates; it needs ``update(g_i, state, half_difference=d_i)`` with
+      ``g_i = (g_a + g_b)/2``, which :func:`microbatch_step` and
+      :func:`release_step` pass (one vmapped backward over the halves).
       ``"mean"`` folds :math:`g_i^2 / N` (:math:`E = \mu^2 + \sigma^2`:
       steps never larger than Adam's); ``"sum"`` folds :math:`g_i^2 / N^2`
       (:math:`E = (\mu^2 + \sigma^2)/N`, a PyTorch loop dividing each
       micro-batch loss by N); ``"momentum"`` is ``"sum"`` plus
       :math:`(1-1/N)\hat m^2` once per mini-batch (:math:`E \approx \mu^2 +
-      \sigma^2/N` where the mean gradient is steady); ``"split"`` folds
-      :math:`(g_i^2 - (1-1/N) d_i^2)/N` with :math:`d_i = (g_a - g_b)/2` over
-      the gradients of micro-batch :math:`i`'s two halves (:math:`E[d_i^2] =
-      \sigma^2`, so :math:`E = \mu^2 + \sigma^2/N`, Adam's, from one
-      micro-batch at a time) and reads :math:`\hat v` as at least
-      :math:`\hat m^2`, since this v can dip below zero where noise dominates.
-      ``"split"`` needs ``update(g_i, state, half_difference=d_i)`` with
-      ``g_i = (g_a + g_b)/2`` (:func:`microbatch_step` and
-      :func:`release_step` do this, on one device or a mesh: one vmapped
-      backward over the halves), and float or bfloat16 moments.
+      \sigma^2/N` where the mean gradient is steady). ``"auto"`` (the
+      default) is ``"split"`` wherever a half difference comes with the
+      gradient (the fused steps, micro-batches of an even number of rows)
+      and ``"mean"`` wherever none does (one ``update`` per micro-batch from
+      ``nnx.Optimizer`` or ``optax.chain``; micro-batches of one example or
+      an odd number); docs/estimators.md has the measurements behind it.
 
   Returns:
     A :class:`optax.GradientTransformation` with state
@@ -646,8 +662,8 @@ def scale_by_adama(
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (what
       ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
       :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``"split"`` is asked
-      with ``quantization``, or (at ``update``) if ``num_micro_batches``
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nu_estimator``
+      names no estimator, or (at ``update``) if ``num_micro_batches``
       differs from the ``N`` the state was made with or ``"split"`` gets no
       ``half_difference`` (``N > 1``).
 
@@ -701,7 +717,10 @@ def scale_by_adama(
 
   def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
     del params, extra_args  # optax.chain hands every extra argument to all.
-    new_state = fold_micro_batch(updates, state, config, half_difference)
+    name = state.nu_estimator
+    new_state = fold_micro_batch(
+        updates, resolve_estimator(state, half_difference is not None), config,
+        half_difference)
     emit = emitted(new_state)
     direction = direction_args(new_state, config)
     grads, treedef = jax.tree.flatten(updates)
@@ -709,7 +728,7 @@ def scale_by_adama(
     new_nus = treedef.flatten_up_to(new_state.nu)
     return treedef.unflatten([
         _gated_direction(m, v, g, emit, **direction)
-        for m, v, g in zip(new_mus, new_nus, grads)]), new_state
+        for m, v, g in zip(new_mus, new_nus, grads)]), with_estimator(new_state, name)
 
   return optax.GradientTransformationExtraArgs(
       init_fn, folding_update(update_fn, FoldingParts(config)))
@@ -719,6 +738,33 @@ def takes_halves(state: ScaleByAdamAState) -> bool:
   """Whether ``update`` folds a half difference: "split" at ``N > 1`` (at
   ``N = 1`` the estimator is Adam's g**2 and needs none)."""
   return state.nu_estimator == "split" and state.num_micro_batches > 1
+
+
+def wants_halves(state: ScaleByAdamAState) -> bool:
+  """Whether a fused step should take each micro-batch's halves for ``state``:
+  "split" (which needs them) or "auto" (which uses them where they exist)."""
+  return state.nu_estimator in ("auto", "split") and state.num_micro_batches > 1
+
+
+def with_estimator(state: Any, nu_estimator: str) -> Any:
+  """``state`` (a :class:`ScaleByAdamAState`, or one of its shardings) with
+  another static ``nu_estimator``; the leaves are shared, not copied."""
+  return state._replace(nu_estimator=nu_estimator)
+
+
+def resolve_estimator(state: ScaleByAdamAState, halves: bool) -> ScaleByAdamAState:
+  """``state`` with "auto" read as the estimator this call computes.
+
+  "auto" is "split" where the caller hands over each micro-batch's half
+  difference (``halves``) and "mean" where it cannot; the other names stand.
+  A step resolves once, folds and reads the direction from the resolved
+  state, and hands back its state under the name it came with
+  (:func:`with_estimator`), so the state's structure never changes.
+  """
+  if state.nu_estimator != "auto":
+    return state
+  split = halves and state.num_micro_batches > 1
+  return with_estimator(state, "split" if split else "mean")
 
 
 def _half_differences(half_difference, treedef,
@@ -906,7 +952,7 @@ def adama(
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
-    nu_estimator: str = "mean",
+    nu_estimator: str = "auto",
 ) -> optax.GradientTransformation:
   r"""Adam Accumulation: Adam fed one micro-batch gradient per ``update`` call.
 
@@ -935,8 +981,8 @@ def adama(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"mean"``, ``"sum"``, ``"momentum"`` or ``"split"``;
-      see :func:`scale_by_adama`.
+    nu_estimator: ``"auto"`` (the default), ``"mean"``, ``"sum"``,
+      ``"momentum"`` or ``"split"``; see :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -992,7 +1038,7 @@ def adamaw(
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
-    nu_estimator: str = "mean",
+    nu_estimator: str = "auto",
 ) -> optax.GradientTransformation:
   r"""AdamA with decoupled weight decay, applied once per mini-batch.
 
@@ -1019,8 +1065,8 @@ def adamaw(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"mean"``, ``"sum"``, ``"momentum"`` or ``"split"``;
-      see :func:`scale_by_adama`.
+    nu_estimator: ``"auto"`` (the default), ``"mean"``, ``"sum"``,
+      ``"momentum"`` or ``"split"``; see :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.

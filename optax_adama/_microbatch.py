@@ -297,7 +297,9 @@ def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micr
   ``adama_state``: the AdamA state inside ``opt_state``, or ``None``.
   """
   adama = adama_state is not None
-  split = adama and _splits_halves(adama_state, placement, micro_batches)
+  # The state's own update resolves "auto" from whether it gets a half difference.
+  split = adama and _steps.resolve_halves(
+      adama_state, micro_batches, placement.num_devices)[1]
   update = optax.with_extra_args_support(tx).update
 
   def body(carry, micro_batch):
@@ -331,8 +333,9 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   as that wrapper's ``update`` brings them.
   """
   to_device, to_host = _offload.moves(parts.offload_min_size)
-  state = _adama.adama_of(opt_state)
-  split = _splits_halves(state, placement, micro_batches)
+  name = _adama.adama_of(opt_state).nu_estimator
+  state, split = _steps.resolve_halves(
+      _adama.adama_of(opt_state), micro_batches, placement.num_devices)
 
   def body(state, micro_batch):
     loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
@@ -347,7 +350,7 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
     updates, inner_state = _adama.per_mini_batch_update(
         parts.inner, updates, state, to_device(_adama.inner_of(opt_state)), params)
   params = placement.apply_updates(params, updates, _adama.emitted(state))
-  opt_state = _adama.with_adama(opt_state, state, inner_state)
+  opt_state = _adama.with_adama(opt_state, _adama.with_estimator(state, name), inner_state)
   return params, to_host(opt_state), outputs
 
 
@@ -365,14 +368,6 @@ def _adama_gradient(placement, params, micro_batch, split: bool):
       placement.loss_and_grads, params, micro_batch)
   return (loss, aux, _steps.poison_if_loss_nonfinite(loss, grads),
           {"half_difference": _steps.poison_if_loss_nonfinite(loss, difference)})
-
-
-def _splits_halves(adama_state, placement, micro_batches) -> bool:
-  """Whether AdamA's "split" estimator needs each micro-batch's halves."""
-  if not _adama.takes_halves(adama_state):
-    return False
-  _steps.check_halvable(micro_batches, placement.num_devices)
-  return True
 
 
 def _accumulated_gradient_update(

@@ -22,9 +22,10 @@ Two formats:
   float8 code is a dynamic-exponent code like bitsandbytes' dynamic map: 3
   mantissa bits at every magnitude over 5.5 decades below the block's absmax,
   rather than a linear code that rounds everything below absmax / 255 to zero.
-  v is stored as ``sqrt(v)``, so its codes span 11 decades of v: a small v
-  next to a large one in the same block does not become zero (which would
-  turn ``m / (sqrt(v) + eps)`` into ``m / eps``).
+  v is stored as ``sqrt(v)`` (its sign kept: see ``_adama._load``), so its
+  codes span 11 decades of v: a small v next to a large one in the same
+  block does not become zero (which would turn ``m / (sqrt(v) + eps)`` into
+  ``m / eps``).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def stochastic_round(
 def stochastic_round_square(
     x: jax.Array, dtype: jax.typing.DTypeLike, seed: jax.Array
 ) -> jax.Array:
-  r"""Rounds non-negative float32 ``x`` to ``dtype`` so that its *square* is unbiased.
+  r"""Rounds float32 ``x`` to ``dtype`` so that its *square* is unbiased.
 
   With :math:`l \le x \le h` the neighbours of ``x`` in ``dtype``, rounds up
   with probability :math:`(x^2 - l^2) / (h^2 - l^2)`, so
@@ -276,7 +277,7 @@ def stochastic_round_square(
   final cast, and non-finite values pass through.
 
   Args:
-    x: a non-negative float32 array.
+    x: a float32 array (its magnitude is rounded, its sign kept).
     dtype: the narrow float dtype the result will be cast to.
     seed: a uint32 scalar (see :func:`random_bits`).
 

@@ -247,13 +247,16 @@ def release_step(
       params, opt_state = _constrained((params, opt_state), shardings)
     state = _adama.adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
+    resolved, _ = _steps.resolve_halves(
+        state, micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
     fold = _scan_body(staged, parts, has_aux, params, mesh, shard_states,
                              data_axis, shardings)
-    folded, (losses, aux) = jax.lax.scan(fold, state, micro_batches)
+    folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
     params, inner_state = _apply_emitted(
         staged, parts, params, folded, _adama.inner_of(opt_state),
         _sharded_update(staged, shardings, shard_states, mesh, data_axis))
-    opt_state = _adama.with_adama(opt_state, folded, inner_state)
+    opt_state = _adama.with_adama(
+        opt_state, _adama.with_estimator(folded, state.nu_estimator), inner_state)
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
@@ -297,7 +300,9 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
     else:
       state, loss, aux = _data_parallel_fold(
           staged, parts, has_aux, mesh, shard_states, data_axis,
-          _specs(_adama.adama_of(shardings.opt_state)), params, state, micro_batch)
+          _adama.with_estimator(_specs(_adama.adama_of(shardings.opt_state)),
+                                state.nu_estimator),
+          params, state, micro_batch)
     return state, (loss, aux)
   return fold
 
@@ -315,10 +320,8 @@ def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
 
 
 def _micro_batches(state, batch, mesh, data_axis):
-  """The state's ``N`` micro-batches of ``batch``, checked for "split" and placed."""
+  """The state's ``N`` micro-batches of ``batch``, placed."""
   micro_batches = _steps.split_micro_batches(batch, state.num_micro_batches)
-  if _adama.takes_halves(state):
-    _steps.check_halvable(micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
   if mesh is None:
     return micro_batches
   return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_adama import _adama
 from optax_adama._adama import check_num_micro_batches
 
 Batch = Any
@@ -59,15 +60,40 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
       batch, batch_size // num_micro_batches)
 
 
+def _halvable(micro_batches, num_devices: int) -> bool:
+  """Whether ``[N, B, ...]`` micro-batches split into two halves whose rows
+  split evenly over ``num_devices`` devices."""
+  return jax.tree.leaves(micro_batches)[0].shape[1] % (2 * num_devices) == 0
+
+
 def check_halvable(micro_batches, num_devices: int = 1) -> None:
   """Raises unless ``[N, B, ...]`` micro-batches split into two halves whose
   rows split evenly over ``num_devices`` devices."""
-  size = jax.tree.leaves(micro_batches)[0].shape[1]
-  if size % (2 * num_devices):
+  if not _halvable(micro_batches, num_devices):
+    size = jax.tree.leaves(micro_batches)[0].shape[1]
     rule = "even" if num_devices == 1 else f"a multiple of 2 x {num_devices} devices"
     raise ValueError(
         "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
-        f"the micro-batch size must be {rule}, got {size}.")
+        f"the micro-batch size must be {rule}, got {size}. Leave nu_estimator "
+        "at its default ('auto'), which folds such micro-batches as 'mean'.")
+
+
+def resolve_halves(state, micro_batches, num_devices: int = 1):
+  """The AdamA state as this step folds ``micro_batches``: ``(state, halves)``.
+
+  ``halves`` says whether each micro-batch's gradient is taken as its two
+  halves'. "split" needs them (and raises where the rows do not halve);
+  "auto" takes them where the rows halve and is "mean" elsewhere (one
+  example per micro-batch, an odd count). The returned state carries the
+  resolved estimator; hand it back under its own name with
+  ``_adama.with_estimator``.
+  """
+  if not _adama.wants_halves(state):
+    return state, False
+  if state.nu_estimator == "split":
+    check_halvable(micro_batches, num_devices)
+  halves = _halvable(micro_batches, num_devices)
+  return _adama.resolve_estimator(state, halves), halves
 
 
 def halves(micro_batch):

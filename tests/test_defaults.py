@@ -1,0 +1,157 @@
+"""What a user gets without naming an estimator: "auto", per path and per shape.
+
+"auto" is "split" wherever the step hands over each micro-batch's half
+difference (the fused steps, micro-batches that halve) and "mean" wherever
+it cannot (one ``update`` per micro-batch; one example or an odd count per
+micro-batch). These tests pin each case to the estimator it must equal,
+bitwise where the same program runs, and check that the state keeps its name.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_adama
+from optax_adama import _adama
+
+from conftest import MLP
+import test_release
+
+MODEL = MLP(num_layers=3, width=8)
+
+
+def _run_fused(tx, batch_size, steps=3, num_micro_batches=4):
+  step = optax_adama.microbatch_step(MODEL.loss, tx)
+  params = MODEL.params()
+  state = tx.init(params)
+  for seed in range(steps):
+    params, state, _ = step(params, state, MODEL.batch(seed, batch_size))
+  return params, state
+
+
+def _adamaw(nu_estimator=None, **options):
+  kwargs = {} if nu_estimator is None else {"nu_estimator": nu_estimator}
+  return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4, **kwargs, **options)
+
+
+def test_the_default_estimator_is_auto_everywhere():
+  params = {"w": jnp.ones(3)}
+  for make in (optax_adama.adama, optax_adama.adamaw):
+    state = _adama.adama_of(make(1e-3, num_micro_batches=4).init(params))
+    assert state.nu_estimator == "auto"
+  assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "auto"
+
+
+@pytest.mark.parametrize("batch_size, same_as", [
+    (16, "split"),  # 4 rows per micro-batch: two halves of 2.
+    (4, "mean"),    # one example per micro-batch: no halves.
+    (12, "mean"),   # 3 rows per micro-batch: no equal halves.
+])
+def test_fused_default_equals_the_estimator_its_micro_batches_allow(batch_size, same_as):
+  params, state = _run_fused(_adamaw(), batch_size)
+  ref_params, ref_state = _run_fused(_adamaw(same_as), batch_size)
+  # The same program: bitwise.
+  chex.assert_trees_all_equal(params, ref_params)
+  chex.assert_trees_all_equal(_adama.adama_of(state).nu, _adama.adama_of(ref_state).nu)
+  assert _adama.adama_of(state).nu_estimator == "auto"  # the name it came with
+
+
+def test_fused_default_differs_from_mean_where_it_splits():
+  # Guards the test above against both runs silently taking one path.
+  params, _ = _run_fused(_adamaw(), 16)
+  mean_params, _ = _run_fused(_adamaw("mean"), 16)
+  assert not all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: bool(jnp.array_equal(a, b)), params, mean_params)))
+
+
+def test_explicit_split_refuses_one_example_micro_batches_and_names_the_default():
+  with pytest.raises(ValueError, match="Leave nu_estimator at its default"):
+    _run_fused(_adamaw("split"), 4, steps=1)
+
+
+def test_per_update_default_is_mean_bitwise():
+  """One ``tx.update`` per micro-batch (nnx.Optimizer, optax.chain) has no halves."""
+  params = MODEL.params()
+  default, mean = _adamaw(), _adamaw("mean")
+  s_default, s_mean = default.init(params), mean.init(params)
+  p_default = p_mean = params
+  for i in range(8):
+    grads = jax.grad(MODEL.loss)(p_default, MODEL.batch(i, 3))
+    u_default, s_default = default.update(grads, s_default, p_default)
+    u_mean, s_mean = mean.update(grads, s_mean, p_mean)
+    chex.assert_trees_all_equal(u_default, u_mean)
+    p_default = p_mean = optax.apply_updates(p_default, u_default)
+  assert _adama.adama_of(s_default).nu_estimator == "auto"
+
+
+def test_per_update_default_takes_a_half_difference_when_given():
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  default = optax_adama.scale_by_adama(num_micro_batches=2)
+  split = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split")
+  s_default, s_split = default.init(params), split.init(params)
+  for i in range(4):
+    g = {"w": jnp.array([0.3, -1.0, 2.0]) * (i + 1)}
+    d = {"w": jnp.array([0.5, 0.1, -0.2])}
+    u_default, s_default = default.update(g, s_default, half_difference=d)
+    u_split, s_split = split.update(g, s_split, half_difference=d)
+    chex.assert_trees_all_equal(u_default, u_split)
+  chex.assert_trees_all_equal(s_default.nu, s_split.nu)
+
+
+def test_release_default_equals_release_split():
+  staged = test_release.staged_loss()
+  params = test_release.make_params()
+  runs = {}
+  for name in ("auto", "split"):
+    tx = optax_adama.adama(1e-2, num_micro_batches=2, nu_estimator=name)
+    step = optax_adama.release_step(staged, tx)
+    p, s = jax.tree.map(jnp.array, params), tx.init(params)
+    for seed in range(2):
+      p, s, _ = step(p, s, test_release.make_batch(seed, size=8))
+    runs[name] = (p, s)
+  chex.assert_trees_all_equal(runs["auto"][0], runs["split"][0])
+  assert _adama.adama_of(runs["auto"][1]).nu_estimator == "auto"
+
+
+def test_eight_bit_moments_take_split_and_keep_a_negative_v():
+  """8-bit v is stored as a signed root: "split"'s dips below zero survive."""
+  quantization = optax_adama.BlockQuantization(block_size=64, min_size=64)
+  tx = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split",
+                                  quantization=quantization, b2=0.5,
+                                  stochastic_rounding=False)
+  params = {"w": jnp.zeros(256)}
+  state = tx.init(params)
+  # Half differences larger than the gradient: the fold of v goes negative.
+  g = {"w": jnp.linspace(-1.0, 1.0, 256)}
+  d = {"w": jnp.full(256, 3.0)}
+  dense = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split", b2=0.5)
+  dense_state = dense.init(params)
+  for _ in range(2):
+    _, state = tx.update(g, state, half_difference=d)
+    _, dense_state = dense.update(g, dense_state, half_difference=d)
+  v = _adama._load(state.nu["w"], 2).reshape(-1)[:256]
+  assert float(jnp.max(dense_state.nu["w"])) < 0  # every coordinate dipped
+  # float8 e4m3 keeps 3 mantissa bits of the root: rounded to nearest, at
+  # most 2**-4 relative on the root, (1 + 2**-4)**2 - 1 = 0.129 on v.
+  np.testing.assert_allclose(v, dense_state.nu["w"], rtol=0.13)
+
+
+def test_eight_bit_default_trains_like_float32_default():
+  quantization = optax_adama.BlockQuantization(block_size=32, min_size=32)
+  mlp = MLP(num_layers=3, width=16)
+  losses = {}
+  for name, options in (("f32", {}), ("8bit", {"quantization": quantization})):
+    tx = optax_adama.adamaw(3e-3, weight_decay=0.0, num_micro_batches=2, **options)
+    step = optax_adama.microbatch_step(mlp.loss, tx)
+    params = mlp.params()
+    state = tx.init(params)
+    for i in range(200):
+      params, state, metrics = step(params, state, mlp.batch(i % 20, 8))
+    losses[name] = float(metrics["loss"])
+  assert _adama.adama_of(state).nu_estimator == "auto"
+  # 8-bit moments round m and sqrt(v) to 3 mantissa bits per block; over 200
+  # steps on this MLP the loss lands within 10% of the float32 run's.
+  assert abs(losses["8bit"] - losses["f32"]) <= 0.1 * losses["f32"], losses
