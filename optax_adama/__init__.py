@@ -9,6 +9,8 @@ holds what a training script types; the subsystems are public submodules:
 * :mod:`optax_adama.sharding`: data parallel, ZeRO and FSDP shardings;
 * :mod:`optax_adama.schedules`: schedules that count mini-batches;
 * :mod:`optax_adama.diagnostics`: does AdamA's v track Adam's on your model?
+* :mod:`optax_adama.nnx`: train a Flax NNX model in place with the fused step
+  (needs Flax, ``pip install 'optax_adama[flax]'``; imported on first use).
 """
 
 from optax_adama import diagnostics
@@ -39,6 +41,16 @@ from optax_adama._schedules import inject_hyperparams
 from optax_adama._schedules import mini_batch_schedule
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+  # optax_adama.nnx needs Flax, an optional dependency: it is imported when
+  # first asked for, so that `import optax_adama` never imports Flax.
+  if name == "nnx":
+    import optax_adama.nnx  # pylint: disable=import-outside-toplevel
+    return optax_adama.nnx
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = (
     # Optimizers and their states.

@@ -1,0 +1,405 @@
+"""Flax NNX: the fused, buffer-donating AdamA step for an ``nnx.Module``.
+
+:class:`MicroBatchOptimizer` is :func:`optax_adama.microbatch_step` with
+``nnx.Optimizer``'s ergonomics: made from a model, a transformation and a
+``wrt`` filter, it trains the model in place, one call of
+``update(model, loss_fn, batch)`` per mini-batch of ``N`` micro-batches, and
+keeps the model's dropout streams and batch statistics right across them.
+See ``docs/nnx.md``.
+
+Flax is an optional dependency (``pip install 'optax_adama[flax]'``):
+``import optax_adama`` never imports it, and this module imports it on first
+use of :class:`MicroBatchOptimizer` (a subclass of ``nnx.Pytree``, so the
+class itself is made then).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_adama import _microbatch
+
+__all__ = ("MicroBatchOptimizer",)
+
+Batch = Any
+Metrics = dict[str, Any]
+Filter = Any  # a flax.nnx filter: a Variable type, a path string, a predicate...
+
+_INSTALL = "pip install 'optax_adama[flax]'"
+
+
+def _flax_is_installed() -> bool:
+  try:
+    return importlib.util.find_spec("flax") is not None
+  except (ImportError, ValueError):  # `sys.modules["flax"] = None`: imports of it blocked
+    return False
+
+
+# Fail at `import optax_adama.nnx`, not at first use, when Flax is missing; the
+# check finds Flax without importing it.
+if not _flax_is_installed():
+  raise ImportError(f"optax_adama.nnx needs Flax: {_INSTALL}")
+
+
+def _nnx():
+  """``flax.nnx``, imported on first use: importing this module stays cheap."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return nnx
+
+
+class _MicroBatchOptimizer:
+  """Trains an ``nnx.Module`` with one fused, donating step per mini-batch.
+
+  ``nnx.Optimizer`` for :func:`optax_adama.microbatch_step`. Like
+  ``nnx.Optimizer`` it is an ``nnx.Pytree`` holding ``step`` (an
+  ``nnx.OptState`` counting mini-batches), ``opt_state`` (the transformation's
+  state, each leaf an ``nnx.OptArray``), ``tx`` and ``wrt``, but not the
+  model: ``update(model, loss_fn, batch)`` splits ``batch`` into ``N``
+  micro-batches, folds each micro-batch's gradient of ``loss_fn`` with respect
+  to the ``wrt`` Variables into AdamA's moments (one jitted call), and writes
+  the new params, statistics and RNG counts back into ``model`` in place.
+  Checkpoint it as ``nnx.Optimizer``: ``nnx.state(opt)`` is a pytree of arrays
+  that orbax saves, and ``nnx.update(opt, restored)`` puts one back.
+
+  The model's other state is handled per micro-batch:
+
+  * **RNG streams** (``nnx.Rngs``, e.g. ``nnx.Dropout``'s): each micro-batch
+    (each half, under AdamA's ``"split"`` estimator) draws from its own key,
+    the stream's key folded with its count and with the micro-batch's first
+    row index, so no two draw the same masks; each stream's count advances by
+    one per step, so the next step draws new ones.
+  * **Running statistics** (``mutable``, ``nnx.BatchStat`` by default: e.g.
+    ``nnx.BatchNorm`` in training mode): every micro-batch starts from the
+    statistics the step started with, and the model gets the mean of the
+    micro-batches' updated statistics, one update per mini-batch (micro-batches
+    whose loss is not finite left out). They must be floating point.
+  * Anything else the loss changes (an integer counter, a frozen param) would
+    be lost: the first call raises instead, naming the Variable.
+
+  ``params`` and the optimizer state are donated to the step and replaced in
+  ``model`` and here by the step's outputs: an array taken out of a Variable
+  before the call (``w = model.linear.kernel[...]``) is deleted by it, while
+  the Variables themselves always hold live arrays.
+
+  Args:
+    model: the ``flax.nnx.Module`` to train; only its ``wrt`` Variables'
+      shapes are read here, to make the optimizer state.
+    tx: an optax transformation, normally AdamA (``optax_adama.adamaw``,
+      ``optax_adama.adama``, ...), whose state sets ``N``; any other (e.g.
+      ``optax.adamw``) accumulates gradients over ``num_micro_batches``.
+    wrt: the ``nnx`` filter of the Variables to train, as
+      ``nnx.Optimizer``'s (``nnx.Param``); the others stay fixed.
+    mutable: the ``nnx`` filter of the floating-point state the loss updates
+      in place, averaged over micro-batches; ``None`` is ``nnx.BatchStat``.
+    num_micro_batches: ``N``, for a ``tx`` that holds no AdamA state; with
+      AdamA leave it out (given, it must agree).
+
+  Raises:
+    TypeError: if ``model`` is not an ``nnx.Module`` or ``tx`` not an optax
+      ``GradientTransformation``.
+    ValueError: if ``wrt`` selects none of the model's Variables.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> from flax import nnx
+    >>> from optax_adama.nnx import MicroBatchOptimizer
+    >>> model = nnx.Sequential(
+    ...     nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1)),
+    ...     nnx.Linear(8, 1, rngs=nnx.Rngs(2)))
+    >>> tx = optax_adama.adamaw(1e-2, num_micro_batches=4)
+    >>> opt = MicroBatchOptimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, micro_batch):  # the mean loss of one micro-batch
+    ...   return jnp.mean((model(micro_batch["x"]) - micro_batch["y"]) ** 2)
+    >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 1))}
+    >>> for _ in range(2):
+    ...   metrics = opt.update(model, loss_fn, batch)  # 4 micro-batches of 4
+    >>> int(opt.step[...]), int(metrics["num_dropped"])
+    (2, 0)
+  """
+
+  def __init__(
+      self,
+      model: Any,
+      tx: optax.GradientTransformation,
+      *,
+      wrt: Filter,
+      mutable: Optional[Filter] = None,
+      num_micro_batches: Optional[int] = None,
+  ):
+    nnx = _nnx()
+    _check_module(model, "MicroBatchOptimizer")
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(
+          "MicroBatchOptimizer needs an optax.GradientTransformation as tx, e.g. "
+          f"optax_adama.adamaw(1e-3, num_micro_batches=4); got {type(tx).__name__}.")
+    params = _pure(nnx.state(model, wrt))
+    if not jax.tree.leaves(params):
+      raise ValueError(
+          f"wrt={wrt!r} selects none of the model's Variables: nothing to train. "
+          "Pass the filter nnx.Optimizer takes, e.g. wrt=nnx.Param.")
+    self.step = nnx.OptState(jnp.array(0, dtype=jnp.uint32))
+    self.tx = tx
+    self.opt_state = nnx.data(jax.tree.map(nnx.OptArray, tx.init(params)))
+    self.wrt = wrt
+    self.mutable = nnx.BatchStat if mutable is None else mutable
+    self.num_micro_batches = num_micro_batches
+    self._params_structure = jax.tree.structure(params)
+    self._steps = _StepCache()
+
+  def update(self, model: Any, loss_fn: Callable[..., Any], batch: Batch, *,
+             has_aux: bool = False) -> Metrics:
+    """Trains ``model`` on one mini-batch: ``N`` micro-batches, one update.
+
+    The step is compiled once per ``(loss_fn, has_aux)`` and model structure
+    (``model.train()`` and ``model.eval()`` are two), then reused: pass the
+    same ``loss_fn`` object every call, not a new lambda.
+
+    Args:
+      model: the model this optimizer was made for; updated in place.
+      loss_fn: ``loss_fn(model, micro_batch)`` returning the micro-batch's
+        *mean* loss, or ``(loss, aux)`` with ``has_aux``.
+      batch: a pytree of arrays with a leading batch axis that ``N`` divides.
+        Micro-batch ``i`` holds rows ``i, i + N, ...``, as in
+        :func:`optax_adama.microbatch_step`.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; the aux must be
+        floating point under AdamA's ``"split"`` estimator, which averages
+        the two halves'.
+
+    Returns:
+      :func:`optax_adama.microbatch_step`'s metrics: ``"loss"`` (the mean of
+      the finite micro-batch losses), ``"num_nonfinite_losses"``,
+      ``"num_dropped"``, and with ``has_aux`` ``"aux"``, each micro-batch's
+      aux stacked.
+
+    Raises:
+      TypeError: if ``model`` is not an ``nnx.Module``.
+      ValueError: if ``model``'s ``wrt`` Variables are not the ones this
+        optimizer was made for, if ``mutable`` selects state that is not
+        floating point, if two Variables hold the same array, or at the first
+        call of a ``loss_fn``: if ``N`` does not divide the batch (or, with
+        ``"split"``, the micro-batch is odd), or if ``loss_fn`` changes a
+        Variable outside ``wrt`` and ``mutable``.
+    """
+    nnx = _nnx()
+    _check_module(model, "MicroBatchOptimizer.update")
+    graphdef, params, stats, counts, rest = nnx.split(
+        model, self.wrt, self._stats_filter(), nnx.RngCount, ...)
+    params, stats, counts, rest = map(_pure, (params, stats, counts, rest))
+    if jax.tree.structure(params) != self._params_structure:
+      raise ValueError(
+          "model's wrt Variables are not those this optimizer was made for: "
+          "make one MicroBatchOptimizer per model.")
+    _check_floating(stats, self.mutable)
+    opt_state = _pure(self.opt_state)
+    _check_distinct_buffers(params=params, opt_state=opt_state, stats=stats,
+                            counts=counts, rest=rest)
+    step = self._steps.get(
+        (graphdef, loss_fn, has_aux),
+        lambda: self._build(graphdef, loss_fn, has_aux))
+    params, opt_state, stats, counts, count, metrics = step(
+        params, opt_state, stats, counts, rest, self.step.get_value(), batch)
+    # The donated buffers are gone: every Variable that held one gets its
+    # successor before anything can read it.
+    nnx.update(model, params, stats, counts)
+    for variable, value in zip(_variables(self.opt_state), jax.tree.leaves(opt_state)):
+      variable.set_value(value)
+    self.step.set_value(count)
+    return metrics
+
+  def _stats_filter(self) -> Filter:
+    """``mutable`` less what ``wrt`` trains and the RNG state the step owns."""
+    nnx = _nnx()
+    return nnx.All(self.mutable, nnx.Not(self.wrt), nnx.Not(nnx.RngState))
+
+  def _build(self, graphdef, loss_fn, has_aux):
+    """The jitted ``(params, opt_state, stats, counts, rest, step, batch)`` step."""
+    nnx = _nnx()
+    tx, num_micro_batches = self.tx, self.num_micro_batches
+    stats_filter = self._stats_filter()
+    fixed = nnx.All(nnx.Not(self.wrt), nnx.Not(stats_filter), nnx.Not(nnx.RngState))
+
+    def step(params, opt_state, stats, counts, rest, count, batch):
+      def micro_batch_loss(params, rows_and_micro_batch):
+        rows, micro_batch = rows_and_micro_batch
+        model = nnx.merge(graphdef, params, stats, counts, rest)
+        _seed_streams(model, rows[0])
+        before = _pure(nnx.state(model, fixed))
+        out = loss_fn(model, micro_batch)
+        loss, aux = out if has_aux else (out, None)
+        _check_unchanged(before, nnx.state(model, fixed))
+        # Only floats travel: "split" averages aux over the two halves.
+        return loss, (aux, _pure(nnx.state(model, stats_filter)), loss)
+
+      inner = _microbatch.microbatch_step(
+          micro_batch_loss, tx, has_aux=True, num_micro_batches=num_micro_batches)
+      params, opt_state, metrics = inner(params, opt_state, (_row_indices(batch), batch))
+      aux, new_stats, losses = metrics.pop("aux")
+      if has_aux:
+        metrics["aux"] = aux
+      stats = _mean_over_finite(new_stats, stats, jnp.isfinite(losses))
+      counts = jax.tree.map(lambda c: c + 1, counts)
+      return params, opt_state, stats, counts, count + 1, metrics
+
+    # As microbatch_step's: params and state buffers become the outputs'.
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+class _StepCache:
+  """Jitted steps by (graphdef, loss_fn, has_aux).
+
+  A static attribute of the optimizer: hashed and compared by identity, so
+  ``nnx.split(opt)`` works and two optimizers never share steps.
+  """
+
+  def __init__(self):
+    self._steps: dict[Any, Callable[..., Any]] = {}
+
+  def get(self, key, build):
+    if key not in self._steps:
+      self._steps[key] = build()
+    return self._steps[key]
+
+
+def _check_module(model: Any, caller: str) -> None:
+  nnx = _nnx()
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+        f"{caller} needs a flax.nnx.Module as model, got {type(model).__name__}. "
+        "Make the model an nnx.Module subclass (e.g. hold the parts as "
+        "attributes of one).")
+
+
+def _variables(tree) -> list[Any]:
+  nnx = _nnx()
+  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _pure(tree):
+  """``tree`` with each ``nnx.Variable`` replaced by its array.
+
+  ``nnx.as_pure`` does this from Flax 0.12.8 on and ``nnx.pure`` before (and
+  warns since); this works on both.
+  """
+  nnx = _nnx()
+  return jax.tree.map(
+      lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _check_floating(stats, mutable) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(stats):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise ValueError(
+          f"mutable={mutable!r} selects {jax.tree_util.keystr(path)} of dtype "
+          f"{jnp.result_type(leaf)}: the step averages that state over the "
+          "micro-batches, which takes floating point. Narrow mutable.")
+
+
+def _check_distinct_buffers(**trees) -> None:
+  """Raises if a donated array is also another leaf (XLA would refuse it, cryptically)."""
+  donated = ("params", "opt_state")
+  seen: dict[int, tuple[str, str]] = {}  # id -> (tree name, leaf path)
+  for name, tree in trees.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      where = name + jax.tree_util.keystr(path)
+      first = seen.setdefault(id(leaf), (name, where))
+      if first[1] != where and (name in donated or first[0] in donated):
+        raise ValueError(
+            f"{first[1]} and {where} are the same array, and the step donates "
+            "params and optimizer state: give each Variable its own array "
+            "(e.g. jnp.zeros(...) per Variable, or jnp.copy).")
+
+
+def _row_indices(batch: Batch) -> Optional[jax.Array]:
+  """``arange(B)``: split with the batch, each micro-batch's first row seeds its RNG.
+
+  ``None`` when the batch has no leading axis to read B from: the step then
+  raises its own error about the batch.
+  """
+  leaves = jax.tree.leaves(batch)
+  if not leaves or not jnp.ndim(leaves[0]):
+    return None
+  return jnp.arange(jnp.shape(leaves[0])[0], dtype=jnp.uint32)
+
+
+def _fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
+  """``jax.random.fold_in`` for a key array of any shape (a split stream's)."""
+  fold = jax.random.fold_in
+  for _ in range(keys.ndim):
+    fold = jax.vmap(fold)
+  return fold(keys, jnp.broadcast_to(data, keys.shape))
+
+
+def _seed_streams(model, row: jax.Array) -> None:
+  """Gives each RNG stream of ``model`` this micro-batch's own key.
+
+  The stream's key folded with its count (new every step) and the first row
+  index of the micro-batch or half (distinct within a step); draws then fold
+  the count in again, as ``nnx.RngStream`` does.
+  """
+  nnx = _nnx()
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.RngStream):
+      key = _fold_in(node.key.get_value(), node.count.get_value())
+      node.key.set_value(_fold_in(key, row))
+
+
+def _check_unchanged(before, after) -> None:
+  """Raises if the loss assigned to a Variable whose change the step would drop.
+
+  At trace time, by identity: a Variable the loss did not write still holds
+  the very array it was merged with. Variables the loss creates (``sow``'s
+  intermediates) are not the model's state and go unchecked.
+  """
+  old_leaves = {jax.tree_util.keystr(path): leaf
+                for path, leaf in jax.tree_util.tree_leaves_with_path(before)}
+  for path, new in jax.tree_util.tree_leaves_with_path(_pure(after)):
+    where = jax.tree_util.keystr(path)
+    if where in old_leaves and new is not old_leaves[where]:
+      raise ValueError(
+          f"loss_fn changed the model's {where}, which is "
+          "neither trained (wrt) nor averaged over micro-batches (mutable): the "
+          "step would drop the change. Add its Variable type to mutable= if it "
+          "is floating point, or keep it out of the loss.")
+
+
+def _mean_over_finite(stacked, old, finite: jax.Array):
+  """The mean over micro-batches of ``[N, ...]`` leaves, finite-loss rows only.
+
+  Taken as ``old`` plus the mean change, so state the loss leaves alone comes
+  back bitwise; ``old`` where every loss is non-finite.
+  """
+  num_finite = jnp.sum(finite.astype(jnp.int32))
+
+  def mean(new, previous):
+    keep = finite.reshape(finite.shape + (1,) * previous.ndim)
+    change = jnp.where(keep, new - previous[None], jnp.zeros_like(new))
+    mean_change = jnp.sum(change, axis=0) / jnp.maximum(num_finite, 1).astype(new.dtype)
+    return previous + mean_change
+
+  return jax.tree.map(mean, stacked, old)
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), "MicroBatchOptimizer"})
+
+
+def __getattr__(name: str) -> Any:
+  # The public class derives from nnx.Pytree, so it is made on first use, when
+  # Flax is imported; `from optax_adama.nnx import MicroBatchOptimizer` lands here.
+  if name == "MicroBatchOptimizer":
+    nnx = _nnx()
+
+    class MicroBatchOptimizer(_MicroBatchOptimizer, nnx.Pytree):
+      __doc__ = _MicroBatchOptimizer.__doc__
+
+    MicroBatchOptimizer.__module__ = __name__
+    MicroBatchOptimizer.__qualname__ = name
+    globals()[name] = MicroBatchOptimizer
+    return MicroBatchOptimizer
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
