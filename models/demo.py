@@ -111,6 +111,8 @@ def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
           "steps": config.steps,
           "learning_rate": config.learning_rate,
           "nu_estimator": runs["adama"]["config"]["nu_estimator"],
+          # What "auto" reads as here: "split" where micro-batches halve.
+          "nu_estimator_reads_as": _reads_as(config),
           "eval_loss": {name: run["eval_loss"] for name, run in runs.items()},
           "eval_gap": runs["adama"]["eval_loss"] / runs["adam"]["eval_loss"] - 1,
       },
@@ -130,6 +132,13 @@ def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
   }
 
 
+def _reads_as(config: DemoConfig) -> str:
+  """The estimator AdamA's fused step computes for the demo's micro-batches."""
+  if config.nu_estimator != "auto" or config.num_micro_batches == 1:
+    return config.nu_estimator
+  return "split" if config.micro_batch_size % 2 == 0 else "mean"
+
+
 def report(result: dict[str, Any]) -> str:
   """Human-readable lines of a summary."""
   t, m = result["training"], result["memory"]
@@ -138,7 +147,7 @@ def report(result: dict[str, Any]) -> str:
   return "\n".join([
       f"Training {t['preset']}: N = {t['num_micro_batches']} micro-batches of "
       f"{t['tokens_per_micro_batch']:,} tokens, {t['steps']} steps, lr {t['learning_rate']:g}, "
-      f"AdamA's estimator {t['nu_estimator']!r}",
+      f"AdamA's estimator {t['nu_estimator']!r} ({t['nu_estimator_reads_as']!r} here)",
       f"  held-out loss: Adam + accumulation {t['eval_loss']['adam']:.4f}, "
       f"AdamA {t['eval_loss']['adama']:.4f} ({100 * t['eval_gap']:+.2f}%)",
       f"Step memory of {m['preset']} (scanned layers, remat full, loss in "

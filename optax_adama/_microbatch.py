@@ -81,13 +81,18 @@ def microbatch_step(
     the same results without a params-sized read and write per micro-batch.
     That path takes each call to start a mini-batch, as the previous call
     leaves it; do not interleave your own ``tx.update`` calls on the same
-    state mid-mini-batch. With AdamA's ``nu_estimator="split"`` each micro-batch's
-    gradient is taken as its two halves' (its first and second half of rows)
-    in one vmapped backward, and their half difference goes to ``update`` as
-    well; on a mesh each half's rows are split over the devices. The
-    micro-batch's loss and gradient are then the mean of its halves' (its own
-    for a loss averaged over equally weighted examples; close to it for a loss
-    normalised by a data-dependent count, such as masked tokens).
+    state mid-mini-batch. With AdamA's default estimator (``"auto"``) or
+    ``"split"`` each micro-batch's gradient is taken as its two halves' (its
+    first and second half of rows) in one vmapped backward, and their half
+    difference goes to ``update`` as well; on a mesh each half's rows are
+    split over the devices. ``"auto"`` does so where the rows halve (on a
+    mesh: where each device holds rows of both halves) and folds as
+    ``"mean"`` elsewhere; ``"split"`` raises there. The micro-batch's loss
+    and gradient are then the mean of its halves' (its own for a loss
+    averaged over equally weighted examples; close to it for a loss
+    normalised by a data-dependent count, such as masked tokens); its aux
+    the mean of the halves' floating leaves and the sum of their integer
+    ones (counts).
   * gradient accumulation (anything else, e.g. ``optax.adam``): the scan carries
     a gradient sum, and ``tx.update`` is called once with the mean gradient.
 
@@ -158,8 +163,8 @@ def microbatch_step(
     >>> state = tx.init(params)
     >>> batch = {"x": jnp.arange(4.0), "y": 2.0 * jnp.arange(4.0)}
     >>> params, state, metrics = step(params, state, batch)
-    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))
-    14.0 0.0919
+    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))  # Adam's first step: lr
+    14.0 0.1
 
   References:
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.

@@ -635,7 +635,7 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
   head = functools.partial(_head_loss_and_grads, staged.head, has_aux)
   loss, aux, (outer_grads, x_grad) = per_half(head, (None, 0, 0))(outer, x, micro_batch)
   if halves:
-    loss, aux = _steps.mean_of_halves((loss, aux))
+    loss, aux = _steps.combine_halves((loss, aux))
   # The gradients below are of this device's mean loss; each is reduced to
   # the micro-batch's before it is folded, so the guard reads the global loss.
   loss = reductions.loss(loss)

@@ -107,6 +107,21 @@ def mean_of_halves(pairs):
   return jax.tree.map(lambda x: (x[0] + x[1]) / 2, pairs)
 
 
+def combine_halves(pairs):
+  """A loss and aux of the whole micro-batch from its halves' ``[2, ...]`` leaves.
+
+  Floating leaves are averaged (a mean over the examples, such as the loss or
+  an accuracy, is the mean of the equal halves'); integer and boolean leaves
+  are added, keeping their dtype (counts, such as tokens or correct
+  predictions, add up).
+  """
+  def combine(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return (x[0] + x[1]) / 2
+    return (x[0] + x[1]).astype(x.dtype)
+  return jax.tree.map(combine, pairs)
+
+
 def half_difference(pairs):
   """``(x_a - x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
   return jax.tree.map(lambda x: (x[0] - x[1]) / 2, pairs)
@@ -119,7 +134,7 @@ def loss_and_half_grads(loss_and_grads, params, micro_batch):
   own, and each leaf's two gradients are alive only until it is folded.
   """
   loss, aux, grads = jax.vmap(loss_and_grads, in_axes=(None, 0))(params, halves(micro_batch))
-  return (*mean_of_halves((loss, aux)), mean_of_halves(grads), half_difference(grads))
+  return (*combine_halves((loss, aux)), mean_of_halves(grads), half_difference(grads))
 
 
 def poison_if_loss_nonfinite(loss, grads):

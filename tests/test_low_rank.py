@@ -22,6 +22,14 @@ def _random_grads(rng, diagonal=False):
   return {"w": jnp.asarray(w, jnp.float32), "b": jnp.asarray(rng.normal(size=SQUARE), jnp.float32)}
 
 
+def _halves_grads(params, micro_batch):
+  """``(g_a + g_b) / 2, (g_a - g_b) / 2`` over the micro-batch's two halves."""
+  halves = jax.tree.map(lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+  pair = jax.vmap(jax.grad(MODEL.loss), in_axes=(None, 0))(params, halves)
+  return (jax.tree.map(lambda x: (x[0] + x[1]) / 2, pair),
+          jax.tree.map(lambda x: (x[0] - x[1]) / 2, pair))
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "8bit"])
 def test_full_rank_signed_permutation_projector_is_adama(quantized):
   # Full rank and a diagonal refresh gradient: P is a signed permutation, and
@@ -131,14 +139,15 @@ def test_fused_step_equals_update_calls_with_8bit_bf16_projector():
   step = optax_adama.microbatch_step(MODEL.loss, tx)
   fused, fused_state = jax.tree.map(jnp.array, params), tx.init(params)
   ref, ref_state = params, tx.init(params)
-  update, grad = jax.jit(tx.update), jax.jit(jax.grad(MODEL.loss))
+  update, halves_grads = jax.jit(tx.update), jax.jit(_halves_grads)
   assert fused_state.projector["layer0"]["w"].dtype == jnp.bfloat16
   for seed in range(3):
     batch = MODEL.batch(seed, 8)
     fused, fused_state, metrics = step(fused, fused_state, batch)
     for i in range(2):
-      micro = jax.tree.map(lambda x: x[i::2], batch)
-      updates, ref_state = update(grad(ref, micro), ref_state)
+      # The step's "auto" estimator is "split": it hands over the half difference.
+      grads, difference = halves_grads(ref, jax.tree.map(lambda x: x[i::2], batch))
+      updates, ref_state = update(grads, ref_state, half_difference=difference)
       ref = optax.apply_updates(ref, updates)
   # The same ops; XLA fuses them differently inside the scan: float32 rounding
   # only (measured 3e-8 against moves of 3e-2). A rounding flip of one 8-bit
@@ -146,6 +155,67 @@ def test_fused_step_equals_update_calls_with_8bit_bf16_projector():
   chex.assert_trees_all_close(fused, ref, atol=1e-6)
   assert int(metrics["num_dropped"]) == 0
   assert fused_state.projector["layer0"]["w"].dtype == jnp.bfloat16
+
+
+def test_half_difference_is_projected_with_the_gradients_projector():
+  # "split" at N = 2 on a tall, a wide and a 1-D leaf: low_rank's AdamA state
+  # is AdamA's fed P^T g and P^T d (g P and d P on the wide leaf), with P the
+  # low_rank state's projector, refreshed from g alone.
+  make = lambda estimator: optax_adama.scale_by_adama(
+      num_micro_batches=2, nu_estimator=estimator)
+  tx = optax_adama.low_rank(make("split"), rank=3, refresh_period=1, min_size=0)
+  without_d = optax_adama.low_rank(make("mean"), rank=3, refresh_period=1, min_size=0)
+  reference = make("split")
+  params = {"tall": jnp.zeros((8, 5)), "wide": jnp.zeros((4, 9)), "b": jnp.zeros(5)}
+  state, plain_state = tx.init(params), without_d.init(params)
+  ref_state = reference.init(jax.tree.map(
+      jnp.zeros_like, optax_adama.find_adama_state(state).mu))
+  update, plain_update = jax.jit(tx.update), jax.jit(without_d.update)
+  ref_update = jax.jit(reference.update)
+  rng = np.random.default_rng(3)
+  normal = lambda: jax.tree.map(
+      lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  for _ in range(6):  # 3 mini-batches: each refreshes P at its first micro-batch
+    grads, difference = normal(), normal()
+    updates, state = update(grads, state, half_difference=difference)
+    _, plain_state = plain_update(grads, plain_state)
+    chex.assert_trees_all_equal(state.projector, plain_state.projector)
+    proj = state.projector
+    project = lambda x: {"tall": proj["tall"].T @ x["tall"],
+                         "wide": x["wide"] @ proj["wide"], "b": x["b"]}
+    ref_updates, ref_state = ref_update(
+        project(grads), ref_state, half_difference=project(difference))
+    adama_state = optax_adama.find_adama_state(state)
+    # The same ops, compiled apart: float32 rounding at most.
+    chex.assert_trees_all_close((adama_state.mu, adama_state.nu),
+                                (ref_state.mu, ref_state.nu), rtol=1e-6, atol=1e-7)
+    back = {"tall": proj["tall"] @ ref_updates["tall"],
+            "wide": ref_updates["wide"] @ proj["wide"].T, "b": ref_updates["b"]}
+    chex.assert_trees_all_close(updates, back, rtol=1e-6, atol=1e-7)
+  assert int(adama_state.count) == 3
+  assert float(jnp.max(jnp.abs(updates["tall"]))) > 0.1  # the N-th emits
+
+
+def test_fused_step_hands_the_half_difference_through():
+  # Under microbatch_step the default "auto" now gets the halves through
+  # low_rank: it folds "split" bit for bit, and not "mean".
+  params = MODEL.params()
+
+  def run(**estimator):
+    tx = optax_adama.low_rank(
+        optax_adama.adama(1e-2, num_micro_batches=2, **estimator), rank=3,
+        refresh_period=2, min_size=0)
+    step = optax_adama.microbatch_step(MODEL.loss, tx)
+    p, state = jax.tree.map(jnp.array, params), tx.init(params)
+    for seed in range(2):
+      p, state, _ = step(p, state, MODEL.batch(seed, 8))
+    return p, optax_adama.find_adama_state(state).nu
+
+  auto, split, mean = run(), run(nu_estimator="split"), run(nu_estimator="mean")
+  assert auto[1]["layer0"]["w"].shape == (3, 8)
+  chex.assert_trees_all_equal(auto, split)
+  assert not np.allclose(auto[1]["layer0"]["w"], mean[1]["layer0"]["w"], rtol=1e-3)
+  assert not np.allclose(auto[1]["layer0"]["b"], mean[1]["layer0"]["b"], rtol=1e-3)
 
 
 def test_state_is_low_rank_and_small_leaves_stay_full():

@@ -33,8 +33,11 @@ def _report(tx, params, batch):
 
 def test_adama_step_is_at_the_floor_and_below_accumulation(setup):
   params, batch = setup
+  # The floor is "mean"'s: "split" (the default here) holds a leaf's two
+  # halves' gradients at its fold, one leaf more (test_defaults.py).
   adama, adama_state = _report(
-      optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO), params, batch)
+      optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="mean"),
+      params, batch)
   accumulation, _ = _report(optax.adam(1e-3), params, batch)
   multisteps, _ = _report(optax.MultiSteps(optax.adam(1e-3), NUM_MICRO), params, batch)
   floor = optax_adama.memory.memory_floor(
@@ -106,7 +109,9 @@ def test_scanned_layers_make_the_stack_one_gradient_leaf():
   batch = {"x": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
            "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)}
   reports = {}
-  for name, tx in [("adama", optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)),
+  # "mean": with "split" the stack's two halves' gradients are two such leaves.
+  for name, tx in [("adama", optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
+                                               nu_estimator="mean")),
                    ("accumulation", optax.adam(1e-3))]:
     step = optax_adama.microbatch_step(stacked_loss, tx, num_micro_batches=NUM_MICRO)
     with jax.numpy_dtype_promotion("standard"):

@@ -44,7 +44,10 @@ def _per_micro_batch_reference(tx, params, state, batch, num_micro_batches):
 
 @pytest.mark.parametrize("num_micro_batches", [1, 3, 4])
 def test_fused_step_equals_per_micro_batch_path(num_micro_batches):
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches)
+  # The reference passes no half difference: both sides run "mean" (the
+  # default "auto" is "split" in the fused step; test_defaults.py).
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches,
+                          nu_estimator="mean")
   params = _params()
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches)
   fused_params, fused_state = _copy(params), tx.init(params)
@@ -264,7 +267,8 @@ def test_bf16_params_with_float32_moments_in_scan():
 
 
 def test_nonfinite_loss_micro_batch_is_dropped_whole():
-  tx = optax_adama.adama(1e-2, num_micro_batches=3)
+  # Against a per-update reference without halves: "mean" on both sides.
+  tx = optax_adama.adama(1e-2, num_micro_batches=3, nu_estimator="mean")
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
   batch = _batch(0)
   # Row 1 goes to micro-batch 1 (rows 1::3): a NaN input poisons its loss.

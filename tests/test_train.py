@@ -47,7 +47,7 @@ def test_compare_runs_adama_and_accumulation_on_the_same_data(tmp_path, capsys):
   ])
   assert [r["config"]["optimizer"] for r in runs] == ["adama", "adam"]
   # Each side takes the options that are its own and keeps the other's defaults.
-  assert [r["config"]["nu_estimator"] for r in runs] == ["momentum", "mean"]
+  assert [r["config"]["nu_estimator"] for r in runs] == ["momentum", "auto"]
   assert [r["config"]["accumulation_dtype"] for r in runs] == [None, "bfloat16"]
   # Same init and data: the first step's loss is computed before any update.
   assert runs[0]["train_loss"][0] == pytest.approx(runs[1]["train_loss"][0], rel=1e-6)
