@@ -4,7 +4,7 @@ GaLore keeps, for a 2-D leaf G (m x n, m >= n), a projector P (m x r) and the
 optimizer's moments in r x n; the update is ``P @ inner(P^T g)``. AdamA only
 ever sees ``P^T g_i``, one micro-batch gradient at a time, so the two compose
 leaf by leaf: this module wraps :func:`optax.contrib.scale_by_galore` around
-any AdamA transformation and adds the three things AdamA needs from it:
+any AdamA transformation and adds the four things AdamA needs from it:
 
 * the refresh period counts mini-batches: optax's counts ``update`` calls,
   one per micro-batch here, so it is given ``refresh_period * N`` calls, and a
@@ -16,7 +16,12 @@ any AdamA transformation and adds the three things AdamA needs from it:
   such a micro-batch and must not be poisoned by it);
 * the projector can be stored narrower than the gradient (``bfloat16``): in
   float32 an m x r projector costs more than the r x n moments it serves once
-  those are 8-bit.
+  those are 8-bit;
+* a ``half_difference=d`` given to ``update`` (the fused step's, for the
+  ``"split"`` estimator) is projected with the gradient's projector and handed
+  on: projection is linear, so ``P^T d`` is the half difference of the
+  projected halves, and "split" is exact in the projected space (optax's
+  GaLore takes no extra arguments, so "auto" would fold "mean").
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def low_rank(
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     min_size: int = 4096,
     projector_dtype: Optional[jax.typing.DTypeLike] = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Runs ``inner`` (e.g. :func:`adama`) on low-rank projected gradients (GaLore).
 
   For each projected leaf (m x n; the smaller side is projected when
@@ -90,6 +95,12 @@ def low_rank(
   ``inner`` whole. With a signed permutation as :math:`P` (e.g. full rank and
   a diagonal refresh gradient) this is ``inner`` exactly, since Adam is
   elementwise and even in the sign of the gradient.
+
+  ``update`` takes the ``"split"`` estimator's ``half_difference=d`` (which
+  :func:`microbatch_step` passes) and hands ``inner`` :math:`P^\top d`,
+  projected with the projector of :math:`g_i`, never refreshed from ``d``;
+  unprojected leaves get ``d`` whole. Without it ``inner`` gets none (AdamA's
+  default ``nu_estimator="auto"`` then folds ``"mean"``).
 
   ``inner`` sees no params (they have the full shape, the moments the
   projected one): use :func:`adama` or :func:`scale_by_adama`, not
@@ -113,7 +124,7 @@ def low_rank(
       applied in the gradient's dtype.
 
   Returns:
-    A :class:`optax.GradientTransformation` with state
+    A :class:`optax.GradientTransformationExtraArgs` with state
     :class:`optax.contrib.GaLoreState` (``base_optimizer_state`` is
     ``inner``'s, on the projected shapes).
 
@@ -149,33 +160,81 @@ def low_rank(
         lambda p, on: GaLoreDimensionNumbers() if on and jnp.ndim(p) == 2 else None,
         params, projected)
 
-  def galore(num_micro_batches: int) -> optax.GradientTransformation:
+  def galore(update_proj_gap: int, base: optax.GradientTransformation = inner,
+             dims=dimension_numbers) -> optax.GradientTransformation:
     return optax.contrib.scale_by_galore(
-        rank=rank, update_proj_gap=refresh_period * num_micro_batches,
-        base_optimizer=inner, weight_dimension_numbers=dimension_numbers)
+        rank=rank, update_proj_gap=update_proj_gap, base_optimizer=base,
+        weight_dimension_numbers=dims)
 
   def store(projector):
     return projector if projector_dtype is None else projector.astype(projector_dtype)
+
+  def keep_finite(new, old):
+    # A projector must be finite; only a refresh from a non-finite gradient
+    # makes one that is not. The check reads the small m x r projector, not
+    # the gradient, so it holds no gradient alive.
+    return jax.tree.map(
+        lambda n, o: jnp.where(jnp.all(jnp.isfinite(n)), n, o), new, old)
 
   def init_fn(params):
     state = galore(1).init(params)  # the period does not enter init.
     return state._replace(projector=jax.tree.map(store, state.projector))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
     del params  # the moments have the projected shapes; see the docstring.
+    del extra_args  # optax.chain hands every extra argument to all.
     adama_state = find_adama_state(state.base_optimizer_state)
     num_micro_batches = 1 if adama_state is None else adama_state.num_micro_batches
+    period = refresh_period * num_micro_batches
     # optax computes the SVD in float32 and casts it to the gradient's dtype;
     # its cond needs the kept projector in that dtype too (exact from bf16).
     wide = jax.tree.map(lambda p, g: p.astype(g.dtype), state.projector, updates)
-    new_updates, new_state = galore(num_micro_batches).update(
-        updates, state._replace(projector=wide))
-    # A projector must be finite; only a refresh from a non-finite gradient
-    # makes one that is not. The check reads the small m x r projector, not
-    # the gradient, so it holds no gradient alive.
-    kept = jax.tree.map(
-        lambda new, old: store(jnp.where(jnp.all(jnp.isfinite(new)), new, old)),
-        new_state.projector, wide)
-    return new_updates, new_state._replace(projector=kept)
+    if half_difference is None:
+      new_updates, new_state = galore(period).update(
+          updates, state._replace(projector=wide))
+      kept = keep_finite(new_state.projector, wide)
+      return new_updates, new_state._replace(projector=jax.tree.map(store, kept))
+    # The refresh alone: optax's update with a pass-through base. Only its
+    # projector and count are read; the projections it makes are dead code.
+    refreshed = galore(period, _pass_through()).update(
+        updates, state._replace(projector=wide))[1]
+    kept = keep_finite(refreshed.projector, wide)
+    # g and d as one pair through optax's projection (linear, so P^T d is the
+    # half difference of the projected halves) with that projector, refreshed
+    # from g alone: count 1 of period 2 never refreshes. Unprojected leaves
+    # pass both through whole.
+    dims = dimension_numbers(updates)
+    pair_projector = (kept, jax.tree.map(
+        lambda p, d: p.astype(d.dtype), kept, half_difference))
+    (new_updates, _), new_state = galore(2, _with_half_difference(inner), (dims, dims)).update(
+        (updates, half_difference),
+        GaLoreState(count=jnp.ones([], jnp.int32),
+                    base_optimizer_state=state.base_optimizer_state,
+                    projector=pair_projector))
+    return new_updates, GaLoreState(
+        count=refreshed.count, base_optimizer_state=new_state.base_optimizer_state,
+        projector=jax.tree.map(store, kept))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _pass_through() -> optax.GradientTransformation:
+  """Returns its updates and whatever state it is handed, untouched."""
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+def _with_half_difference(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``inner`` on ``(g, d)`` pairs: updates ``inner(g, half_difference=d)``.
+
+  d comes back as it came (its back-projection is dead code): optax's GaLore
+  maps its base over one tree, and returns updates of that tree's structure.
+  """
+  update = optax.with_extra_args_support(inner).update
+
+  def update_fn(pair, state, params=None):
+    grads, half_difference = pair
+    updates, state = update(grads, state, params, half_difference=half_difference)
+    return (updates, half_difference), state
+
+  return optax.GradientTransformation(inner.init, update_fn)

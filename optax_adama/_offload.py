@@ -118,17 +118,19 @@ def offload_moments(
   def init_fn(params):
     return put(inner.init(params), jax.memory.Space.Host, min_size)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
+    # Extra arguments (AdamA's half_difference) go on to inner.
     on_device = put(state, jax.memory.Space.Device, min_size)
-    new_updates, new_state = inner.update(updates, on_device, params)
+    new_updates, new_state = optax.with_extra_args_support(inner).update(
+        updates, on_device, params, **extra_args)
     return new_updates, put(new_state, jax.memory.Space.Host, min_size)
 
   parts = _adama.folding_parts(inner)
   if parts is None:
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
   # The fused steps fold themselves and bring each leaf (under release_step,
   # each layer's slice) to the device around its own fold.
-  return optax.GradientTransformation(init_fn, _adama.folding_update(
+  return optax.GradientTransformationExtraArgs(init_fn, _adama.folding_update(
       update_fn, dataclasses.replace(parts, offload_min_size=min_size)))
 
 
