@@ -63,7 +63,7 @@ def main() -> None:
   parser.add_argument("--loss-chunks", type=int, default=1,
                       help="gpt presets: the LM head's loss over this many chunks of tokens")
   parser.add_argument("--estimators", nargs="+", default=list(optax_adama.NU_ESTIMATORS),
-                      choices=optax_adama.NU_ESTIMATORS)
+                      choices=("auto",) + optax_adama.NU_ESTIMATORS)
   args = parser.parse_args()
   for preset in args.presets:
     totals = estimator_totals(preset, args.batch_size, scan_layers=args.scan_layers,
