@@ -93,7 +93,9 @@ print(f"trained both in {time.perf_counter() - start:.0f} s; final loss Adam {np
 One jitted call per mini-batch: a `jax.lax.scan` over the micro-batches with params
 and optimizer state donated. With AdamA, XLA frees each layer's gradient as soon as
 it is folded into the moments. Given `optax.adamw` instead, the same function does
-ordinary gradient accumulation, the baseline. Each run is scored on held-out text."""),
+ordinary gradient accumulation, the baseline. Each run is scored on held-out text.
+The fused step also takes each micro-batch's gradient as its two halves' (one vmapped
+backward, the same FLOPs), which AdamA's default estimator uses: see section 3."""),
     ("code", '''\
 valid = [b for _, b in zip(range(16), data.lm_batches(
     text.valid, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=1234, shuffle=False, epochs=1))]
@@ -113,8 +115,7 @@ def train_fused(tx, steps=STEPS):
   return losses, float(np.mean([eval_loss(params, b) for b in valid]))
 
 accumulation_losses, accumulation_held_out = train_fused(optax.adamw(schedule, weight_decay=1e-4))
-fused_losses, fused_held_out = train_fused(
-    optax_adama.adamaw(schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES))
+fused_losses, fused_held_out = train_fused(adama_tx)  # the same optimizer as in section 1
 print(f"held-out loss: Adam + accumulation {accumulation_held_out:.4f}, "
       f"AdamA {fused_held_out:.4f} ({fused_held_out / accumulation_held_out - 1:+.2%})")'''),
     ("code", '''\
@@ -122,35 +123,37 @@ smooth = lambda x, k=10: np.convolve(x, np.ones(k) / k, mode="valid")
 plt.figure(figsize=(7, 4))
 plt.plot(smooth(adam_losses), label="Adam (optax.MultiSteps), per micro-batch", color="black")
 plt.plot(smooth(adama_losses), label="AdamA (nnx.Optimizer), per micro-batch")
-plt.plot(smooth(fused_losses), "--", label="AdamA, fused microbatch_step")
+plt.plot(smooth(fused_losses), "--", label="AdamA, fused microbatch_step (same optimizer)")
 plt.xlabel("mini-batch step"); plt.ylabel("training loss (10-step average)")
 plt.title(f"gpt_tiny on the standard library, N = {NUM_MICRO_BATCHES}"); plt.legend(); plt.grid(alpha=0.3)
 plt.show()'''),
     ("markdown", """\
-The two AdamA runs, one `update` per micro-batch and fused, lie on top of each
-other: the same math. Against Adam, AdamA trails a little here. Its first moment is
-exactly Adam's; its second moment (the default estimator, `"mean"`) is the mean of
-the squared micro-batch gradients rather than the square of their mean, larger by
-their variance, so its steps are smaller, like a slightly lower learning rate, and
-more so for larger N and smaller micro-batches.
+Section 1's AdamA trails Adam; the fused step's, the same `adama_tx`, does not. The
+difference is the second moment. AdamA's first moment is exactly Adam's; its v cannot
+see the mean gradient. One `update` per micro-batch (`nnx.Optimizer`) hands AdamA one
+gradient at a time, and there its default estimator (`nu_estimator="auto"`) folds the
+mean of the squared micro-batch gradients (`"mean"`, the paper's): larger than the
+square of their mean by their variance, so its steps are smaller, like a slightly lower
+learning rate, more so for larger N and smaller micro-batches.
 
-## 3. Training like Adam: `nu_estimator="split"`, and measuring your own model
+## 3. Why the fused step trains like Adam, and measuring your own model
 
-`"split"` takes each micro-batch's gradient as its two halves' (one vmapped backward,
-the same FLOPs) and folds an estimate of Adam's own second moment, at no memory beyond
-m and v. In the repository's study (docs/estimators.md) it is within
-1% of Adam's held-out loss in every GPT and BERT cell, where `"mean"` trails by 0.5-6%.
-It needs micro-batches of an even number of examples."""),
+The fused step gives AdamA each micro-batch's gradient as its two halves' mean and half
+difference. The half difference measures the noise that averaging over the mini-batch
+removes, and the default then folds `"split"`: an estimate of Adam's own second moment,
+at no memory beyond m and v (docs/estimators.md: within 1% of Adam's held-out loss in
+every GPT and BERT cell of the repository's study). To see the estimators side by side,
+name them: `nu_estimator="mean"` in the fused step is exactly section 1's AdamA."""),
     ("code", '''\
-split_losses, split_held_out = train_fused(optax_adama.adamaw(
-    schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES, nu_estimator="split"))
-for name, held_out in [("AdamA 'mean'", fused_held_out), ("AdamA 'split'", split_held_out)]:
+mean_losses, mean_held_out = train_fused(optax_adama.adamaw(
+    schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES, nu_estimator="mean"))
+for name, held_out in [("AdamA 'mean'", mean_held_out), ("AdamA default", fused_held_out)]:
   print(f"{name:>14}: held-out {held_out:.4f}, {held_out / accumulation_held_out - 1:+.2%} against Adam + accumulation")
 
 plt.figure(figsize=(7, 4))
 plt.plot(smooth(accumulation_losses), label="Adam + accumulation", color="black")
-plt.plot(smooth(fused_losses), label="AdamA, 'mean' (default)")
-plt.plot(smooth(split_losses), "--", label="AdamA, 'split'")
+plt.plot(smooth(mean_losses), label="AdamA, nu_estimator='mean'")
+plt.plot(smooth(fused_losses), "--", label="AdamA, default ('split' here)")
 plt.xlabel("mini-batch step"); plt.ylabel("training loss (10-step average)")
 plt.title("fused microbatch_step, three optimizers"); plt.legend(); plt.grid(alpha=0.3)
 plt.show()'''),
@@ -273,12 +276,14 @@ plt.title(f"{PRESET}: the same micro-batch, N of them per step"); plt.grid(alpha
     ("markdown", """\
 ## What the v difference means
 
-AdamA's first moment is exactly Adam's. Its second moment averages the squares of
-the micro-batch gradients, E[g_i^2], where Adam over the mini-batch squares their
-mean, (E g_i)^2. The difference is the variance between micro-batches: AdamA's
-denominator is a little larger, so its steps are a little more conservative, never
-larger. With N = 1 the two are identical, and the convergence experiment
-(`benchmarks/convergence.md`) shows what it does to final loss."""),
+AdamA's first moment is exactly Adam's. Its second moment cannot square the mean of
+the micro-batch gradients, which it never forms. The paper's estimator (`"mean"`)
+averages their squares, E[g_i^2], larger than Adam's (E g_i)^2 by the variance
+between micro-batches, so its steps are a little more conservative, never larger. The
+fused steps measured here do better by default: they take each micro-batch's gradient
+as its two halves', whose difference estimates that variance, and subtract it
+(`"split"`), so v expects Adam's own, in the same memory where layers are unrolled or
+released (docs/estimators.md). With N = 1 all of them are Adam."""),
 ]
 
 SCALE_OUT = [
