@@ -9,6 +9,12 @@ micro-batch noise does, and it drifts as training goes on.
 keeping what AdamA never keeps (the mean gradient), and measures rho for every
 estimator of :func:`scale_by_adama`, so a user can pick one, and a learning
 rate, before a long run.
+
+rho's 5th percentile says nothing of the one coordinate in a hundred or a
+thousand whose step runs furthest from Adam's, and rho leaves eps out, so the
+diagnosis also records the step ratio |u_estimator| / |u_adam| of the actual
+directions u = m_hat / (sqrt(v_hat) + eps), v_hat as AdamA reads it, up to
+its 99.9th percentile.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
 # The tails matter as much as the median: a coordinate with rho = 0.25 takes
 # twice Adam's step, which is where training at Adam's rate goes unstable.
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+# The step ratio's upper tail: a requirement on "no coordinate runs away from
+# Adam" is stated at the 99th and 99.9th percentile of coordinates.
+STEP_QUANTILES = (0.5, 0.99, 0.999)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +52,12 @@ class SecondMomentDiagnosis:
       25th, 50th, 75th and 95th percentile of rho over all coordinates after
       each mini-batch.
     losses: the mean loss of each mini-batch.
+    step_ratio: estimator name -> float array ``[steps, len(STEP_QUANTILES)]``:
+      the 50th, 99th and 99.9th percentile, over the coordinates where Adam's
+      direction is nonzero, of |u_estimator| / |u_adam| after each mini-batch,
+      with u = m_hat / (sqrt(v_hat) + eps) and v_hat as AdamA reads it
+      (``"split"``'s at least ``m_hat**2``). Empty where the diagnosis was
+      made without it.
 
   Made by :func:`diagnose_second_moment`, whose example shows one.
   """
@@ -50,7 +65,9 @@ class SecondMomentDiagnosis:
   num_micro_batches: int
   rho: dict[str, np.ndarray]
   losses: np.ndarray
+  step_ratio: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
   QUANTILES: ClassVar[tuple[float, ...]] = QUANTILES  # the columns of each rho array
+  STEP_QUANTILES: ClassVar[tuple[float, ...]] = STEP_QUANTILES  # ... of each step_ratio array
 
   def quantile(self, estimator: str, q: float = 0.5) -> float:
     """rho's ``q`` quantile (one of ``QUANTILES``) over coordinates, taken as
@@ -58,6 +75,28 @@ class SecondMomentDiagnosis:
     if q not in QUANTILES:
       raise ValueError(f"q must be one of {QUANTILES}, got {q!r}.")
     per_step = self.rho[estimator][:, QUANTILES.index(q)]
+    return float(np.median(per_step[len(per_step) // 2:]))
+
+  def step_quantile(self, estimator: str, q: float = 0.5) -> float:
+    """The step ratio |u_estimator| / |u_adam| at quantile ``q`` over coordinates.
+
+    Taken, as :meth:`quantile` takes rho's, as its median over the second
+    half of the run.
+
+    Args:
+      estimator: a key of ``step_ratio``.
+      q: one of ``STEP_QUANTILES``.
+
+    Returns:
+      The ratio: 1.0 where the estimator steps as Adam does.
+
+    Raises:
+      ValueError: if ``q`` is not one of ``STEP_QUANTILES``.
+      KeyError: if the diagnosis holds no step ratio of ``estimator``.
+    """
+    if q not in STEP_QUANTILES:
+      raise ValueError(f"q must be one of {STEP_QUANTILES}, got {q!r}.")
+    per_step = self.step_ratio[estimator][:, STEP_QUANTILES.index(q)]
     return float(np.median(per_step[len(per_step) // 2:]))
 
   def median(self, estimator: str) -> float:
@@ -82,6 +121,11 @@ class SecondMomentDiagnosis:
           f"  {name:>8}: rho {rho:.2f} (from {first:.2f} to {last:.2f}): steps "
           f"{1 / np.sqrt(rho):.2f}x Adam's; {1 / np.sqrt(low):.2f}x or more on "
           f"{QUANTILES[0]:.0%} of coordinates")
+      if name in self.step_ratio:
+        p50, p99, p999 = (self.step_quantile(name, q) for q in STEP_QUANTILES)
+        lines.append(
+            f"  {'':>8}  step |u| / |u_adam|: {p50:.2f}x (median), {p99:.2f}x "
+            f"(99th percentile), {p999:.2f}x (99.9th) of coordinates")
     best = self.suggested_estimator()
     factor = np.sqrt(self.median(best))
     lines.append(f"Suggested: nu_estimator={best!r}.")
@@ -116,8 +160,11 @@ def diagnose_second_moment(
   and updates, beside Adam's :math:`v`, the :math:`v` of each estimator of
   :func:`scale_by_adama` from the same gradients (``"split"`` from each
   micro-batch's two halves, where micro-batches have an even number of rows;
-  left out otherwise). It holds the mean gradient and five second moments: a
-  diagnostic, run it for tens to hundreds of mini-batches, not as the optimizer.
+  left out otherwise). Beside rho it records the step ratio |u| / |u_adam| of
+  each estimator's direction against Adam's (the same ``m_hat``, ``eps``
+  included), whose upper tail is where a coordinate would outrun Adam. It
+  holds the mean gradient and five second moments: a diagnostic, run it for
+  tens to hundreds of mini-batches, not as the optimizer.
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch)``, the micro-batch mean loss (or
@@ -162,18 +209,23 @@ def diagnose_second_moment(
   zeros = lambda: jax.tree.map(jnp.zeros_like, params)
   state = {"count": jnp.zeros([], jnp.int32), "m": zeros(), "adam": zeros(),
            **{name: zeros() for name in NU_ESTIMATORS}}
-  losses, rho = [], {name: [] for name in NU_ESTIMATORS}
+  losses = []
+  rho = {name: [] for name in NU_ESTIMATORS}
+  step_ratio = {name: [] for name in NU_ESTIMATORS}
   for batch in batches:
-    params, state, loss, quantiles = step(params, state, batch)
+    params, state, loss, (rho_quantiles, step_quantiles) = step(params, state, batch)
     losses.append(float(loss))
-    for name, values in quantiles.items():
+    for name, values in rho_quantiles.items():
       rho[name].append(np.asarray(values))
+    for name, values in step_quantiles.items():
+      step_ratio[name].append(np.asarray(values))
   if not losses:
     raise ValueError("batches is empty: nothing to measure.")
   return SecondMomentDiagnosis(
       num_micro_batches=num_micro_batches,
       rho={name: np.stack(values) for name, values in rho.items() if values},
-      losses=np.asarray(losses))
+      losses=np.asarray(losses),
+      step_ratio={name: np.stack(values) for name, values in step_ratio.items() if values})
 
 
 def _adam_step_with_estimators(
@@ -225,12 +277,14 @@ def _adam_step_with_estimators(
   # units; rho's bias corrections cancel). The stored EMA stays unfloored.
   read = {**new_state, "split": jax.tree.map(
       lambda v, mh: jnp.maximum(v, (1 - b2**t) * mh * mh), new_state["split"], m_hat)}
-  v_hat = jax.tree.map(lambda v: v / (1 - b2**t), read[follow])
-  params = jax.tree.map(
-      lambda p, mh, vh: p - learning_rate * mh / (jnp.sqrt(vh) + eps),
-      params, m_hat, v_hat)
+  direction = lambda v: jax.tree.map(
+      lambda mh, x: mh / (jnp.sqrt(x / (1 - b2**t)) + eps), m_hat, v)
+  params = jax.tree.map(lambda p, u: p - learning_rate * u, params, direction(read[follow]))
   names = NU_ESTIMATORS if halves else tuple(e for e in NU_ESTIMATORS if e != "split")
-  return params, new_state, jnp.mean(losses), _rho_quantiles(read, names)
+  quantiles = (_rho_quantiles(read, names),
+               _step_quantiles(direction(read["adam"]),
+                               {name: direction(read[name]) for name in names}))
+  return params, new_state, jnp.mean(losses), quantiles
 
 
 def _rho_quantiles(state, names):
@@ -241,5 +295,70 @@ def _rho_quantiles(state, names):
   for name in names:
     v = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state[name])])
     ratio = jnp.where(positive, v / jnp.where(positive, adam, 1.0), jnp.nan)
-    out[name] = jnp.nanquantile(ratio, jnp.asarray(QUANTILES, ratio.dtype))
+    out[name] = _nanquantiles(ratio, QUANTILES)
   return out
+
+
+def _step_quantiles(adam_direction, directions):
+  """Quantiles of |u_estimator| / |u_adam| over the coordinates where u_adam != 0."""
+  flat = lambda tree: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+  adam = jnp.abs(flat(adam_direction))
+  moving = adam > 0
+  out = {}
+  for name, direction in directions.items():
+    ratio = jnp.where(moving, jnp.abs(flat(direction)) / jnp.where(moving, adam, 1.0),
+                      jnp.nan)
+    out[name] = _nanquantiles(ratio, STEP_QUANTILES)
+  return out
+
+
+def _nanquantiles(x: jax.Array, qs: tuple[float, ...]) -> jax.Array:
+  """``jnp.nanquantile(x, qs)`` (linear interpolation) of a 1-D float array.
+
+  By bisection on the floats' bit patterns, not by sorting: XLA's sort of a
+  few hundred thousand floats on a CPU takes longer than the tiny models'
+  whole step, and this diagnostic takes eight quantile sets a step. The
+  order statistics are exact; the interpolation between them may round
+  differently from jnp.nanquantile's in the last bit.
+
+  Args:
+    x: a 1-D float array; NaNs are left out.
+    qs: the quantiles, in [0, 1].
+
+  Returns:
+    A float32 (float64 for float64 ``x``) array ``[len(qs)]``; NaN where
+    every entry of ``x`` is NaN.
+  """
+  dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+  int_dtype, bits = (jnp.int64, 64) if dtype == jnp.float64 else (jnp.int32, 32)
+  top = jnp.asarray(jnp.iinfo(int_dtype).max, int_dtype)
+  x = x.astype(dtype)
+  valid = ~jnp.isnan(x)
+  # Integers that order as the floats do (negatives' magnitude bits
+  # reflected), NaNs last. -0.0 sorts just below +0.0: equal values anyway.
+  raw = jax.lax.bitcast_convert_type(x, int_dtype)
+  key = jnp.where(valid, jnp.where(raw < 0, raw ^ top, raw), top)
+  count = jnp.sum(valid, dtype=dtype)
+  # jnp.nanquantile's positions and weights.
+  position = jnp.asarray(qs, dtype) * (count - 1)
+  low, high = jnp.floor(position), jnp.ceil(position)
+  high_weight = position - low
+  rank = jnp.clip(low, 0, jnp.maximum(count - 1, 0)).astype(int_dtype)
+
+  def halve(_, bounds):  # the smallest key with more than `rank` keys at or below it
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
+    enough = jnp.sum(key[None, :] <= mid[:, None], axis=1, dtype=int_dtype) > rank
+    return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+  start = (jnp.full(rank.shape, jnp.iinfo(int_dtype).min, int_dtype),
+           jnp.full(rank.shape, top - 1, int_dtype))
+  low_key, _ = jax.lax.fori_loop(0, bits, halve, start)
+  # The next order statistic: the same value where it repeats, else the
+  # smallest key above it.
+  repeats = jnp.sum(key[None, :] <= low_key[:, None], axis=1, dtype=int_dtype) > rank + 1
+  above = jnp.min(jnp.where(key[None, :] > low_key[:, None], key[None, :], top), axis=1)
+  high_key = jnp.where(repeats | (high == low), low_key, above)
+  value = lambda k: jax.lax.bitcast_convert_type(jnp.where(k < 0, k ^ top, k), dtype)
+  out = value(low_key) * (1 - high_weight) + value(high_key) * high_weight
+  return jnp.where(count > 0, out, jnp.nan)
