@@ -61,6 +61,7 @@ PRESETS: dict[str, Config] = {
     "vit_base": ViTConfig.vit_base(),
     "vit_large": ViTConfig.vit_large(),
     "vit_tiny": ViTConfig.tiny(),
+    "vit_mnist": ViTConfig.mnist(),  # 28x28 MNIST-5k (models.data.load_mnist_5k)
     "vit_test": ViTConfig.test(),
 }
 

