@@ -398,7 +398,8 @@ def rho_row(model_kind: str, micro_batch_size: int, steps: int, seed: int, follo
   """One cell's row: the summary quantiles (second-half medians) and the raw
   per-step quantiles of rho and of the step ratio, for every estimator."""
   n = diagnosis.num_micro_batches
-  round_all = lambda a: np.round(np.asarray(a, np.float64), 6).tolist()
+  # Four significant digits: the per-step arrays are most of the file.
+  round_all = lambda a: _significant(np.asarray(a, np.float64)).tolist()
   step_summary = {}
   for name, per_step in diagnosis.step_ratio.items():
     half = per_step[len(per_step) // 2:]
@@ -432,6 +433,21 @@ def rho_row(model_kind: str, micro_batch_size: int, steps: int, seed: int, follo
           "step_ratio": {name: round_all(q) for name, q in diagnosis.step_ratio.items()},
       },
   }
+
+
+def _significant(a: np.ndarray, digits: int = 4) -> np.ndarray:
+  """``a`` rounded to ``digits`` significant digits (NaN and 0 kept)."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    scale = 10.0 ** (digits - 1 - np.floor(np.log10(np.abs(a))))
+    rounded = np.round(a * scale) / scale
+  return np.where(np.isfinite(rounded), rounded, a)
+
+
+def save_rho_rows(path: Path, results: dict[str, Any]) -> None:
+  """Writes a `--rows` file: one line per command and per cell, compact."""
+  lines = ['{"commands": [', ",\n".join(json.dumps(c) for c in results["commands"]),
+           '], "rows": [', ",\n".join(json.dumps(r) for r in results["rows"]), "]}"]
+  path.write_text("\n".join(lines) + "\n")
 
 
 def meets_tail_targets(row: dict[str, Any], estimator: str) -> dict[str, bool]:
@@ -517,7 +533,7 @@ def run_rho_rows(model_kinds: Sequence[str], num_micro_batches: Sequence[int],
         print(f"{kind}, N={n}, {size} per micro-batch ({row['seconds']:.0f} s):\n"
               f"{d.summary()}\n", flush=True)
         results["rows"].append(row)
-        rows_path.write_text(json.dumps(results, indent=1))
+        save_rho_rows(rows_path, results)
         table_path.write_text(tails_markdown(results["rows"], results["commands"]))
 
 
