@@ -842,7 +842,7 @@ class MiniBatchChainState(NamedTuple):
     >>> isinstance(state, optax_adama.MiniBatchChainState)
     True
     >>> int(state.adama.micro_step), state.adama.nu_estimator
-    (0, 'mean')
+    (0, 'auto')
   """
 
   adama: ScaleByAdamAState  # state of the scale_by_adama head.
