@@ -55,7 +55,14 @@ BASE: dict[str, dict[str, Any]] = {
     "bert": {"learning_rate": 1e-3, "seq_len": 64},
     "vit": {"learning_rate": 2e-3},
 }
-ARMS = ("adam", "adam_bf16acc", "mean", "sum", "momentum", "split")
+# "adam": one step on the whole mini-batch; "adam_accumulation": the same
+# math over N micro-batches summed in float32, so its gap to "adam" is only
+# rounding carried through training, the noise floor a cell's gaps are read
+# against; "auto": AdamA's default (with its floor, which "split" rows run
+# before it was added do not have).
+ARMS = ("adam", "adam_accumulation", "adam_bf16acc", "auto", "mean", "sum", "momentum",
+        "split")
+ADAM_ARMS = ("adam", "adam_accumulation", "adam_bf16acc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +90,7 @@ class Run:
 
   def config(self) -> harness.TrainConfig:
     settings = {k: v for k, v in BASE[self.model].items() if k != "learning_rate"}
-    adam = self.arm in ("adam", "adam_bf16acc")
+    adam = self.arm in ADAM_ARMS
     return harness.TrainConfig(
         model=self.model, optimizer="adam" if adam else "adama",
         num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
@@ -274,7 +281,8 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
-ARM_COLORS = {"adam_bf16acc": "tab:purple", "mean": "tab:blue", "sum": "tab:gray",
+ARM_COLORS = {"adam_accumulation": "tab:brown", "adam_bf16acc": "tab:purple",
+              "auto": "tab:red", "mean": "tab:blue", "sum": "tab:gray",
               "momentum": "tab:orange", "split": "tab:green"}
 N_MARKERS = {2: "s", 4: "o", 8: "^"}
 GAP_PLOT_TICKS = (-20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50, 100)

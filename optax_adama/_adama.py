@@ -46,8 +46,8 @@ Moment = Union[jax.Array, QuantizedArray]
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["count", "micro_step", "mu", "nu", "mini_batch_accepted",
-                 "num_dropped"],
+    data_fields=["count", "micro_step", "mu", "nu", "nu_floor",
+                 "mini_batch_accepted", "num_dropped"],
     meta_fields=["num_micro_batches", "nu_estimator"])
 class ScaleByAdamAState(NamedTuple):
   """State of :func:`scale_by_adama`.
@@ -71,6 +71,7 @@ class ScaleByAdamAState(NamedTuple):
   micro_step: chex.Array  # int32 []: micro-batches folded into the current mini-batch, in [0, N).
   mu: optax.Updates  # like params (dtype mu_dtype): first moment; with quantization, a QuantizedArray per large leaf.
   nu: optax.Updates  # like params (dtype nu_dtype): second moment, mean of g_i**2; with quantization, a QuantizedArray of sign(v) sqrt(|v|) per large leaf.
+  nu_floor: Any  # "auto"/"split" at N > 1: a FactoredSquares per param leaf (float32 row and column sums, 0.26% of P on GPT-2 small), the floor of "split"'s v; otherwise () (nothing).
   mini_batch_accepted: chex.Array  # int32 []: micro-batches of the current (or just completed) mini-batch with an all-finite gradient.
   num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
   num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
@@ -330,13 +331,15 @@ def _fold_moment(
 def _direction(
     mu: Moment, nu: Moment, like: jax.ShapeDtypeStruct, count: jax.Array,
     b1: jax.Array, b2: jax.Array, eps: jax.Array, eps_root: jax.Array,
-    floor_nu: bool = False,
+    floor_nu: bool = False, nu_floor: Optional[jax.Array] = None,
 ) -> jax.Array:
   """The bias-corrected Adam direction of one leaf, shaped and typed as ``like``.
 
   ``floor_nu`` reads ``v_hat`` as at least ``m_hat**2`` (the "split"
   estimator, whose v can dip to or below zero where noise dominates): no
-  coordinate then steps more than the learning rate.
+  coordinate then steps more than the learning rate. ``nu_floor`` (shaped
+  like the leaf, raw as v is) raises ``v_hat`` further to at least its own
+  bias-corrected value: :class:`FactoredSquares`.
   """
   dtype = _compute_dtype(_quantize.storage_dtype(mu), _quantize.storage_dtype(nu))
   # Explicit casts keep this valid under jax_numpy_dtype_promotion="strict"
@@ -347,6 +350,8 @@ def _direction(
   v_hat = _load(nu, 2) / (1 - b2**t)
   if floor_nu:
     v_hat = jnp.maximum(v_hat, m_hat * m_hat)
+  if nu_floor is not None:
+    v_hat = jnp.maximum(v_hat, _to_layout(nu_floor.astype(dtype), mu) / (1 - b2**t))
   u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
   if isinstance(mu, QuantizedArray):
     u = _quantize.from_blocks(u, like.shape)
@@ -430,6 +435,133 @@ def _split_noise(half_difference, is_finite, num_micro_batches: int) -> jax.Arra
   return (1 - 1 / num_micro_batches) * d * d
 
 
+class FactoredSquares(NamedTuple):
+  """One leaf's floor of "split"'s v: an EMA of ``g_i**2 / N**2``, factored.
+
+  ``g_i**2 / N**2`` is the ``"sum"`` estimator's fold, whose expectation
+  ``(mu**2 + sigma**2) / N`` never exceeds Adam's ``mu**2 + sigma**2 / N``
+  and equals it where the gradient is noise, exactly where "split"'s own v
+  (a difference of two noisy terms) can fall to nothing. Stored as
+  Adafactor stores its second moment (Shazeer & Stern, arXiv:1804.04235):
+  sums over the last axis and over the second-to-last, read back as their
+  outer product over the total. Leaves whose last two dimensions are not
+  both at least ``FACTORED_MIN_DIM`` are kept whole, as ``optax.adafactor``
+  keeps them (its ``min_dim_size_to_factor``): biases, norms, a stack's
+  per-layer vectors.
+  """
+
+  rows: jax.Array  # float32 [*shape[:-1]]: sums over the last axis; below 2-D the squares themselves, shaped like the leaf.
+  cols: jax.Array  # float32 [*shape[:-2], shape[-1]]: sums over the second-to-last axis; below 2-D a scalar, their total.
+
+
+# optax.adafactor's min_dim_size_to_factor.
+FACTORED_MIN_DIM = 128
+
+
+def _factored(leaf_shape) -> bool:
+  return len(leaf_shape) >= 2 and min(leaf_shape[-2:]) >= FACTORED_MIN_DIM
+
+
+def zero_floor(shape) -> FactoredSquares:
+  """An all-zero :class:`FactoredSquares` for a leaf of ``shape``."""
+  shape = tuple(shape)
+  if not _factored(shape):
+    return FactoredSquares(jnp.zeros(shape, jnp.float32), jnp.zeros([], jnp.float32))
+  return FactoredSquares(jnp.zeros(shape[:-1], jnp.float32),
+                         jnp.zeros(shape[:-2] + shape[-1:], jnp.float32))
+
+
+def factor_squares(squares: jax.Array, leaf_shape) -> FactoredSquares:
+  """The :class:`FactoredSquares` increment of ``squares``.
+
+  ``squares`` is shaped like a leaf of ``leaf_shape``, or like one layer's
+  slice of a stacked leaf (one dimension fewer): then the increment is that
+  layer's part, whose ``rows`` (and, from 3-D leaves, ``cols``) go to the
+  layer's index and whose ``cols`` of a 2-D leaf add to all of them.
+  """
+  if not _factored(leaf_shape):
+    return FactoredSquares(squares, jnp.sum(squares))
+  if squares.ndim >= 2:
+    return FactoredSquares(jnp.sum(squares, -1), jnp.sum(squares, -2))
+  return FactoredSquares(jnp.sum(squares), squares)  # one layer of a 2-D stack
+
+
+def factored_axes(dim: int, slice_ndim: int, leaf_shape) -> tuple[Optional[int], Optional[int]]:
+  """Where axis ``dim`` of a squares slice lands in :func:`factor_squares`'
+  ``(rows, cols)``; ``None`` where it is summed away. For a device's block of
+  a leaf (``dim`` split over devices): the blocks of a kept axis are placed
+  side by side, the sums over a summed one are added."""
+  if not _factored(leaf_shape):
+    return dim, None
+  if slice_ndim >= 2:
+    rows = None if dim == slice_ndim - 1 else dim
+    cols = None if dim == slice_ndim - 2 else (dim if dim < slice_ndim - 2 else dim - 1)
+    return rows, cols
+  return None, dim  # one layer of a 2-D stack
+
+
+def add_layer_floor(floor: FactoredSquares, increment: FactoredSquares,
+                    layer: jax.Array) -> FactoredSquares:
+  """``floor`` of a stacked leaf plus layer ``layer``'s :func:`factor_squares` increment."""
+  add_at = lambda x, inc: jax.lax.dynamic_update_index_in_dim(
+      x, jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) + inc, layer, 0)
+  # cols carry the layer axis from 3-D leaves on; below, one sum across layers.
+  cols = add_at(floor.cols, increment.cols) if floor.cols.ndim >= 2 else floor.cols + increment.cols
+  return FactoredSquares(add_at(floor.rows, increment.rows), cols)
+
+
+def floor_estimate(floor: FactoredSquares) -> jax.Array:
+  """The floor's value for every entry of its leaf: ``rows x cols / total``."""
+  if floor.cols.ndim == 0:  # kept whole
+    return floor.rows
+  total = jnp.sum(floor.rows, -1, keepdims=True)[..., None]
+  # An all-zero slice (nothing folded yet) reads zero, not 0/0.
+  return floor.rows[..., :, None] * floor.cols[..., None, :] / jnp.where(total > 0, total, 1)
+
+
+def floor_layer_estimate(floor: FactoredSquares, layer: jax.Array) -> jax.Array:
+  """:func:`floor_estimate` of layer ``layer`` of a stacked leaf, as a ``[1, ...]`` slice."""
+  take = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1, 0)
+  if floor.cols.ndim == 0 or floor.cols.ndim >= 2:  # whole, or factored per layer
+    return floor_estimate(FactoredSquares(take(floor.rows), floor.cols if floor.cols.ndim == 0
+                                          else take(floor.cols)))
+  total = jnp.sum(floor.rows)  # a 2-D stack: one factorization across layers
+  return take(floor.rows)[:, None] * floor.cols[None, :] / jnp.where(total > 0, total, 1)
+
+
+def floor_increment(grad, half_difference, state: ScaleByAdamAState, config: AdamAConfig,
+                    leaf_shape) -> FactoredSquares:
+  """The floor's increment from one gradient leaf (or one layer's slice of one).
+
+  The ``"sum"`` estimator's fold ``(1 - b2) / N**2 * g**2`` of the entries
+  :func:`fold_leaf` folds (non-finite ones as zero), factored.
+  """
+  is_finite = jnp.isfinite(grad) & jnp.isfinite(half_difference)
+  dtype = _compute_dtype(jnp.dtype(grad.dtype))
+  g = jnp.where(is_finite, grad, jnp.zeros_like(grad)).astype(dtype)
+  weight = jnp.asarray(_nu_weight(config.b2, state.num_micro_batches, "sum")).astype(dtype)
+  return jax.tree.map(lambda x: x.astype(jnp.float32),
+                      factor_squares(weight * g * g, leaf_shape))
+
+
+def add_floor(floor: Any, increment: FactoredSquares) -> FactoredSquares:
+  """``floor + increment``, fieldwise; ``floor`` may have come back in another
+  container (``flax.nnx.Optimizer`` keeps its state's NamedTuples as
+  ``nnx.State``), read by its field names."""
+  return FactoredSquares(floor.rows + increment.rows, floor.cols + increment.cols)
+
+
+def decayed_floor(state: ScaleByAdamAState, config: AdamAConfig) -> Any:
+  """``state.nu_floor``, decayed by ``b2`` on a mini-batch's first micro-batch."""
+  decay = jnp.where(state.micro_step == 0, jnp.asarray(config.b2), 1.0).astype(jnp.float32)
+  return jax.tree.map(lambda x: decay * x, state.nu_floor)
+
+
+def has_floor(state: ScaleByAdamAState) -> bool:
+  """Whether ``state`` keeps "split"'s floor (made for "auto" or "split" at ``N > 1``)."""
+  return wants_halves(state)
+
+
 def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds,
               half_difference=None):
   """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``.
@@ -498,9 +630,10 @@ def emitted(state: ScaleByAdamAState) -> jax.Array:
 
 
 def advance_counters(
-    state: ScaleByAdamAState, mu, nu, all_finite: jax.Array
+    state: ScaleByAdamAState, mu, nu, all_finite: jax.Array, nu_floor: Any = None,
 ) -> ScaleByAdamAState:
-  """The state after one more micro-batch, with the folded moments."""
+  """The state after one more micro-batch, with the folded moments (and
+  floor; ``None``: ``state``'s, unchanged)."""
   starts = state.micro_step == 0
   micro_step = state.micro_step + 1
   completes = micro_step == state.num_micro_batches
@@ -510,6 +643,7 @@ def advance_counters(
       micro_step=jnp.where(completes, 0, micro_step).astype(jnp.int32),
       mu=mu,
       nu=nu,
+      nu_floor=state.nu_floor if nu_floor is None else nu_floor,
       mini_batch_accepted=accepted.astype(jnp.int32),
       num_dropped=state.num_dropped + (~all_finite).astype(jnp.int32),
       num_micro_batches=state.num_micro_batches,
@@ -539,8 +673,14 @@ def fold_micro_batch(grads, state: ScaleByAdamAState, config: AdamAConfig,
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   # Combines one boolean per leaf; no gradient waits on it.
   all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
+  nu_floor = None
+  if takes_halves(state):
+    nu_floor = treedef.unflatten([
+        add_floor(f, floor_increment(g, d, state, config, jnp.shape(g)))
+        for f, g, d in zip(treedef.flatten_up_to(decayed_floor(state, config)), leaves,
+                           differences)])
   return advance_counters(
-      state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite)
+      state, treedef.unflatten(new_mus), treedef.unflatten(new_nus), all_finite, nu_floor)
 
 
 def scale_by_adama(
@@ -636,8 +776,12 @@ def scale_by_adama(
       (g_a - g_b)/2` over the gradients of micro-batch :math:`i`'s two halves
       (:math:`E[d_i^2] = \sigma^2`, so :math:`E = \mu^2 + \sigma^2/N`,
       Adam's, from one micro-batch at a time) and reads :math:`\hat v` as at
-      least :math:`\hat m^2`, since this v can dip below zero where noise
-      dominates; it needs ``update(g_i, state, half_difference=d_i)`` with
+      least :math:`\hat m^2` and at least its floor, since this v can dip
+      below zero where noise dominates: the floor is an EMA of the
+      ``"sum"`` fold :math:`g_i^2/N^2` (never above Adam's v in expectation,
+      equal to it where the gradient is noise), kept as Adafactor keeps its
+      second moment, row and column sums (:class:`FactoredSquares`, 0.26% of
+      P on GPT-2 small) in ``state.nu_floor``; it needs ``update(g_i, state, half_difference=d_i)`` with
       ``g_i = (g_a + g_b)/2``, which :func:`microbatch_step` and
       :func:`release_step` pass (one vmapped backward over the halves).
       ``"mean"`` folds :math:`g_i^2 / N` (:math:`E = \mu^2 + \sigma^2`:
@@ -700,6 +844,8 @@ def scale_by_adama(
       return quantization.zeros(jnp.shape(param))
     return jnp.zeros(jnp.shape(param), dtype or _dtype_of(param))
 
+  floors = nu_estimator in ("auto", "split") and num_micro_batches > 1
+
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
     _check_float_params(params)
     # One buffer per counter: a shared one could not be donated twice.
@@ -709,6 +855,8 @@ def scale_by_adama(
         micro_step=zero(),
         mu=jax.tree.map(lambda p: init_moment(p, mu_dtype), params),
         nu=jax.tree.map(lambda p: init_moment(p, nu_dtype), params),
+        nu_floor=(jax.tree.map(lambda p: zero_floor(jnp.shape(p)), params)
+                  if floors else ()),
         mini_batch_accepted=zero(),
         num_dropped=zero(),
         num_micro_batches=num_micro_batches,
@@ -726,9 +874,11 @@ def scale_by_adama(
     grads, treedef = jax.tree.flatten(updates)
     new_mus = treedef.flatten_up_to(new_state.mu)
     new_nus = treedef.flatten_up_to(new_state.nu)
+    floors = leaf_floors(new_state, treedef)
     return treedef.unflatten([
-        _gated_direction(m, v, g, emit, **direction)
-        for m, v, g in zip(new_mus, new_nus, grads)]), with_estimator(new_state, name)
+        _gated_direction(m, v, g, emit, nu_floor=None if f is None else floor_estimate(f),
+                         **direction)
+        for m, v, g, f in zip(new_mus, new_nus, grads, floors)]), with_estimator(new_state, name)
 
   return optax.GradientTransformationExtraArgs(
       init_fn, folding_update(update_fn, FoldingParts(config)))
@@ -812,14 +962,23 @@ def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict:
               eps_root=config.eps_root, floor_nu=takes_halves(state))
 
 
-def gated_direction_of_leaf(m, v, p, emit, direction: dict) -> jax.Array:
-  """One leaf's direction where ``emit``, exact zeros elsewhere."""
+def leaf_floors(state: ScaleByAdamAState, treedef) -> list[Optional[FactoredSquares]]:
+  """Per leaf of ``treedef``, the floor the direction reads (``None``: none)."""
+  if not takes_halves(state):
+    return [None] * treedef.num_leaves
+  return treedef.flatten_up_to(state.nu_floor)
+
+
+def gated_direction_of_leaf(m, v, p, emit, direction: dict,
+                            nu_floor: Optional[jax.Array] = None) -> jax.Array:
+  """One leaf's direction where ``emit``, exact zeros elsewhere (``nu_floor``:
+  the floor's value over the leaf, :func:`floor_estimate`)."""
   # For steps that fold in a scan and apply after it: 8-bit moments are read
   # from their codes anyway there, so a select fuses into the update, where
   # _gated_direction's branch would materialize a float32 direction.
   # The fused steps differentiate with respect to params: the gradient has
   # the params' dtype.
-  u = _direction(m, v, _update_like(p, m, v), **direction)
+  u = _direction(m, v, _update_like(p, m, v), nu_floor=nu_floor, **direction)
   return jnp.where(emit, u, jnp.zeros_like(u))
 
 
@@ -829,8 +988,10 @@ def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
   direction = direction_args(state, config)
   leaves, treedef = jax.tree.flatten(params)
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+  floors = [None if f is None else floor_estimate(f) for f in leaf_floors(state, treedef)]
   return treedef.unflatten(
-      [gated_direction_of_leaf(m, v, p, emit, direction) for m, v, p in zip(mus, nus, leaves)])
+      [gated_direction_of_leaf(m, v, p, emit, direction, f)
+       for m, v, p, f in zip(mus, nus, leaves, floors)])
 
 
 class MiniBatchChainState(NamedTuple):

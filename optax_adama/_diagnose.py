@@ -30,6 +30,7 @@ import optax
 
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import check_num_micro_batches
+from optax_adama import _adama
 from optax_adama import _steps
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
@@ -273,10 +274,14 @@ def _adam_step_with_estimators(
       "split": (ema(state["split"], jax.tree.map(lambda s: s / n, split_sum))
                 if halves else state["split"]),
   }
-  # "split"'s v as AdamA reads it: v_hat floored at m_hat**2 (in raw-moment
-  # units; rho's bias corrections cancel). The stored EMA stays unfloored.
+  # "split"'s v as AdamA reads it (in raw-moment units; rho's bias
+  # corrections cancel): v_hat floored at m_hat**2 and at its floor, the
+  # "sum" EMA read factored (the floor AdamA keeps is exactly that EMA's row
+  # and column sums). The stored EMA stays unfloored.
+  floor = lambda x: _adama.floor_estimate(_adama.factor_squares(x, jnp.shape(x)))
   read = {**new_state, "split": jax.tree.map(
-      lambda v, mh: jnp.maximum(v, (1 - b2**t) * mh * mh), new_state["split"], m_hat)}
+      lambda v, mh, s: jnp.maximum(jnp.maximum(v, (1 - b2**t) * mh * mh), floor(s)),
+      new_state["split"], m_hat, new_state["sum"])}
   direction = lambda v: jax.tree.map(
       lambda mh, x: mh / (jnp.sqrt(x / (1 - b2**t)) + eps), m_hat, v)
   params = jax.tree.map(lambda p, u: p - learning_rate * u, params, direction(read[follow]))

@@ -186,8 +186,9 @@ def host_state_bytes(state: Any, *, min_size: int = 4096) -> int:
     >>> import jax, jax.numpy as jnp, optax_adama
     >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
     >>> shapes = jax.eval_shape(tx.init, {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)})
-    >>> optax_adama.moments.host_state_bytes(shapes, min_size=4096)  # m and v of w
-    32768
+    >>> # m and v of w, and v's floor for w (whole: a side of w is below 128)
+    >>> optax_adama.moments.host_state_bytes(shapes, min_size=4096)
+    49152
   """
   return int(sum(
       math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize

@@ -461,13 +461,40 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
     return None if s is None else _quantize.mix_seed(
         s, jax.lax.axis_index(data_axis).astype(jnp.uint32))
 
+  def floor(increment, spec, leaf_shape, slice_ndim):
+    # Computed from this device's block of the gradient: whole again (and
+    # the same on every device, as the state's replicated floor must be).
+    dim = _sharding.split_dim(spec)
+    if dim is None:
+      return increment
+    axes = _adama.factored_axes(dim, slice_ndim, leaf_shape)
+    return _adama.FactoredSquares(*(
+        _assembled(x, axis, data_axis, num_devices) for x, axis in zip(increment, axes)))
+
+  def floors(increments, leaf_shapes, specs, layered):
+    return [floor(inc, spec, shape, len(shape) - layered)
+            for inc, spec, shape in zip(increments, specs, leaf_shapes)]
+
   return _Reductions(
       loss=lambda loss: jax.lax.pmean(loss, data_axis),
       aux=lambda aux: jax.tree.map(lambda x: _sharding.reduce_aux(x, data_axis), aux),
       outer_grads=lambda grads: list(map(reduce, grads, outer_specs)),
       layer_grads=lambda grads: list(map(reduce, grads, layer_specs)),
       all_finite=all_finite,
-      seed=seed)
+      seed=seed,
+      outer_floors=lambda incs, shapes: floors(incs, shapes, outer_specs, False),
+      layer_floors=lambda incs, shapes: floors(incs, shapes, layer_specs, True))
+
+
+def _assembled(x, axis, data_axis, num_devices):
+  """Inside ``shard_map``: the sum over devices of ``x``, each device's block
+  placed at its offset along ``axis`` first (``None``: added as is)."""
+  if axis is not None:
+    size = x.shape[axis]
+    whole = jnp.zeros(x.shape[:axis] + (size * num_devices,) + x.shape[axis + 1:], x.dtype)
+    x = jax.lax.dynamic_update_slice_in_dim(
+        whole, x, jax.lax.axis_index(data_axis) * size, axis)
+  return jax.lax.psum(x, data_axis)
 
 
 def _local_slice(x, spec, data_axis, num_devices):
@@ -603,10 +630,16 @@ class _Reductions(NamedTuple):
   layer_grads: Callable[[list[jax.Array]], list[jax.Array]]
   all_finite: Callable[[jax.Array], jax.Array]
   seed: Callable[[Optional[jax.Array]], Optional[jax.Array]]
+  # Flat lists of "split"'s floor increments (FactoredSquares) from the
+  # reduced gradient leaves above, each made whole; with the leaves' shapes.
+  outer_floors: Callable[[list, list[int]], list]
+  layer_floors: Callable[[list, list[int]], list]
 
 
 _identity = lambda x: x
-_ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity)
+_increments = lambda increments, leaf_shapes: increments
+_ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity,
+                          _increments, _increments)
 
 
 def _leaf_seeds(config, state, mus, nus, reductions=_ONE_DEVICE):
@@ -643,22 +676,31 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
 
   mu_outer, mu_stacked = staged.split(state.mu)
   nu_outer, nu_stacked = staged.split(state.nu)
+  # "split"'s floor: decayed once here, then each gradient adds its part
+  # (on the device throughout: offloaded, it comes in whole).
+  floor_offloaded = _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)
+  floor_outer, floor_stacked = (None, None) if not halves else staged.split(
+      _adama.decayed_floor(state._replace(
+          nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
-  x_grad, mu_stacked, nu_stacked, stack_finite = _release_stack(
+  x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
       parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,
-      mu_stacked, nu_stacked, reductions, layer_pullback, halves)
-  embed_pullback = per_half(functools.partial(_pullback, staged.embed), ((None,), 0, 0))
+      mu_stacked, nu_stacked, floor_stacked, reductions, layer_pullback, halves)
+  embed_pullback = per_half(functools.partial(_pullback, staged.embed),
+                            ((None,), 0, 0))
   (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
   outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
   stacked_def = jax.tree.structure(stacked)
-  mu_outer, nu_outer, outer_finite = _fold_outer(
-      parts, state, loss, outer_grads, mu_outer, nu_outer,
+  mu_outer, nu_outer, floor_outer, outer_finite = _fold_outer(
+      parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
       reductions, halves)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
   mu = _like(state.mu, staged.merge(mu_outer, mu_stacked))
   nu = _like(state.nu, staged.merge(nu_outer, nu_stacked))
-  return _adama.advance_counters(state, mu, nu, all_finite), loss, aux
+  floor = None if floor_outer is None else _offload.to_host(
+      _like(state.nu_floor, staged.merge(floor_outer, floor_stacked)), floor_offloaded)
+  return _adama.advance_counters(state, mu, nu, all_finite, floor), loss, aux
 
 
 def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
@@ -694,7 +736,8 @@ def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, l
 
 
 def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
-                   x_grad, mu_stacked, nu_stacked, reductions, layer_pullback, halves):
+                   x_grad, mu_stacked, nu_stacked, floor_stacked, reductions,
+                   layer_pullback, halves):
   """The backward through the stack as a reverse scan over its layers.
 
   Each step takes one layer's vjp from its saved input, folds that layer's
@@ -704,12 +747,14 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   ``(layer cotangent, input cotangent)``, per half with ``halves``.
 
   Returns:
-    The cotangent of the stack's input, the new stacked m and v, and whether
-    every layer's gradient was finite.
+    The cotangent of the stack's input, the new stacked m, v and floor
+    (``None`` without halves), and whether every layer's gradient was finite.
   """
   stacked_def = jax.tree.structure(stacked)
   mu_leaves = stacked_def.flatten_up_to(mu_stacked)
   nu_leaves = stacked_def.flatten_up_to(nu_stacked)
+  floor_leaves = None if floor_stacked is None else stacked_def.flatten_up_to(floor_stacked)
+  leaf_shapes = [jnp.shape(x) for x in jax.tree.leaves(stacked)]
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
   seeds = _leaf_seeds(parts.config, state, mu_leaves, nu_leaves, reductions)
@@ -717,7 +762,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   offloaded = [_offloaded(m, v, parts) for m, v in zip(mu_leaves, nu_leaves)]
 
   def release_layer(carry, xs):
-    x_grad, mus, nus = carry
+    x_grad, mus, nus, floors = carry
     layer, layer_params, layer_input = xs
     layer_grads, x_grad = layer_pullback((layer_params, layer_input), micro_batch, x_grad)
     layer_grads, differences = _gradient_and_difference(
@@ -736,24 +781,30 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
       new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
       new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
       finite.append(leaf_finite)
+    if floors is not None:
+      increments = reductions.layer_floors(
+          [_adama.floor_increment(g, d, state, parts.config, n)
+           for g, d, n in zip(layer_grads, differences, leaf_shapes)], leaf_shapes)
+      floors = [_adama.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
     # The flags leave as scan outputs, not carry: under shard_map they vary
     # over devices, a carry that starts as a constant does not.
-    return (x_grad, new_mus, new_nus), functools.reduce(operator.and_, finite)
+    return (x_grad, new_mus, new_nus, floors), functools.reduce(operator.and_, finite)
 
-  (x_grad, mu_leaves, nu_leaves), layer_finite = jax.lax.scan(
-      release_layer, (x_grad, mu_leaves, nu_leaves),
+  (x_grad, mu_leaves, nu_leaves, floor_leaves), layer_finite = jax.lax.scan(
+      release_layer, (x_grad, mu_leaves, nu_leaves, floor_leaves),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
+  floor_stacked = None if floor_leaves is None else stacked_def.unflatten(floor_leaves)
   return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
-          jnp.all(layer_finite))
+          floor_stacked, jnp.all(layer_finite))
 
 
-def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer,
+def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
                 stacked_mus, stacked_nus, reductions, halves):
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
   ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
-  come first. Returns the new outer m and v and whether every gradient was
-  finite.
+  come first. Returns the new outer m, v and floor (``None`` without
+  halves) and whether every gradient was finite.
   """
   outer_grads = _steps.poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
@@ -768,7 +819,15 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer,
       for g, d, m, v, leaf_seeds in zip(
           grads, differences, mus, nus, outer_seeds[num_stacked:])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
-  return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus),
+  if floor_outer is not None:
+    leaf_shapes = [jnp.shape(g) for g in grads]
+    increments = reductions.outer_floors(
+        [_adama.floor_increment(g, d, state, parts.config, n)
+         for g, d, n in zip(grads, differences, leaf_shapes)], leaf_shapes)
+    floor_outer = outer_def.unflatten([
+        _adama.add_floor(f, inc)
+        for f, inc in zip(outer_def.flatten_up_to(floor_outer), increments)])
+  return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus), floor_outer,
           functools.reduce(operator.and_, finite, jnp.array(True)))
 
 
@@ -841,9 +900,9 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   emit = _adama.emitted(state)
   direction = _adama.direction_args(state, parts.config)
 
-  def leaf_direction(m, v, p, m_offloaded, v_offloaded):
+  def leaf_direction(m, v, p, floor, m_offloaded, v_offloaded):
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
-    return _adama.gated_direction_of_leaf(m, v, p, emit, direction)
+    return _adama.gated_direction_of_leaf(m, v, p, emit, direction, floor)
 
   def chained(outer, stacked, outer_params, stacked_params):
     """``inner`` on the tree of ``outer`` and ``stacked`` updates."""
@@ -858,10 +917,18 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   outer, stacked = staged.split(params)
   (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
+  if _adama.takes_halves(state):
+    floor_outer, floor_stacked = staged.split(_offload.to_device(
+        state.nu_floor, _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)))
+    outer_floors = [_adama.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)]
+    stacked_floors = stacked_def.flatten_up_to(floor_stacked)
+  else:
+    outer_floors, stacked_floors = [None] * outer_def.num_leaves, None
   outer_dirs = outer_def.unflatten([
-      leaf_direction(m, v, p, *_offloaded(m, v, parts))
-      for m, v, p in zip(outer_def.flatten_up_to(mu_outer),
-                         outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer))])
+      leaf_direction(m, v, p, f, *_offloaded(m, v, parts))
+      for m, v, p, f in zip(outer_def.flatten_up_to(mu_outer),
+                            outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer),
+                            outer_floors)])
   updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
   new_outer = _steps.apply_updates(outer, staged.split(updates)[0])
 
@@ -873,10 +940,12 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
     # [1, ...] slices: the chained transforms see each leaf at its rank.
     layer_params = jax.tree.map(
         lambda p: jax.lax.dynamic_slice_in_dim(p, layer, 1, 0), stacked)
+    floors = ([None] * len(mus) if stacked_floors is None else
+              [_adama.floor_layer_estimate(f, layer) for f in stacked_floors])
     dirs = stacked_def.unflatten([
         leaf_direction(_layer_slice(m, layer, num_layers, keepdims=True),
-                       _layer_slice(v, layer, num_layers, keepdims=True), p, *flag)
-        for m, v, p, flag in zip(mus, nus, jax.tree.leaves(layer_params), flags)])
+                       _layer_slice(v, layer, num_layers, keepdims=True), p, f, *flag)
+        for m, v, p, f, flag in zip(mus, nus, jax.tree.leaves(layer_params), floors, flags)])
     updates, _ = chained(zeros(outer), dirs, outer, layer_params)
     new = _steps.apply_updates(layer_params, staged.split(updates)[1])
     return jax.tree.map(lambda p, n: jax.lax.dynamic_update_slice_in_dim(p, n, layer, 0),

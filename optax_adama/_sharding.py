@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from optax_adama import _adama
+
 __all__ = [
     "SHARD_STATES",
     "StepShardings",
@@ -201,10 +203,24 @@ def step_shardings(
   replicated = lambda tree: replicated_shardings(tree, mesh)
   return StepShardings(
       params=sharded(params) if shard_states == "fsdp" else replicated(params),
-      opt_state=replicated(opt_state) if shard_states is None else sharded(opt_state),
+      opt_state=(replicated(opt_state) if shard_states is None
+                 else _replicated_floors(sharded(opt_state), mesh)),
       grads=(sharded(params) if shard_states in ("zero2", "fsdp")
              else replicated(params)),
   )
+
+
+def _replicated_floors(opt_state_shardings: Any, mesh: Mesh) -> Any:
+  """``opt_state_shardings`` with AdamA's "split" floor replicated: it is a
+  few vectors per leaf, and whole on every device each device can read the
+  floor of its own slice without a collective."""
+  def replicate_floor(x):
+    if isinstance(x, _adama.ScaleByAdamAState):
+      return x._replace(nu_floor=replicated_shardings(x.nu_floor, mesh))
+    return x
+
+  return jax.tree.map(replicate_floor, opt_state_shardings,
+                      is_leaf=lambda x: isinstance(x, _adama.ScaleByAdamAState))
 
 
 def batch_sharding(mesh: Mesh, data_axis: AxisName = "data") -> NamedSharding:

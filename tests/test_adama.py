@@ -117,12 +117,25 @@ def _reference_float64(params, grads, lrs, b1, b2, eps, nu_estimator="mean"):
   return params, m, v
 
 
-def _step_float64(params, m, v, t, lr, b1, b2, eps, floor_nu=False):
-  """The bias-corrected Adam step from the moments; ``floor_nu``: "split"'s."""
+def _factored_float64(squares):
+  """Adafactor's read of a leaf's squares (arXiv:1804.04235, eq. 4), for leaves
+  whose last two dimensions are both >= 128 (optax.adafactor's rule); others whole."""
+  if squares.ndim < 2 or min(squares.shape[-2:]) < 128:
+    return squares
+  rows, cols = squares.sum(-1), squares.sum(-2)
+  total = rows.sum(-1)[..., None, None]
+  return np.where(total > 0, rows[..., :, None] * cols[..., None, :] / np.where(total > 0, total, 1), 0)
+
+
+def _step_float64(params, m, v, t, lr, b1, b2, eps, floor_nu=False, nu_floor=None):
+  """The bias-corrected Adam step from the moments; ``floor_nu``: "split"'s
+  ``m_hat**2`` floor; ``nu_floor``: its "sum" EMA's read (leaf-shaped)."""
   m_hat = [mk / (1 - b1**t) for mk in m]
   v_hat = [vk / (1 - b2**t) for vk in v]
   if floor_nu:
     v_hat = [np.maximum(vh, mh**2) for vh, mh in zip(v_hat, m_hat)]
+  if nu_floor is not None:
+    v_hat = [np.maximum(vh, f / (1 - b2**t)) for vh, f in zip(v_hat, nu_floor)]
   return [p - lr * mh / (np.sqrt(vh) + eps) for p, mh, vh in zip(params, m_hat, v_hat)]
 
 
@@ -163,21 +176,31 @@ def test_moments_and_params_match_float64_reference(
   assert int(adama_state.count) == num_steps
 
 
-def _reference_split_float64(params, halves, lrs, b1, b2, eps):
-  """The "split" estimator in float64; halves[t][i] = (g_a, g_b) per leaf."""
+def _reference_split_float64(params, halves, lrs, b1, b2, eps, floor_read="factored"):
+  """The "split" estimator in float64; halves[t][i] = (g_a, g_b) per leaf.
+
+  With its floor: an EMA of the "sum" estimator's g**2 / N**2, kept whole
+  here and read factored (:func:`_factored_float64`), or ``floor_read``
+  "whole" or ``None`` (no floor) to show the difference.
+  """
   params = [np.asarray(p, np.float64) for p in params]
   m = [np.zeros_like(p) for p in params]
   v = [np.zeros_like(p) for p in params]
+  floor = [np.zeros_like(p) for p in params]
   for t, micro in enumerate(halves, start=1):
     n = len(micro)
     m = [b1 * mk for mk in m]
     v = [b2 * vk for vk in v]
+    floor = [b2 * fk for fk in floor]
     for pair in micro:
       for k, (a, b) in enumerate(pair):
         g, d = (np.float64(a) + b) / 2, (np.float64(a) - b) / 2
         m[k] = m[k] + (1 - b1) / n * g
         v[k] = v[k] + (1 - b2) / n * (g**2 - (1 - 1 / n) * d**2)
-    params = _step_float64(params, m, v, t, lrs[t - 1], b1, b2, eps, floor_nu=n > 1)
+        floor[k] = floor[k] + (1 - b2) / n**2 * g**2
+    read = {"factored": [_factored_float64(f) for f in floor], "whole": floor, None: None}
+    params = _step_float64(params, m, v, t, lrs[t - 1], b1, b2, eps, floor_nu=n > 1,
+                           nu_floor=read[floor_read] if n > 1 else None)
   return params, m, v
 
 
@@ -218,6 +241,37 @@ def test_split_estimator_matches_float64_reference(
   # v is a difference of squares here: absolute error ~1e-7 of the squares.
   chex.assert_trees_all_close(adama_state.nu, v, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_floor_is_factored_as_adafactor_for_large_leaves():
+  # A leaf whose last two dimensions are >= 128 keeps its floor as row and
+  # column sums (the same float64 reference reads it back); noise 3 puts
+  # many coordinates' v below the floor, so the floor decides their steps.
+  rng = np.random.default_rng(0)
+  shapes, n, num_steps, lr = [(128, 160), (2, 128, 130), (7,)], 4, 3, 0.01
+  params = [rng.normal(size=s).astype(np.float32) for s in shapes]
+  halves = [[[tuple((mean + 3 * rng.normal(size=s)).astype(np.float32) for _ in range(2))
+              for s in shapes for mean in [0.1 * rng.normal(size=s)]]
+             for _ in range(n)] for _ in range(num_steps)]
+  tx = optax_adama.adama(lr, num_micro_batches=n)  # the default: "split" given halves
+  got = [jnp.asarray(p) for p in params]
+  state = tx.init(got)
+  floor_shapes = [(f.rows.shape, f.cols.shape) for f in state.adama.nu_floor]
+  assert floor_shapes == [((128,), (160,)), ((2, 128), (2, 130)), ((7,), ())]
+  for micro in halves:
+    for pair in micro:
+      updates, state = tx.update([jnp.asarray((a + b) / 2) for a, b in pair], state, got,
+                                 half_difference=[jnp.asarray((a - b) / 2) for a, b in pair])
+      got = optax.apply_updates(got, updates)
+  want, _, _ = _reference_split_float64(params, halves, [lr] * num_steps, 0.9, 0.999, 1e-8)
+  # float32 sums of 128-160 squares: ~1e-6 relative in the floor, 1e-6 in a step.
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+  # The floor acted: read whole instead of factored, or not at all, the
+  # steps differ by far more than the tolerance.
+  for read in ("whole", None):
+    other, _, _ = _reference_split_float64(params, halves, [lr] * num_steps, 0.9, 0.999,
+                                           1e-8, floor_read=read)
+    assert max(np.max(np.abs(g - o)) for g, o in zip(got, other)) > 1e-3
 
 
 @pytest.mark.parametrize("num_micro_batches", [2, 4, 8])

@@ -206,8 +206,12 @@ def _wait_for_step(directory, step, process, timeout=240):
   raise TimeoutError(f"no checkpoint of step {step} in {timeout} s")
 
 
-@pytest.mark.parametrize("how, eight_bit", [("SIGKILL", False), ("SIGTERM", False),
-                                            ("SIGKILL", True)])
+# A real SIGKILL in the default suite; the SIGTERM save and 8-bit moments (whose
+# resume test_eight_bit_moments_resume_bitwise covers in-process) with the slow
+# tests: 22-25 s each on 2 cores.
+@pytest.mark.parametrize("how, eight_bit", [
+    ("SIGKILL", False), pytest.param("SIGTERM", False, marks=pytest.mark.slow),
+    pytest.param("SIGKILL", True, marks=pytest.mark.slow)])
 def test_a_killed_training_process_resumes_bitwise(uninterrupted_long, tmp_path, how,
                                                    eight_bit):
   run = tmp_path / "run"

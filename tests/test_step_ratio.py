@@ -59,8 +59,11 @@ def _hand_step_ratios(batches, n):
     }
     for name, fold in folds.items():
       v[name] = B2 * v[name] + (1 - B2) * fold
-    # "split" is read as AdamA reads it: v_hat at least m_hat**2.
-    read = lambda name: (np.maximum(v[name], (1 - B2**t) * m_hat**2)
+    # "split" is read as AdamA reads it: v_hat at least m_hat**2 and at
+    # least its floor, the "sum" EMA (whole: this leaf's dimensions are
+    # below the 128 that factoring takes).
+    assert min(DIM, OUT) < 128
+    read = lambda name: (np.maximum(np.maximum(v[name], (1 - B2**t) * m_hat**2), v["sum"])
                          if name == "split" else v[name])
     direction = lambda name: m_hat / (np.sqrt(read(name) / (1 - B2**t)) + EPS)
     u_adam = direction("adam")
