@@ -693,6 +693,7 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
   stacked_def = jax.tree.structure(stacked)
   mu_outer, nu_outer, floor_outer, outer_finite = _fold_outer(
       parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
+      [jnp.shape(p) for p in jax.tree.leaves(outer)],
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
       reductions, halves)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
@@ -799,9 +800,11 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
 
 
 def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
-                stacked_mus, stacked_nus, reductions, halves):
+                leaf_shapes, stacked_mus, stacked_nus, reductions, halves):
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
+  ``leaf_shapes``: the outer params' (whole) shapes, which decide how the
+  floor is factored (on a mesh a gradient here may be a device's slice).
   ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
   come first. Returns the new outer m, v and floor (``None`` without
   halves) and whether every gradient was finite.
@@ -820,7 +823,6 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
           grads, differences, mus, nus, outer_seeds[num_stacked:])]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   if floor_outer is not None:
-    leaf_shapes = [jnp.shape(g) for g in grads]
     increments = reductions.outer_floors(
         [_adama.floor_increment(g, d, state, parts.config, n)
          for g, d, n in zip(grads, differences, leaf_shapes)], leaf_shapes)

@@ -193,16 +193,15 @@ def _release_worker(mesh):
   batches = [test_release.make_batch(seed, size=64) for seed in range(3)]
   batches[1]["x"] = batches[1]["x"].at[13].set(jnp.nan)  # one micro-batch dropped
   out = {}
-  for estimator, stages in RELEASE_CASES.items():
-    tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
-                            nu_estimator=estimator)
+
+  def release_runs(tx, stages, params_fn, batches):
     runs = {}
     for stage in ("single",) + stages:
       on_mesh = stage != "single"
       step = optax_adama.release_step(
           staged, tx, has_aux=True, mesh=mesh if on_mesh else None,
           shard_states=stage if on_mesh else None)
-      params = test_release.make_params()
+      params = params_fn()
       state = tx.init(params)
       if on_mesh:
         shardings = optax_adama.sharding.release_shardings(
@@ -211,11 +210,34 @@ def _release_worker(mesh):
         state = jax.device_put(state, shardings.opt_state)
       with warnings.catch_warnings():
         warnings.simplefilter("error")  # donated buffers must be usable
-        # "split": two steps (see _assert_split_close), the dropped one first.
-        for batch in batches[1::-1] if estimator == "split" else batches:
+        for batch in batches:
           params, state, metrics = step(params, state, batch)
       runs[stage] = (params, state, metrics)
-    single = runs.pop("single")
+    return runs.pop("single"), runs
+
+  # The default's floor where it is factored (a stack of 128 x 128 kernels,
+  # split over the devices along a side): each device's part of a row or
+  # column sum is put together inside shard_map. Two steps, as "split".
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
+  single, runs = release_runs(
+      tx, ("zero1", "zero2"), lambda: test_release.make_params(width=128),
+      [test_release.make_batch(seed, size=64, width=128) for seed in range(2)])
+  for stage, run in runs.items():
+    out[f"floor/{stage}"] = {
+        "floor_relative_diff": _max_relative_diff(run[1].adama.nu_floor,
+                                                  single[1].adama.nu_floor),
+        "param_diff": _max_diff(run[0], single[0]),
+        "stack_floor_shapes": [list(x.shape) for x in run[1].adama.nu_floor["body"]["stack"]["w"]],
+        "floor_spec": str(run[1].adama.nu_floor["body"]["stack"]["w"].rows.sharding.spec),
+    }
+
+  for estimator, stages in RELEASE_CASES.items():
+    tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+                            nu_estimator=estimator)
+    # "split": two steps (see _assert_split_close), the dropped one first.
+    single, runs = release_runs(
+        tx, stages, test_release.make_params,
+        batches[1::-1] if estimator == "split" else batches)
     for stage, run in runs.items():
       out[f"{estimator}/{stage}"] = {
           "max_diff": _max_diff(run[:2], single[:2]),
@@ -464,6 +486,21 @@ def test_release_step_on_a_mesh_equals_one_device(eight_devices, stage, estimato
   expected = PartitionSpec() if stage is None else PartitionSpec(None, "data")
   assert run["stack_moment_spec"] == str(expected), run
   assert run["param_spec"] == str(PartitionSpec()), run
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_release_floor_on_a_mesh_equals_one_device(eight_devices, stage):
+  run = eight_devices["release"][f"floor/{stage}"]
+  assert run["stack_floor_shapes"] == [[_num_release_layers(), 128]] * 2, run
+  assert run["floor_spec"] == str(PartitionSpec()), run  # whole on every device
+  # Sums in another order: float32 rounding; params as _assert_split_close.
+  assert run["floor_relative_diff"] < 1e-5, run
+  assert run["param_diff"] < 2e-4, run
+
+
+def _num_release_layers():
+  import test_release  # pylint: disable=g-import-not-at-top
+  return test_release.NUM_LAYERS
 
 
 def test_release_step_on_a_mesh_holds_one_layer_at_a_time(eight_devices):
