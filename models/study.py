@@ -490,9 +490,10 @@ def tails_markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> s
       "Along Adam's path (`optax_adama.diagnose_second_moment`), after every "
       "mini-batch: rho = v / v_adam over all coordinates, and the step ratio "
       "|u| / |u_adam| with u = m_hat / (sqrt(v_hat) + eps), v_hat as AdamA reads it "
-      "(`\"split\"`'s at least m_hat^2), over the coordinates where Adam's step is "
-      "nonzero. Each number is that quantile's median over the second half of the "
-      f"run. Targets: step at most {TAIL_TARGETS['p99']}x Adam's at p99 and "
+      "(`\"split\"`'s at least m_hat^2 and at least its floor, the factored "
+      "\"sum\" EMA), over the coordinates where Adam's step is nonzero. Each "
+      "number is that quantile's median over the second half of the run. "
+      f"Targets: step at most {TAIL_TARGETS['p99']}x Adam's at p99 and "
       f"{TAIL_TARGETS['p999']}x at p99.9, median rho within [{low}, {high}]; "
       "*meets* lists the ones missed.",
       "",

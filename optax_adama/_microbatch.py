@@ -183,14 +183,14 @@ def microbatch_step(
   step = _scan_step(tx, placement, num_micro_batches, update_every_micro_batch,
                     has_aux, accumulation_dtype)
   if mesh is None:
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-  else:
-    # Params and state keep the shardings they were placed with (the step
-    # constrains its outputs to the same), the batch is split on arrival.
-    jitted = jax.jit(
-        step, donate_argnums=(0, 1),
-        in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  return _steps.with_distinct_buffers(jitted)
+    return _steps.with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
+  # Params and state keep the shardings they were placed with (the step
+  # constrains its outputs to the same), the batch is split on arrival.
+  jitted = jax.jit(
+      step, donate_argnums=(0, 1),
+      in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  return _steps.with_distinct_buffers(
+      jitted, placement.num_devices, data_axis, num_micro_batches)
 
 
 class _Placement(NamedTuple):

@@ -88,11 +88,30 @@ class StagedLoss:
     """``(outer, stacked)``: the params without the stack, and the stack."""
     return _split(params, self.path, self.path)
 
+  def check_stack(self, params: Any) -> int:
+    """The stack's layer count; raises unless every stacked leaf has it."""
+    _, stacked = self.split(params)
+    sizes: dict[Any, list[str]] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(stacked):
+      size = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+      sizes.setdefault(size, []).append(jax.tree_util.keystr(path))
+    if len(sizes) != 1 or None in sizes:
+      found = "; ".join(f"{'no axis' if size is None else size} for {', '.join(paths)}"
+                        for size, paths in sizes.items())
+      raise ValueError(
+          f"StagedLoss(layers={self.layers!r}): every leaf of the stack needs the "
+          f"same leading (layer) axis, got {found or 'no leaves'}. Stack each "
+          "layer's params along axis 0 (nnx.vmap / nnx.scan over the layers "
+          "does), and keep per-model params out of params[layers].")
+    (size,) = sizes
+    return size
+
   def merge(self, outer: Any, stacked: Any) -> Any:
     """The inverse of :meth:`split`."""
     return _merge(outer, stacked, self.path)
 
   def __call__(self, params: Any, micro_batch: Batch) -> Any:
+    self.check_stack(params)
     outer, stacked = self.split(params)
     x = self.embed(outer, micro_batch)
     x, _ = jax.lax.scan(
@@ -238,6 +257,7 @@ def release_step(
     mesh = _sharding.auto_mesh(mesh)
 
   def step(params, opt_state, batch):
+    staged.check_stack(params)
     _check_is_state_of_tx(opt_state, parts.inner)
     _check_moments(staged, params, _adama.adama_of(opt_state), on_mesh=mesh is not None)
     shardings = None
@@ -266,11 +286,11 @@ def release_step(
     return params, opt_state, metrics
 
   if mesh is None:
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-  else:
-    jitted = jax.jit(step, donate_argnums=(0, 1),
-                     in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  return _steps.with_distinct_buffers(jitted)
+    return _steps.with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
+  jitted = jax.jit(step, donate_argnums=(0, 1),
+                   in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  return _steps.with_distinct_buffers(
+      jitted, _sharding.num_devices(mesh, data_axis), data_axis)
 
 
 def _check_is_state_of_tx(opt_state, inner) -> None:

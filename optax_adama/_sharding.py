@@ -90,7 +90,9 @@ def _axis_size(mesh: Mesh, data_axis: AxisName) -> int:
   missing = [n for n in names if n not in mesh.shape]
   if missing:
     raise ValueError(
-        f"data_axis {data_axis!r} is not in the mesh axes {tuple(mesh.shape)}.")
+        f"data_axis {data_axis!r} is not in the mesh axes {tuple(mesh.shape)}: "
+        "pass data_axis= one of them (the axis the batch is split over), or "
+        f"make the mesh with an axis named {missing[0]!r}.")
   size = 1
   for name in names:
     size *= mesh.shape[name]
@@ -263,7 +265,8 @@ def axis_names(data_axis) -> tuple[str, ...]:
 
 
 def num_devices(mesh, data_axis) -> int:
-  return math.prod(mesh.shape[name] for name in axis_names(data_axis))
+  """Devices along ``data_axis``; a ``ValueError`` naming the mesh's axes if absent."""
+  return _axis_size(mesh, data_axis)
 
 
 def split_dim(spec: PartitionSpec) -> Optional[int]:

@@ -10,7 +10,7 @@ shared buffers before donating them. Nothing here knows which step calls it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -164,13 +164,16 @@ def step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metr
   return metrics
 
 
-def with_distinct_buffers(jitted):
+def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
+                          num_micro_batches: Optional[int] = None):
   """``jitted`` with a check that no two donated leaves are one array.
 
   XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
   twice") only when the step runs, in terms of flattened argument numbers.
   Params that share a leaf (tied weights stored twice, one ``jnp.zeros``
-  reused) are caught here first, by leaf path.
+  reused) are caught here first, by leaf path. On a mesh (``num_devices >
+  1``) the batch's rows are checked against the devices too, before ``jit``
+  places the batch (whose own error names neither the step nor the fix).
   """
 
   @functools.wraps(jitted)
@@ -178,10 +181,32 @@ def with_distinct_buffers(jitted):
     leaves = jax.tree.leaves((params, opt_state))
     if len({id(x) for x in leaves}) != len(leaves):
       raise_shared_leaves(params, opt_state)
+    if num_devices > 1:
+      check_rows_per_device(batch, opt_state, num_devices, data_axis, num_micro_batches)
     return jitted(params, opt_state, batch)
 
   step.lower = jitted.lower
   return step
+
+
+def check_rows_per_device(batch, opt_state, num_devices: int, data_axis: Any,
+                          num_micro_batches: Optional[int] = None) -> None:
+  """Raises unless every micro-batch of ``batch`` gives each device as many rows.
+
+  ``num_micro_batches``: the step's ``N``; ``None``: the AdamA state's.
+  """
+  state = _adama.find_adama_state(opt_state)
+  n = num_micro_batches or (state.num_micro_batches if state is not None else None)
+  sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
+  if n is None or len(sizes) != 1:
+    return  # split_micro_batches names these while tracing
+  (rows,) = sizes
+  if rows % (n * num_devices):
+    raise ValueError(
+        f"batch has {rows} rows: on a mesh of {num_devices} devices along "
+        f"{data_axis!r}, each of the N = {n} micro-batches must give every "
+        f"device the same number of rows, so the batch needs a multiple of "
+        f"N x {num_devices} = {n * num_devices} rows (e.g. {n * num_devices * max(1, rows // (n * num_devices))}).")
 
 
 def raise_shared_leaves(params, opt_state):

@@ -174,6 +174,45 @@ def _worker():
   except ValueError as e:
     out["zero2_split"]["too_few_rows"] = str(e)
   out["release"] = _release_worker(mesh)
+  out["bad_input"] = _bad_input_worker(mesh)
+  return out
+
+
+def _bad_input_worker(mesh):
+  """The error each bad input gets, and whether any buffer was donated first."""
+  import test_release  # pylint: disable=g-import-not-at-top
+
+  staged = test_release.staged_loss()
+  tx = optax_adama.adamaw(1e-2, num_micro_batches=NUM_MICRO)
+  out = {}
+
+  def attempt(name, make_step, params, batch):
+    state = tx.init(params)
+    try:
+      make_step()(params, state, batch)
+      out[name] = {"error": None}
+    except ValueError as e:
+      out[name] = {"error": str(e)}
+    out[name]["donated"] = any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+
+  rows_12 = test_release.make_batch(0, size=12)  # N = 4 x 8 devices needs 32 rows
+  for name, make_step in {
+      "rows/microbatch_step": lambda: optax_adama.microbatch_step(
+          staged, tx, mesh=mesh, shard_states="zero2"),
+      "rows/release_step": lambda: optax_adama.release_step(
+          staged, tx, mesh=mesh, shard_states="zero2")}.items():
+    attempt(name, make_step, test_release.make_params(), rows_12)
+  uneven = test_release.make_params()
+  uneven["body"]["stack"]["b"] = uneven["body"]["stack"]["b"][:-1]  # one layer short
+  attempt("layers/release_step", lambda: optax_adama.release_step(
+      staged, tx, mesh=mesh, shard_states="zero2"), uneven, test_release.make_batch(0, 64))
+  for name, make in {"axis/microbatch_step": optax_adama.microbatch_step,
+                     "axis/release_step": optax_adama.release_step}.items():
+    try:
+      make(staged, tx, mesh=mesh, shard_states="zero2", data_axis="batch")
+      out[name] = None
+    except ValueError as e:
+      out[name] = str(e)
   return out
 
 
@@ -501,6 +540,20 @@ def test_release_floor_on_a_mesh_equals_one_device(eight_devices, stage):
 def _num_release_layers():
   import test_release  # pylint: disable=g-import-not-at-top
   return test_release.NUM_LAYERS
+
+
+@pytest.mark.parametrize("step", ["microbatch_step", "release_step"])
+def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devices, step):
+  bad = eight_devices["bad_input"]
+  rows = bad[f"rows/{step}"]
+  assert "batch has 12 rows" in rows["error"] and "multiple of N x 8 = 32" in rows["error"]
+  assert not rows["donated"]
+  assert "data_axis 'batch' is not in the mesh axes ('data',)" in bad[f"axis/{step}"]
+  if step == "release_step":
+    layers = bad["layers/release_step"]
+    assert "same leading (layer) axis" in layers["error"], layers
+    assert f"{_num_release_layers() - 1} for ['b']" in layers["error"], layers
+    assert not layers["donated"]
 
 
 def test_release_step_on_a_mesh_holds_one_layer_at_a_time(eight_devices):
