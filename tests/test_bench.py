@@ -245,3 +245,33 @@ def test_estimator_memory_script_release_takes_split_at_means_memory():
   assert totals["split"] > 1.15 * totals["mean"], totals
   assert totals["split/release"] < 1.05 * totals["mean/release"], totals
   assert totals["split/release"] < 0.7 * totals["split"], totals
+
+
+def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
+  """benchmarks/cpu_stand_in.py on a `models.train --compare` payload: the gap,
+  the curves (smoothed as a running mean) and the table."""
+  import importlib.util
+  import numpy as np
+  from pathlib import Path
+
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_stand_in.py"
+  spec = importlib.util.spec_from_file_location("cpu_stand_in", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  np.testing.assert_allclose(module.smoothed([4.0, 2.0, 0.0], window=2), [4.0, 3.0, 1.0])
+
+  def run(optimizer, eval_loss):
+    config = {"optimizer": optimizer, "nu_estimator": "auto", "num_micro_batches": 4,
+              "batch_size": 128, "seq_len": 64, "steps": 3, "learning_rate": 2e-3, "seed": 0}
+    return {"config": config, "preset": "gpt_tiny", "param_count": 10, "eval_loss": eval_loss,
+            "train_loss": [3.0, 2.5, 2.0], "final_train_loss": 2.0, "median_step_s": 0.1,
+            "loop_s": 60.0, "machine": {"device": "cpu"}}
+
+  metrics = tmp_path / "raw" / "run.json"
+  metrics.parent.mkdir()
+  metrics.write_text(json.dumps({"runs": [run("adama", 1.98), run("adam", 2.0)]}))
+  module.main(["--metrics", str(metrics), "--plot", str(tmp_path / "curves.png"),
+               "--markdown", str(tmp_path / "table.md")])
+  table = (tmp_path / "table.md").read_text()
+  assert "**-1.00%**" in table and "CPU stand-in" in table
+  assert (tmp_path / "curves.png").stat().st_size > 0
