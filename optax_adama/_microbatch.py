@@ -189,8 +189,12 @@ def microbatch_step(
   jitted = jax.jit(
       step, donate_argnums=(0, 1),
       in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  def expected_shardings(params, opt_state):
+    shardings = placement.shardings(params, opt_state)
+    return shardings.params, shardings.opt_state
+
   return _steps.with_distinct_buffers(
-      jitted, placement.num_devices, data_axis, num_micro_batches)
+      jitted, placement.num_devices, data_axis, num_micro_batches, expected_shardings)
 
 
 class _Placement(NamedTuple):

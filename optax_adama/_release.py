@@ -289,8 +289,14 @@ def release_step(
     return _steps.with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
   jitted = jax.jit(step, donate_argnums=(0, 1),
                    in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
+  def expected_shardings(params, opt_state):
+    shardings = release_shardings(
+        staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+    return shardings.params, shardings.opt_state
+
   return _steps.with_distinct_buffers(
-      jitted, _sharding.num_devices(mesh, data_axis), data_axis)
+      jitted, _sharding.num_devices(mesh, data_axis), data_axis,
+      expected_shardings=expected_shardings)
 
 
 def _check_is_state_of_tx(opt_state, inner) -> None:

@@ -10,7 +10,7 @@ shared buffers before donating them. Nothing here knows which step calls it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +165,8 @@ def step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metr
 
 
 def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
-                          num_micro_batches: Optional[int] = None):
+                          num_micro_batches: Optional[int] = None,
+                          expected_shardings: Optional[Callable] = None):
   """``jitted`` with a check that no two donated leaves are one array.
 
   XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
@@ -173,7 +174,10 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
   Params that share a leaf (tied weights stored twice, one ``jnp.zeros``
   reused) are caught here first, by leaf path. On a mesh (``num_devices >
   1``) the batch's rows are checked against the devices too, before ``jit``
-  places the batch (whose own error names neither the step nor the fix).
+  places the batch (whose own error names neither the step nor the fix), and
+  ``expected_shardings(params, opt_state) -> (param shardings, state
+  shardings)`` against the leaves already placed on the mesh (a leaf placed
+  otherwise would be copied into place, and its donation lost).
   """
 
   @functools.wraps(jitted)
@@ -183,6 +187,8 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
       raise_shared_leaves(params, opt_state)
     if num_devices > 1:
       check_rows_per_device(batch, opt_state, num_devices, data_axis, num_micro_batches)
+    if expected_shardings is not None:
+      check_placement(params, opt_state, *expected_shardings(params, opt_state))
     return jitted(params, opt_state, batch)
 
   step.lower = jitted.lower
@@ -207,6 +213,29 @@ def check_rows_per_device(batch, opt_state, num_devices: int, data_axis: Any,
         f"{data_axis!r}, each of the N = {n} micro-batches must give every "
         f"device the same number of rows, so the batch needs a multiple of "
         f"N x {num_devices} = {n * num_devices} rows (e.g. {n * num_devices * max(1, rows // (n * num_devices))}).")
+
+
+def check_placement(params, opt_state, param_shardings, state_shardings) -> None:
+  """Raises for a leaf placed on the step's mesh with another sharding than the
+  step keeps it in. Leaves not placed on a mesh (fresh from ``tx.init``) pass:
+  the step places them, at the cost of a copy."""
+  for name, tree, shardings in (("params", params, param_shardings),
+                                ("opt_state", opt_state, state_shardings)):
+    for (path, leaf), expected in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                      jax.tree.leaves(shardings)):
+      sharding = getattr(leaf, "sharding", None)
+      if not isinstance(sharding, jax.sharding.NamedSharding):
+        continue
+      if sharding.mesh.devices.shape != expected.mesh.devices.shape or (
+          sharding.is_equivalent_to(expected, jnp.ndim(leaf))):
+        continue
+      raise ValueError(
+          f"{name}{jax.tree_util.keystr(path)} is placed as {sharding.spec} but this "
+          f"step keeps it as {expected.spec}: the step would copy it into place "
+          "and lose its donation. Place params and state with the step's shardings "
+          "before the first step (optax_adama.sharding.step_shardings for "
+          "microbatch_step, release_shardings for release_step, with the same "
+          "shard_states and data_axis).")
 
 
 def raise_shared_leaves(params, opt_state):

@@ -206,6 +206,21 @@ def _bad_input_worker(mesh):
   uneven["body"]["stack"]["b"] = uneven["body"]["stack"]["b"][:-1]  # one layer short
   attempt("layers/release_step", lambda: optax_adama.release_step(
       staged, tx, mesh=mesh, shard_states="zero2"), uneven, test_release.make_batch(0, 64))
+  # The state placed for microbatch_step (step_shardings: a stacked leaf split
+  # along the layer axis) handed to release_step, which splits it after it.
+  params = test_release.make_params()
+  state = tx.init(params)
+  shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states="zero2")
+  params = jax.device_put(params, shardings.params)
+  state = jax.device_put(state, shardings.opt_state)
+  try:
+    optax_adama.release_step(staged, tx, mesh=mesh, shard_states="zero2")(
+        params, state, test_release.make_batch(0, 64))
+    out["placement/release_step"] = {"error": None}
+  except ValueError as e:
+    out["placement/release_step"] = {"error": str(e)}
+  out["placement/release_step"]["donated"] = any(
+      x.is_deleted() for x in jax.tree.leaves((params, state)))
   for name, make in {"axis/microbatch_step": optax_adama.microbatch_step,
                      "axis/release_step": optax_adama.release_step}.items():
     try:
@@ -554,6 +569,11 @@ def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devic
     assert "same leading (layer) axis" in layers["error"], layers
     assert f"{_num_release_layers() - 1} for ['b']" in layers["error"], layers
     assert not layers["donated"]
+    placement = bad["placement/release_step"]
+    assert "opt_state.adama.mu['body']['stack']['b'] is placed as P('data',)" in (
+        placement["error"]), placement
+    assert "release_shardings for release_step" in placement["error"]
+    assert not placement["donated"]
 
 
 def test_release_step_on_a_mesh_holds_one_layer_at_a_time(eight_devices):
