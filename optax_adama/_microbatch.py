@@ -26,6 +26,8 @@ from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import check_num_micro_batches
 from optax_adama._adama import find_adama_state
+from optax_adama._release import StagedLoss
+from optax_adama._release import stack_shardings
 
 __all__ = ["microbatch_step"]
 
@@ -130,7 +132,11 @@ def microbatch_step(
     mesh: a :class:`jax.sharding.Mesh` to run data parallel on; ``None`` runs
       on the default device, as plain ``jax.jit``.
     shard_states: with ``mesh``: ``None`` (replicated params and state, the
-      gradient all-reduced), ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+      gradient all-reduced), ``"zero1"``, ``"zero2"`` or ``"fsdp"``. Under
+      ``"fsdp"`` with a :class:`StagedLoss` as ``loss_fn`` each layer's params
+      are gathered inside the layer scan, one layer at a time (place with
+      :func:`optax_adama.sharding.stack_shardings`); with any other loss
+      every leaf is gathered for the whole micro-batch.
     data_axis: the mesh axis (or axes) the batch is split over; the batch size
       divided by ``N`` must be a multiple of its size.
     accumulation_dtype: gradient accumulation only: the dtype of the
@@ -177,6 +183,9 @@ def microbatch_step(
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
   if mesh is None:
     placement = _single_device_placement(value_and_grad, has_aux)
+  elif shard_states == "fsdp" and isinstance(loss_fn, StagedLoss):
+    placement = _staged_fsdp_placement(
+        loss_fn, has_aux, _sharding.auto_mesh(mesh), data_axis)
   else:
     placement = _mesh_placement(
         value_and_grad, has_aux, _sharding.auto_mesh(mesh), shard_states, data_axis)
@@ -253,6 +262,81 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
 
   return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates,
                     _sharding.num_devices(mesh, data_axis))
+
+
+def _staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> _Placement:
+  """FSDP for a model in stages: each layer's params gathered inside the layer scan.
+
+  Params, moments and gradients are split as :func:`stack_shardings` says (a
+  slice of every layer on every device). Inside ``shard_map`` the outer leaves
+  are gathered whole and each layer's slices are gathered as the scan reaches
+  that layer, under ``jax.checkpoint`` so the backward gathers it again
+  rather than keeping every layer's gathered params: no device holds more
+  than a layer of gathered stack. The transpose of each gather is the
+  reduce-scatter of that layer's gradient into the device's slice.
+  """
+  num_devices = _sharding.num_devices(mesh, data_axis)
+  axis_names = _sharding.axis_names(data_axis)
+
+  def shardings(params, opt_state):
+    return stack_shardings(staged, params, opt_state, mesh, shard_states="fsdp",
+                           data_axis=data_axis)
+
+  def gather(p, spec):
+    dim = _sharding.split_dim(spec)
+    if dim is None:  # a leaf no dimension of which the devices divide: replicated
+      return _sharding.to_varying(p, axis_names)
+    return jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
+
+  def loss_and_grads(params, micro_batch):
+    param_specs = jax.tree.map(lambda s: s.spec, shardings(params, None).params)
+    outer_specs, stacked_specs = staged.split(param_specs)
+    layer_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), stacked_specs,
+                               is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def local_loss(params, micro_batch):
+      outer, stacked = staged.split(params)
+      outer = jax.tree.map(gather, outer, outer_specs)
+      x = staged.embed(outer, micro_batch)
+
+      @jax.checkpoint
+      def block(x, layer):
+        return staged.block(jax.tree.map(gather, layer, layer_specs), x, micro_batch)
+
+      x, _ = jax.lax.scan(lambda x, layer: (block(x, layer), None), x, stacked)
+      return staged.head(outer, x, micro_batch)
+
+    def local(params, micro_batch):
+      out, grads = jax.value_and_grad(local_loss, has_aux=has_aux)(params, micro_batch)
+      loss, aux = out if has_aux else (out, None)
+      # Each gather's transpose summed the devices' gradients of their own
+      # mean losses: divided by D, the gradient of the micro-batch's mean.
+      grads = jax.tree.map(lambda g: g / num_devices, grads)
+      loss = jax.lax.pmean(loss, data_axis)
+      if has_aux:
+        return loss, jax.tree.map(lambda x: _sharding.reduce_aux(x, data_axis), aux), grads
+      return loss, grads
+
+    replicated = PartitionSpec()
+    out_specs = ((replicated, replicated, param_specs) if has_aux
+                 else (replicated, param_specs))
+    out = jax.shard_map(
+        local, mesh=mesh, in_specs=(param_specs, PartitionSpec(data_axis)),
+        out_specs=out_specs)(params, micro_batch)
+    if has_aux:
+      return out
+    loss, grads = out
+    return loss, None, grads
+
+  def apply_updates(params, updates, emitted):
+    del emitted
+    params = _steps.apply_updates(params, updates)
+    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
+
+  return _Placement(
+      loss_and_grads, shardings,
+      lambda micro_batches: _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis),
+      apply_updates, num_devices)
 
 
 def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,

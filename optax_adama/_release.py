@@ -365,7 +365,8 @@ def _check_release_stage(mesh, shard_states) -> None:
         f"release_step supports shard_states in {RELEASE_SHARD_STATES}, got "
         f"{shard_states!r}: under FSDP each layer's params would be gathered in "
         "the forward scan and again in the release scan. Use microbatch_step("
-        "mesh=..., shard_states='fsdp'), which folds whole leaves.")
+        "staged, tx, mesh=..., shard_states='fsdp'), which gathers one layer at a "
+        "time inside the layer scan and folds whole leaves.")
 
 
 def release_shardings(
@@ -415,18 +416,68 @@ def release_shardings(
     (None, 'data')
   """
   _check_release_stage(mesh, shard_states)
+  return stack_shardings(staged, params, opt_state, mesh, shard_states=shard_states,
+                         data_axis=data_axis)
+
+
+def stack_shardings(
+    staged: StagedLoss,
+    params: Any,
+    opt_state: Any,
+    mesh: jax.sharding.Mesh,
+    *,
+    shard_states: Optional[str] = "zero2",
+    data_axis: _sharding.AxisName = "data",
+) -> _sharding.StepShardings:
+  """:func:`step_shardings` for a model in stages: stacked leaves split after the layer axis.
+
+  What :func:`release_step` places (:func:`release_shardings`) and what
+  :func:`microbatch_step` places for a :class:`StagedLoss` under
+  ``shard_states="fsdp"``, where every device holds a slice of every layer
+  and each layer's params are gathered inside the layer scan, one layer at
+  a time. Any optimizer's state (its leaves shaped like params are split
+  like them).
+
+  Args:
+    staged: the model's :class:`StagedLoss` (where the stack is).
+    params: a params tree (arrays or `jax.ShapeDtypeStruct`).
+    opt_state: its optimizer state (or its ``jax.eval_shape``).
+    mesh: the device mesh.
+    shard_states: ``None``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+    data_axis: the mesh axis (or axes) the batch is split over.
+
+  Returns:
+    A :class:`StepShardings`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
+    >>> staged = optax_adama.StagedLoss(
+    ...     embed=lambda outer, b: b["x"], block=lambda layer, x, b: x @ layer["w"],
+    ...     head=lambda outer, x, b: jnp.mean(x ** 2), layers="stack")
+    >>> params = {"stack": {"w": jnp.zeros((4, 8, 8))}}
+    >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = optax_adama.sharding.stack_shardings(
+    ...     staged, params, tx.init(params), mesh, shard_states="fsdp")
+    >>> tuple(s.params["stack"]["w"].spec)  # a slice of every layer on each device
+    (None, 'data')
+  """
   base = _sharding.step_shardings(
       params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
   if shard_states is None:
     return base
   split = lambda tree: _stack_aware_shardings(staged, tree, mesh, data_axis)
   state = _adama.adama_of(opt_state)
-  state_shardings = _adama.adama_of(base.opt_state)._replace(
-      mu=split(state.mu), nu=split(state.nu))
-  opt_state_shardings = _adama.with_adama(
-      base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
-  grads = split(params) if shard_states == "zero2" else base.grads
-  return _sharding.StepShardings(base.params, opt_state_shardings, grads)
+  if isinstance(state, ScaleByAdamAState):
+    state_shardings = _adama.adama_of(base.opt_state)._replace(
+        mu=split(state.mu), nu=split(state.nu))
+    opt_state_shardings = _adama.with_adama(
+        base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
+  else:
+    opt_state_shardings = base.opt_state
+  grads = split(params) if shard_states in ("zero2", "fsdp") else base.grads
+  param_shardings = split(params) if shard_states == "fsdp" else base.params
+  return _sharding.StepShardings(param_shardings, opt_state_shardings, grads)
 
 
 def _stack_aware_shardings(staged, tree, mesh, data_axis):

@@ -8,8 +8,10 @@ checkpoint onto a mesh). See ``docs/scale_out.md``.
 """
 
 from optax_adama._release import release_shardings
+from optax_adama._release import stack_shardings
 from optax_adama._sharding import StepShardings
 from optax_adama._sharding import batch_sharding
 from optax_adama._sharding import step_shardings
 
-__all__ = ("StepShardings", "batch_sharding", "release_shardings", "step_shardings")
+__all__ = ("StepShardings", "batch_sharding", "release_shardings", "stack_shardings",
+           "step_shardings")
