@@ -199,11 +199,13 @@ def release_step(
     shard_states: with ``mesh``: ``None`` (params and moments replicated,
       each layer's gradient all-reduced), ``"zero1"`` (moments split over
       the devices, each layer's gradient all-reduced and each device folds
-      its slice) or ``"zero2"`` (moments split, each layer's gradient
-      reduce-scattered). A stacked leaf is split along a dimension other
-      than the layer axis, so that every device holds a slice of every
-      layer: place the state with :func:`release_shardings`, not
-      :func:`step_shardings`. ``"fsdp"`` is not supported (raises).
+      its slice), ``"zero2"`` (moments split, each layer's gradient
+      reduce-scattered) or ``"fsdp"`` (params split too: each layer's are
+      gathered as the forward scan reaches it and again in the release
+      scan, so no device holds more than one layer of them gathered). A
+      stacked leaf is split along a dimension other than the layer axis, so
+      that every device holds a slice of every layer: place params and
+      state with :func:`release_shardings`, not :func:`step_shardings`.
     data_axis: the mesh axis (or axes) the batch is split over.
 
   Returns:
@@ -216,8 +218,7 @@ def release_step(
     ValueError: for ``shard_states`` without a mesh, or an unknown stage;
       at the first call, for ``nu_estimator="split"`` and micro-batches that
       do not split into two halves (of rows for every device, on a mesh).
-    NotImplementedError: for ``shard_states="fsdp"``, for offloaded
-      moments on a mesh, or (at the first call) for a chained transform with
+    NotImplementedError: for offloaded moments on a mesh, or (at the first call) for a chained transform with
       a per-parameter state under :func:`offload_moments`, or for 8-bit
       moments of a stacked leaf whose blocks straddle layers
       (``layer_aligned=False``) and, on a mesh, for 8-bit moments of any leaf.
@@ -328,7 +329,7 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
           staged, parts, has_aux, mesh, shard_states, data_axis,
           _adama.with_estimator(_specs(_adama.adama_of(shardings.opt_state)),
                                 state.nu_estimator),
-          params, state, micro_batch)
+          _specs(shardings.params), params, state, micro_batch)
     return state, (loss, aux)
   return fold
 
@@ -338,7 +339,7 @@ def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
 
   ``None`` where params and updates are whole on every device.
   """
-  if shard_states is None:
+  if shard_states in (None, "fsdp"):  # FSDP: params split as the update is
     return None
   moment_shardings = _adama.adama_of(shardings.opt_state).mu
   return lambda params, updates: _apply_sharded_updates(
@@ -353,7 +354,7 @@ def _micro_batches(state, batch, mesh, data_axis):
   return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
 
-RELEASE_SHARD_STATES = (None, "zero1", "zero2")
+RELEASE_SHARD_STATES = (None, "zero1", "zero2", "fsdp")
 
 
 def _check_release_stage(mesh, shard_states) -> None:
@@ -363,10 +364,7 @@ def _check_release_stage(mesh, shard_states) -> None:
   if shard_states not in RELEASE_SHARD_STATES:
     raise NotImplementedError(
         f"release_step supports shard_states in {RELEASE_SHARD_STATES}, got "
-        f"{shard_states!r}: under FSDP each layer's params would be gathered in "
-        "the forward scan and again in the release scan. Use microbatch_step("
-        "staged, tx, mesh=..., shard_states='fsdp'), which gathers one layer at a "
-        "time inside the layer scan and folds whole leaves.")
+        f"{shard_states!r}.")
 
 
 def release_shardings(
@@ -391,7 +389,7 @@ def release_shardings(
     opt_state: the AdamA state of ``params`` (``tx.init(params)``, or its
       ``jax.eval_shape``).
     mesh: the device mesh.
-    shard_states: ``None``, ``"zero1"`` or ``"zero2"``.
+    shard_states: ``None``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
     data_axis: the mesh axis (or axes) the batch is split over.
 
   Returns:
@@ -401,7 +399,6 @@ def release_shardings(
 
   Raises:
     ValueError: for an unknown ``shard_states``.
-    NotImplementedError: for ``shard_states="fsdp"``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
@@ -493,15 +490,17 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
 
 
 def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
-                        state_specs, params, state, micro_batch):
+                        state_specs, param_specs, params, state, micro_batch):
   """:func:`_release_micro_batch` with each device on its rows, under ``shard_map``."""
-  reductions = _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis)
+  reductions = _data_parallel_reductions(
+      staged, state_specs, param_specs, mesh, shard_states, data_axis)
   axis_names = _sharding.axis_names(data_axis)
 
   def local(params, state, micro_batch):
-    # Replicated params, gradients that differ per device: marked varying,
-    # the backward leaves the reduction to `reductions`.
-    params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
+    if shard_states != "fsdp":
+      # Replicated params, gradients that differ per device: marked varying,
+      # the backward leaves the reduction to `reductions`.
+      params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
     return _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
                              reductions)
 
@@ -509,11 +508,12 @@ def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
   halves = _adama.takes_halves(state)  # [2, rows, ...]: each half's rows split
   rows = PartitionSpec(None, data_axis) if halves else PartitionSpec(data_axis)
   return jax.shard_map(
-      local, mesh=mesh, in_specs=(replicated, state_specs, rows),
+      local, mesh=mesh, in_specs=(param_specs, state_specs, rows),
       out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
 
 
-def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis):
+def _data_parallel_reductions(staged, state_specs, param_specs, mesh, shard_states,
+                              data_axis):
   """The collectives of a ZeRO stage, for :func:`_release_micro_batch` in ``shard_map``."""
   num_devices = _sharding.num_devices(mesh, data_axis)
   outer_specs, stacked_specs = staged.split(state_specs.mu)
@@ -523,8 +523,21 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
   layer_specs = [PartitionSpec(*spec[1:])
                  for spec in jax.tree.leaves(stacked_specs, is_leaf=is_spec)]
 
+  axis_names = _sharding.axis_names(data_axis)
+  outer_param_specs, stacked_param_specs = staged.split(param_specs)
+  layer_param_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), stacked_param_specs,
+                                   is_leaf=is_spec)
+
+  def gather(p, spec):
+    # FSDP: this device's slice made whole (marked varying: its gradient is
+    # reduced by `reduce`, not by the gather's transpose).
+    dim = _sharding.split_dim(spec)
+    if dim is not None:
+      p = jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
+    return _sharding.to_varying(p, axis_names)
+
   def reduce(grad, spec):
-    if shard_states == "zero2":
+    if shard_states in ("zero2", "fsdp"):
       return _sharding.reduce_gradient(grad, spec, data_axis, num_devices)
     grad = _sharding.reduce_gradient(grad, PartitionSpec(), data_axis, num_devices)
     return _local_slice(grad, spec, data_axis, num_devices)
@@ -560,7 +573,11 @@ def _data_parallel_reductions(staged, state_specs, mesh, shard_states, data_axis
       all_finite=all_finite,
       seed=seed,
       outer_floors=lambda incs, shapes: floors(incs, shapes, outer_specs, False),
-      layer_floors=lambda incs, shapes: floors(incs, shapes, layer_specs, True))
+      layer_floors=lambda incs, shapes: floors(incs, shapes, layer_specs, True),
+      outer_params=(lambda outer: jax.tree.map(gather, outer, outer_param_specs))
+      if shard_states == "fsdp" else _identity,
+      layer_params=(lambda layer: jax.tree.map(gather, layer, layer_param_specs))
+      if shard_states == "fsdp" else _identity)
 
 
 def _assembled(x, axis, data_axis, num_devices):
@@ -711,12 +728,16 @@ class _Reductions(NamedTuple):
   # reduced gradient leaves above, each made whole; with the leaves' shapes.
   outer_floors: Callable[[list, list[int]], list]
   layer_floors: Callable[[list, list[int]], list]
+  # FSDP: this device's slices of the outer params, or of one layer's, made
+  # whole (gathered); the identity where params are whole on every device.
+  outer_params: Callable[[Any], Any]
+  layer_params: Callable[[Any], Any]
 
 
 _identity = lambda x: x
 _increments = lambda increments, leaf_shapes: increments
 _ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity,
-                          _increments, _increments)
+                          _increments, _increments, _identity, _identity)
 
 
 def _leaf_seeds(config, state, mus, nus, reductions=_ONE_DEVICE):
@@ -738,10 +759,13 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
   halves = _adama.takes_halves(state)
   per_half = lambda fn, in_axes: jax.vmap(fn, in_axes) if halves else fn
   outer, stacked = staged.split(params)
+  outer = reductions.outer_params(outer)  # FSDP: gathered for the micro-batch
   x = per_half(staged.embed, (None, 0))(outer, micro_batch)
   block = per_half(staged.block, (None, 0, 0))
+  # FSDP: each layer gathered as the scan reaches it, and again in the release.
   x, layer_inputs = jax.lax.scan(
-      lambda x, layer_params: (block(layer_params, x, micro_batch), x), x, stacked)
+      lambda x, layer_params: (block(reductions.layer_params(layer_params), x, micro_batch), x),
+      x, stacked)
   head = functools.partial(_head_loss_and_grads, staged.head, has_aux)
   loss, aux, (outer_grads, x_grad) = per_half(head, (None, 0, 0))(outer, x, micro_batch)
   if halves:
@@ -832,7 +856,6 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   mu_leaves = stacked_def.flatten_up_to(mu_stacked)
   nu_leaves = stacked_def.flatten_up_to(nu_stacked)
   floor_leaves = None if floor_stacked is None else stacked_def.flatten_up_to(floor_stacked)
-  leaf_shapes = [jnp.shape(x) for x in jax.tree.leaves(stacked)]
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
   seeds = _leaf_seeds(parts.config, state, mu_leaves, nu_leaves, reductions)
@@ -842,6 +865,9 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   def release_layer(carry, xs):
     x_grad, mus, nus, floors = carry
     layer, layer_params, layer_input = xs
+    layer_params = reductions.layer_params(layer_params)
+    # The whole leaves' shapes (under FSDP `stacked` holds this device's slices).
+    leaf_shapes = [(num_layers,) + jnp.shape(x) for x in jax.tree.leaves(layer_params)]
     layer_grads, x_grad = layer_pullback((layer_params, layer_input), micro_batch, x_grad)
     layer_grads, differences = _gradient_and_difference(
         stacked_def.flatten_up_to(_steps.poison_if_loss_nonfinite(loss, layer_grads)), halves,
