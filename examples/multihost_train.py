@@ -1,14 +1,22 @@
-"""Data-parallel AdamA on one host or several: ZeRO-2 and 8-bit moments.
+"""Data-parallel AdamA on one host or several: ZeRO-2 and 8-bit moments, or
+gradient release with FSDP.
 
 Trains the tiny byte-level GPT of `models/` with `optax_adama.microbatch_step`
 on a `jax.sharding.Mesh` over every device of every host. JAX's own engine does
 the rest: `jax.distributed.initialize()` joins the hosts, `jit` with GSPMD
 shardings runs the step, and each micro-batch gradient is reduce-scattered
 into the moment slices (ZeRO-2), so no device ever holds a full gradient.
+With `--release --shard-states fsdp` the layers are scanned and trained with
+`optax_adama.release_step`: each layer's params are gathered as the scans
+reach it and its gradient is reduce-scattered and folded as the release
+reaches it, so no device holds more than a layer of gathered params or of
+gradient.
 
 One host (any number of local devices; on CPU, fake 8 of them):
 
     python examples/multihost_train.py --num-cpu-devices 8
+    python examples/multihost_train.py --num-cpu-devices 8 --release --shard-states fsdp \
+        --moments float32
 
 Several hosts: run the same command on every host. On a cluster JAX detects
 (Slurm, Cloud TPU, Open MPI, Kubernetes with the JobSet env), nothing more is
@@ -50,7 +58,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--num-micro-batches", type=int, default=4)
   parser.add_argument("--seq-len", type=int, default=64)
   parser.add_argument("--learning-rate", type=float, default=2e-3)
-  return parser.parse_args(argv)
+  parser.add_argument("--release", action="store_true",
+                      help="scanned layers through optax_adama.release_step (float32 or "
+                           "bfloat16 moments)")
+  args = parser.parse_args(argv)
+  if args.release and args.moments == "8bit":
+    parser.error("--release on a mesh folds each device's slice of a layer; 8-bit blocks "
+                 "are not aligned with those slices: pass --moments float32 or bfloat16")
+  return args
 
 
 def main(argv: Sequence[str] | None = None) -> float:
@@ -96,9 +111,12 @@ def main(argv: Sequence[str] | None = None) -> float:
         f"and into equal shares for the {num_processes} process(es).")
 
   # Same seed everywhere: every process builds the same initial params.
-  model_config = models.get_config(args.preset)
-  loss_fn, params = models.split_loss_fn(
-      models.create(model_config, rngs=nnx.Rngs(0)), has_aux=True)
+  model_config = models.get_config(args.preset, scan_layers=args.release)
+  model = models.create(model_config, rngs=nnx.Rngs(0))
+  if args.release:
+    loss_fn, params = models.staged_loss(model)
+  else:
+    loss_fn, params = models.split_loss_fn(model, has_aux=True)
   schedule = warmup_cosine_schedule(args.learning_rate, args.steps, warmup_steps=20)
   moments = {
       "float32": {},
@@ -108,14 +126,20 @@ def main(argv: Sequence[str] | None = None) -> float:
   tx = optax_adama.adamaw(
       schedule, weight_decay=0.0, num_micro_batches=args.num_micro_batches, **moments)
   shard_states = None if args.shard_states == "none" else args.shard_states
-  step = optax_adama.microbatch_step(
-      loss_fn, tx, num_micro_batches=args.num_micro_batches, has_aux=True,
-      mesh=mesh, shard_states=shard_states)
+  opt_state = tx.init(params)
+  if args.release:
+    step = optax_adama.release_step(loss_fn, tx, mesh=mesh, shard_states=shard_states)
+    shardings = optax_adama.sharding.release_shardings(
+        loss_fn, params, opt_state, mesh, shard_states=shard_states)
+  else:
+    step = optax_adama.microbatch_step(
+        loss_fn, tx, num_micro_batches=args.num_micro_batches, has_aux=True,
+        mesh=mesh, shard_states=shard_states)
+    shardings = optax_adama.sharding.step_shardings(
+        params, opt_state, mesh, shard_states=shard_states)
 
   # Place the state once, so the step donates and reuses its buffers. The
   # state is built on every process from host values, sliced to its shards.
-  opt_state = tx.init(params)
-  shardings = optax_adama.sharding.step_shardings(params, opt_state, mesh, shard_states=shard_states)
   params = jax.device_put(params, shardings.params)
   opt_state = jax.device_put(opt_state, shardings.opt_state)
   batch_sharding = optax_adama.sharding.batch_sharding(mesh)
