@@ -275,3 +275,24 @@ def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
   table = (tmp_path / "table.md").read_text()
   assert "**-1.00%**" in table and "CPU stand-in" in table
   assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
+  """benchmarks/fsdp_memory.py on gpt_test (its own process: 8 fake devices)."""
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  out = tmp_path / "fsdp.json"
+  result = subprocess.run(
+      [sys.executable, str(root / "benchmarks" / "fsdp_memory.py"), "--presets", "gpt_test",
+       "--seq-len", "32", "--json", str(out), "--markdown", str(tmp_path / "fsdp.md")],
+      cwd=root, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["method"] for r in rows] == ["fsdp_scan_accumulation", "fsdp_adama",
+                                         "fsdp_adama_release", "fsdp_adama_release_bf16"]
+  for r in rows:  # at least the floor; the floor at least the state's share
+    assert r["per_device_bytes"] >= r["floor_bytes"] >= 3 * r["param_bytes"] / 8, r
