@@ -30,7 +30,7 @@ import optax
 
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import check_num_micro_batches
-from optax_adama import _adama
+from optax_adama import _floor
 from optax_adama import _steps
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
@@ -278,7 +278,7 @@ def _adam_step_with_estimators(
   # corrections cancel): v_hat floored at m_hat**2 and at its floor, the
   # "sum" EMA read factored (the floor AdamA keeps is exactly that EMA's row
   # and column sums). The stored EMA stays unfloored.
-  floor = lambda x: _adama.floor_estimate(_adama.factor_squares(x, jnp.shape(x)))
+  floor = lambda x: _floor.floor_estimate(_floor.factor_squares(x, jnp.shape(x)))
   read = {**new_state, "split": jax.tree.map(
       lambda v, mh, s: jnp.maximum(jnp.maximum(v, (1 - b2**t) * mh * mh), floor(s)),
       new_state["split"], m_hat, new_state["sum"])}

@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _floor
 from optax_adama import _offload
 from optax_adama import _quantize
 from optax_adama import _sharding
@@ -557,8 +558,8 @@ def _data_parallel_reductions(staged, state_specs, param_specs, mesh, shard_stat
     dim = _sharding.split_dim(spec)
     if dim is None:
       return increment
-    axes = _adama.factored_axes(dim, slice_ndim, leaf_shape)
-    return _adama.FactoredSquares(*(
+    axes = _floor.factored_axes(dim, slice_ndim, leaf_shape)
+    return _floor.FactoredSquares(*(
         _assembled(x, axis, data_axis, num_devices) for x, axis in zip(increment, axes)))
 
   def floors(increments, leaf_shapes, specs, layered):
@@ -889,7 +890,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
       increments = reductions.layer_floors(
           [_adama.floor_increment(g, d, state, parts.config, n)
            for g, d, n in zip(layer_grads, differences, leaf_shapes)], leaf_shapes)
-      floors = [_adama.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
+      floors = [_floor.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
     # The flags leave as scan outputs, not carry: under shard_map they vary
     # over devices, a carry that starts as a constant does not.
     return (x_grad, new_mus, new_nus, floors), functools.reduce(operator.and_, finite)
@@ -930,7 +931,7 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
         [_adama.floor_increment(g, d, state, parts.config, n)
          for g, d, n in zip(grads, differences, leaf_shapes)], leaf_shapes)
     floor_outer = outer_def.unflatten([
-        _adama.add_floor(f, inc)
+        _floor.add_floor(f, inc)
         for f, inc in zip(outer_def.flatten_up_to(floor_outer), increments)])
   return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus), floor_outer,
           functools.reduce(operator.and_, finite, jnp.array(True)))
@@ -1025,7 +1026,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   if _adama.takes_halves(state):
     floor_outer, floor_stacked = staged.split(_offload.to_device(
         state.nu_floor, _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)))
-    outer_floors = [_adama.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)]
+    outer_floors = [_floor.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)]
     stacked_floors = stacked_def.flatten_up_to(floor_stacked)
   else:
     outer_floors, stacked_floors = [None] * outer_def.num_leaves, None
@@ -1046,7 +1047,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
     layer_params = jax.tree.map(
         lambda p: jax.lax.dynamic_slice_in_dim(p, layer, 1, 0), stacked)
     floors = ([None] * len(mus) if stacked_floors is None else
-              [_adama.floor_layer_estimate(f, layer) for f in stacked_floors])
+              [_floor.floor_layer_estimate(f, layer) for f in stacked_floors])
     dirs = stacked_def.unflatten([
         leaf_direction(_layer_slice(m, layer, num_layers, keepdims=True),
                        _layer_slice(v, layer, num_layers, keepdims=True), p, f, *flag)
