@@ -317,16 +317,8 @@ def _staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> _Pla
         return loss, jax.tree.map(lambda x: _sharding.reduce_aux(x, data_axis), aux), grads
       return loss, grads
 
-    replicated = PartitionSpec()
-    out_specs = ((replicated, replicated, param_specs) if has_aux
-                 else (replicated, param_specs))
-    out = jax.shard_map(
-        local, mesh=mesh, in_specs=(param_specs, PartitionSpec(data_axis)),
-        out_specs=out_specs)(params, micro_batch)
-    if has_aux:
-      return out
-    loss, grads = out
-    return loss, None, grads
+    return _shard_mapped(local, mesh, data_axis, has_aux, param_specs, param_specs,
+                         params, micro_batch)
 
   def apply_updates(params, updates, emitted):
     del emitted
@@ -557,6 +549,15 @@ def _data_parallel_loss_and_grads(
       return loss, jax.tree.map(reduce_aux, aux), grads
     return loss, grads
 
+  return _shard_mapped(local, mesh, data_axis, has_aux, param_specs, grad_specs,
+                       params, micro_batch)
+
+
+def _shard_mapped(local, mesh, data_axis, has_aux, param_specs, grad_specs, params,
+                  micro_batch):
+  """``(loss, aux, grads)`` of ``local(params, micro_batch)`` under ``shard_map``:
+  params placed by ``param_specs``, rows over ``data_axis``, the loss and aux
+  replicated and the gradient placed by ``grad_specs``."""
   replicated = PartitionSpec()
   out_specs = ((replicated, replicated, grad_specs) if has_aux
                else (replicated, grad_specs))
