@@ -573,7 +573,7 @@ def fold_micro_batch(grads, state: ScaleByAdamAState, config: AdamAConfig,
   # Combines one boolean per leaf; no gradient waits on it.
   all_finite = functools.reduce(operator.and_, finite, jnp.array(True))
   nu_floor = None
-  if takes_halves(state):
+  if floors_split(state):
     nu_floor = treedef.unflatten([
         add_floor(f, floor_increment(g, d, state, config, jnp.shape(g)))
         for f, g, d in zip(treedef.flatten_up_to(decayed_floor(state, config)), leaves,
@@ -595,6 +595,7 @@ def scale_by_adama(
     stochastic_rounding: bool = True,
     rounding_seed: int = 0,
     nu_estimator: str = "auto",
+    split_floor: bool = True,
 ) -> optax.GradientTransformation:
   r"""Rescale micro-batch gradients with Adam Accumulation (AdamA).
 
@@ -694,6 +695,12 @@ def scale_by_adama(
       and ``"mean"`` wherever none does (one ``update`` per micro-batch from
       ``nnx.Optimizer`` or ``optax.chain``; micro-batches of one example or
       an odd number); docs/estimators.md has the measurements behind it.
+    split_floor: ``"split"`` (and so ``"auto"`` where it reads ``"split"``)
+      keeps its floor in the state and reads v_hat as at least it (the
+      default: no coordinate's step then runs away from Adam's). ``False``
+      keeps no floor: at 300 steps on the tiny GPT it trains up to 2.6
+      points closer to Adam on the same seeds, at the price of steps up to
+      59x Adam's on 0.1% of coordinates (docs/estimators.md#the-floor).
 
   Returns:
     A :class:`optax.GradientTransformation` with state
@@ -743,7 +750,9 @@ def scale_by_adama(
       return quantization.zeros(jnp.shape(param))
     return jnp.zeros(jnp.shape(param), dtype or _dtype_of(param))
 
-  floors = nu_estimator in ("auto", "split") and num_micro_batches > 1
+  if not isinstance(split_floor, bool):
+    raise TypeError(f"split_floor must be True or False, got {split_floor!r}.")
+  floors = split_floor and nu_estimator in ("auto", "split") and num_micro_batches > 1
 
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
     _check_float_params(params)
@@ -861,9 +870,15 @@ def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict:
               eps_root=config.eps_root, floor_nu=takes_halves(state))
 
 
+def floors_split(state: ScaleByAdamAState) -> bool:
+  """Whether this call folds and reads "split"'s floor: "split" with a floor in
+  the state (``split_floor=False`` keeps none)."""
+  return takes_halves(state) and bool(jax.tree.leaves(state.nu_floor))
+
+
 def leaf_floors(state: ScaleByAdamAState, treedef) -> list[Optional[FactoredSquares]]:
   """Per leaf of ``treedef``, the floor the direction reads (``None``: none)."""
-  if not takes_halves(state):
+  if not floors_split(state):
     return [None] * treedef.num_leaves
   return treedef.flatten_up_to(state.nu_floor)
 
@@ -1013,6 +1028,7 @@ def adama(
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
     nu_estimator: str = "auto",
+    split_floor: bool = True,
 ) -> optax.GradientTransformation:
   r"""Adam Accumulation: Adam fed one micro-batch gradient per ``update`` call.
 
@@ -1043,6 +1059,8 @@ def adama(
     stochastic_rounding: see :func:`scale_by_adama`.
     nu_estimator: ``"auto"`` (the default), ``"mean"``, ``"sum"``,
       ``"momentum"`` or ``"split"``; see :func:`scale_by_adama`.
+    split_floor: whether ``"split"`` keeps and reads its floor; see
+      :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`.
@@ -1079,7 +1097,8 @@ def adama(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
           mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator),
+          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator,
+          split_floor=split_floor),
       optax.scale_by_learning_rate(learning_rate),
   )
 
@@ -1099,6 +1118,7 @@ def adamaw(
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
     nu_estimator: str = "auto",
+    split_floor: bool = True,
 ) -> optax.GradientTransformation:
   r"""AdamA with decoupled weight decay, applied once per mini-batch.
 
@@ -1127,6 +1147,8 @@ def adamaw(
     stochastic_rounding: see :func:`scale_by_adama`.
     nu_estimator: ``"auto"`` (the default), ``"mean"``, ``"sum"``,
       ``"momentum"`` or ``"split"``; see :func:`scale_by_adama`.
+    split_floor: whether ``"split"`` keeps and reads its floor; see
+      :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.
@@ -1154,7 +1176,8 @@ def adamaw(
       scale_by_adama(
           b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
           mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator),
+          stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator,
+          split_floor=split_floor),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

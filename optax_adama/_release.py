@@ -781,7 +781,7 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
   # "split"'s floor: decayed once here, then each gradient adds its part
   # (on the device throughout: offloaded, it comes in whole).
   floor_offloaded = _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)
-  floor_outer, floor_stacked = (None, None) if not halves else staged.split(
+  floor_outer, floor_stacked = (None, None) if not _adama.floors_split(state) else staged.split(
       _adama.decayed_floor(state._replace(
           nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
@@ -1023,7 +1023,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   outer, stacked = staged.split(params)
   (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
-  if _adama.takes_halves(state):
+  if _adama.floors_split(state):
     floor_outer, floor_stacked = staged.split(_offload.to_device(
         state.nu_floor, _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)))
     outer_floors = [_floor.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)]

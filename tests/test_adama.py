@@ -272,6 +272,19 @@ def test_split_floor_is_factored_as_adafactor_for_large_leaves():
     other, _, _ = _reference_split_float64(params, halves, [lr] * num_steps, 0.9, 0.999,
                                            1e-8, floor_read=read)
     assert max(np.max(np.abs(g - o)) for g, o in zip(got, other)) > 1e-3
+  # split_floor=False keeps no floor and steps as the reference without one.
+  tx = optax_adama.adama(lr, num_micro_batches=n, split_floor=False)
+  got = [jnp.asarray(p) for p in params]
+  state = tx.init(got)
+  assert state.adama.nu_floor == ()
+  for micro in halves:
+    for pair in micro:
+      updates, state = tx.update([jnp.asarray((a + b) / 2) for a, b in pair], state, got,
+                                 half_difference=[jnp.asarray((a - b) / 2) for a, b in pair])
+      got = optax.apply_updates(got, updates)
+  chex.assert_trees_all_close(got, other, rtol=1e-5, atol=1e-5)
+  with pytest.raises(TypeError, match="split_floor must be True or False"):
+    optax_adama.adama(lr, num_micro_batches=n, split_floor="no")
 
 
 @pytest.mark.parametrize("num_micro_batches", [2, 4, 8])
