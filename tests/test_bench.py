@@ -57,6 +57,9 @@ def test_capacity_smoke_adama_fits_at_least_as_large():
   assert by_method["adama"]["total_bytes"] <= 0.03e9
 
 
+# 16 s on 2 cores; the capacity search itself is smoke-tested above, the
+# release's memory in tests/test_release.py and tests/test_sharding.py.
+@pytest.mark.slow
 def test_capacity_smoke_scanned_release_holds_less():
   # Compile-only, one scanned byte-vocabulary model: the release step with
   # layer-aligned 8-bit moments against scan accumulation on the same model
