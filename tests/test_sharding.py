@@ -385,9 +385,9 @@ def _release_memory(mesh):
       ("fused", lambda stage: optax_adama.microbatch_step(
           staged, tx, mesh=mesh, shard_states=stage),
        # A StagedLoss under FSDP is gathered layer by layer: placed as the release.
-       lambda stage: (optax_adama.sharding.stack_shardings if stage == "fsdp" else
-                      lambda *a, **k: optax_adama.sharding.step_shardings(*a[1:], **k))(
-                          staged, params, state, mesh, shard_states=stage))):
+       lambda stage: optax_adama.sharding.stack_shardings(
+           staged, params, state, mesh, shard_states=stage) if stage == "fsdp" else
+       optax_adama.sharding.step_shardings(params, state, mesh, shard_states=stage))):
     for stage in RELEASE_STAGES:
       shardings = make_shardings(stage)
       compiled = make_step(stage).lower(
