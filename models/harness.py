@@ -433,7 +433,10 @@ class _RunState:
     if run_checkpoints is not None and self.done not in run_checkpoints.steps():
       run_checkpoints.save(
           self.done, {"params": self.params, "opt_state": self.opt_state},
-          {"train_loss": self.train_loss, "data_position": self.done})
+          # A copy: the save runs in the background while the next steps
+          # append to the live list (a SIGKILL test caught a checkpoint of
+          # step k carrying step k + 1's loss).
+          {"train_loss": list(self.train_loss), "data_position": self.done})
 
 
 def _run_steps(config, compiled, batches, first, run: _RunState, run_checkpoints,
