@@ -40,7 +40,7 @@ import optax_adama
 from models.bert import BERT, BERTConfig
 from models.gpt import GPT, GPTConfig
 from models import layers
-from models.layers import REMAT_POLICIES
+from models.layers import COMPUTE_DTYPES, REMAT_POLICIES
 from models.vit import ViT, ViTConfig
 
 Config = Union[GPTConfig, BERTConfig, ViTConfig]
@@ -212,6 +212,7 @@ __all__ = [
     "GPTConfig",
     "Model",
     "PRESETS",
+    "COMPUTE_DTYPES",
     "REMAT_POLICIES",
     "ViT",
     "ViTConfig",

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
@@ -50,7 +51,17 @@ import models
 import optax_adama
 from models import harness
 
-METHODS = ("scan_accumulation", "optax_microbatching", "multisteps", "adama")
+# Every method of a row group, on the same layout, remat, dtypes and micro-batch:
+# gradient accumulation with a float32 and a bfloat16 carry (what MaxText users
+# run), optax's two ways, and AdamA with the library's defaults.
+METHODS = ("scan_accumulation", "scan_accumulation_bf16", "optax_microbatching",
+           "multisteps", "adama")
+# The reference rows at another remat (the price of remat, and of the release
+# step's recomputation, against a step that saves its activations).
+REFERENCE_METHODS = ("scan_accumulation", "adama")
+# Examples per micro-batch that fill an H100 at the preset's 1,024-token context
+# with bf16 compute and remat "full" (8,192 tokens; what the table states).
+MICRO_BATCH_SIZES = {"gpt2_small": 8, "gpt2_medium": 8, "gpt2_large": 8, "gpt2_xl": 4}
 # The memory fields of a row whose process failed (its "error" says why).
 MISSING_MEMORY = {"compiled_total_bytes": None, "param_bytes": None,
                   "peak_bytes_in_use": None, "compile_s": None, "loss": None}
@@ -58,27 +69,34 @@ MISSING_MEMORY = {"compiled_total_bytes": None, "param_bytes": None,
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One preset, N and layout; every method is measured on it."""
+  """One preset, N, layout, remat and compute dtype; its methods share all of them."""
 
   preset: str
   num_micro_batches: int
   scan_layers: bool
   micro_batch_size: int = 1
   seq_len: int | None = None  # None: the preset's context.
+  remat: str = "full"
+  dtype: str = "bfloat16"  # compute; params and moments are float32.
+  method_names: tuple[str, ...] | None = None  # None: METHODS (+ release if scanned).
 
   @property
   def name(self) -> str:
     layout = "scanned" if self.scan_layers else "unrolled"
-    return f"{self.preset} {layout} N={self.num_micro_batches}"
+    return (f"{self.preset} {layout} N={self.num_micro_batches} remat={self.remat} "
+            f"{self.dtype}")
 
   @property
   def methods(self) -> tuple[str, ...]:
-    # The float32 release step only: the table compares steps on the same
-    # moments, and the 8-minute budget has no room for more.
+    if self.method_names is not None:
+      return tuple(self.method_names)
+    # The float32-moment release step only: the table compares steps on the
+    # same moments, and the 8-minute budget has no room for more.
     return METHODS + (("adama_release",) if self.scan_layers else ())
 
   def config(self) -> models.Config:
-    return models.get_config(self.preset, scan_layers=self.scan_layers)
+    return models.get_config(self.preset, scan_layers=self.scan_layers, remat=self.remat,
+                             dtype=jnp.dtype(self.dtype))
 
   def batch(self, config: models.Config) -> dict:
     return harness.random_batch(config, harness.abstract_batch(
@@ -111,7 +129,7 @@ def measure_method(case: Case, method: str) -> dict[str, Any]:
 
 def measure_floor(case: Case, method: str) -> dict[str, Any]:
   """The floor ``method`` is held to (`models.harness.floor_for`)."""
-  config = models.get_config(case.preset, scan_layers=False)
+  config = dataclasses.replace(case.config(), scan_layers=False)
   batch = harness.abstract_batch(
       config, case.micro_batch_size * case.num_micro_batches, case.seq_len)
   floor = harness.floor_for(method, config, batch, case.num_micro_batches)
@@ -128,8 +146,14 @@ def measure_times(case: Case, rounds: int, steps_per_round: int) -> dict[str, An
           for method, t in times.items()}
 
 
+def case_from_dict(fields: dict[str, Any]) -> Case:
+  """A case back from its JSON form (its method tuple arrives as a list)."""
+  names = fields.get("method_names")
+  return Case(**{**fields, "method_names": None if names is None else tuple(names)})
+
+
 def _worker(task: dict[str, Any]) -> dict[str, Any]:
-  case = Case(**task["case"])
+  case = case_from_dict(task["case"])
   if task["kind"] == "memory":
     return measure_method(case, task["method"])
   if task["kind"] == "floor":
@@ -182,8 +206,10 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
   memory_tasks = [{"kind": "memory", "case": dataclasses.asdict(c), "method": m}
                   for c in cases for m in c.methods]
   def floor_key(case, method):
-    # One floor per model, N and kind of step (the release's is remat "full").
+    # One floor per model, N, remat, dtype and kind of step (the release's is
+    # remat "full").
     return (case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len,
+            case.dtype, "full" if method in harness.RELEASE_METHODS else case.remat,
             method in harness.RELEASE_METHODS)
 
   floor_cases = {floor_key(c, m): (c, m) for c in cases for m in c.methods}
@@ -211,7 +237,7 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
             for i, key in enumerate(floor_cases)}
   rows = []
   for i, task in enumerate(memory_tasks):
-    case, method = Case(**task["case"]), task["method"]
+    case, method = case_from_dict(task["case"]), task["method"]
     timing = timings[cases.index(case)].get(method) or {}
     floor = floors[floor_key(case, method)]
     rows.append({"case": case.name, **task["case"], "method": method,
@@ -253,9 +279,100 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _ratio(num, den) -> float | None:
+  return None if num is None or not den else num / den
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+  """The targets per preset and N, as ratios of the table's medians and peaks.
+
+  AdamA against scan accumulation in the same row group (target <= 1.02x);
+  scanned against unrolled scan accumulation at the same remat (<= 1.10x);
+  the release step against unrolled scan accumulation at remat "full"
+  (<= 1.05x) and without remat (the price of release); AdamA's live peak
+  against its analytic floor (within 5%).
+  """
+  by = {(r["preset"], r["num_micro_batches"], r["scan_layers"], r["remat"], r["method"]): r
+        for r in rows}
+  lines = ["| preset, N | AdamA / scan accum. (unrolled; scanned) | scanned / unrolled "
+           "scan accum. | release / unrolled accum. remat full | release / unrolled "
+           "accum. remat none | AdamA live peak vs floor (unrolled) |",
+           "|---|---|---|---|---|---|"]
+
+  def get(preset, n, scanned, remat, method, key):
+    return (by.get((preset, n, scanned, remat, method)) or {}).get(key)
+
+  def text(value, fmt="{:.3f}x"):
+    return "n/a" if value is None else fmt.format(value)
+
+  for preset, n in dict.fromkeys((r["preset"], r["num_micro_batches"]) for r in rows):
+    step = lambda scanned, remat, method: get(preset, n, scanned, remat, method,
+                                              "median_step_s")
+    adama = [_ratio(step(sc, "full", "adama"), step(sc, "full", "scan_accumulation"))
+             for sc in (False, True)]
+    release = step(True, "full", "adama_release")
+    peak = get(preset, n, False, "full", "adama", "peak_bytes_in_use")
+    floor = get(preset, n, False, "full", "adama", "floor_bytes")
+    vs_floor = None if peak is None or not floor else 100 * (peak / floor - 1)
+    lines.append(
+        f"| {preset}, N={n} | {text(adama[0])}; {text(adama[1])} "
+        f"| {text(_ratio(step(True, 'full', 'scan_accumulation'), step(False, 'full', 'scan_accumulation')))} "
+        f"| {text(_ratio(release, step(False, 'full', 'scan_accumulation')))} "
+        f"| {text(_ratio(release, step(False, 'none', 'scan_accumulation')))} "
+        f"| {text(vs_floor, '{:+.1f}%')} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+  """Step time and live peak (in P) of every method, one column per preset."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  presets = list(dict.fromkeys(r["preset"] for r in rows))
+  fig, axes = plt.subplots(2, len(presets), figsize=(6.5 * len(presets), 7.5), squeeze=False)
+  for column, preset in enumerate(presets):
+    mine = [r for r in rows if r["preset"] == preset]
+    labels = [f"{r['method']}\n{'scan' if r['scan_layers'] else 'unroll'} "
+              f"N={r['num_micro_batches']} {r['remat']}" for r in mine]
+    positions = range(len(mine))
+    step_ms = [1e3 * (r["median_step_s"] or 0.0) for r in mine]
+    peak_p = [(r["peak_bytes_in_use"] or r["compiled_total_bytes"] or 0) / r["param_bytes"]
+              if r.get("param_bytes") else 0.0 for r in mine]
+    colors = ["tab:blue" if r["method"].startswith("adama") else "tab:gray" for r in mine]
+    for row, values, unit in ((0, step_ms, "median step (ms)"), (1, peak_p, "live peak (P)")):
+      ax = axes[row][column]
+      ax.bar(positions, values, color=colors)
+      ax.set_xticks(list(positions), labels, rotation=90, fontsize=7)
+      ax.set_ylabel(unit)
+      ax.set_title(f"{preset}, {mine[0]['dtype']} compute, float32 params")
+  harness.save_figure(fig, path)
+
+
 def device_slug() -> str:
   device = jax.devices()[0]
   return re.sub(r"[^a-z0-9]+", "_", getattr(device, "device_kind", str(device)).lower()).strip("_")
+
+
+def make_cases(args: argparse.Namespace) -> list[Case]:
+  """The row groups of a run: every layout at --remat, plus the reference rows."""
+  cases = []
+  for preset in args.presets:
+    size = args.micro_batch_size or MICRO_BATCH_SIZES.get(preset, 1)
+    every = preset in args.all_methods_presets
+    for n in args.num_micro_batches:
+      for layout in args.layouts:
+        scanned = layout == "scanned"
+        names = None if every else (
+            ("scan_accumulation", "scan_accumulation_bf16", "adama")
+            + (("adama_release",) if scanned else ()))
+        cases.append(Case(preset, n, scanned, size, args.seq_len, args.remat, args.dtype,
+                          names))
+      for remat in args.reference_remat:
+        if remat != args.remat:
+          cases.append(Case(preset, n, False, size, args.seq_len, remat, args.dtype,
+                            REFERENCE_METHODS))
+  return cases
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -264,12 +381,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--presets", nargs="+", default=["gpt2_small", "gpt2_medium"],
                       choices=sorted(models.PRESETS))
-  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
+  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4])
   parser.add_argument("--layouts", nargs="+", choices=("unrolled", "scanned"),
                       default=["unrolled", "scanned"])
-  parser.add_argument("--micro-batch-size", type=int, default=1)
+  parser.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="full",
+                      help="every method's remat policy (the release step recomputes "
+                           "each layer, as 'full' does)")
+  parser.add_argument("--reference-remat", nargs="*", default=["none"],
+                      choices=sorted(models.REMAT_POLICIES),
+                      help="also unrolled scan accumulation and AdamA at these remats")
+  parser.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default="bfloat16",
+                      help="compute dtype (params and moments float32)")
+  parser.add_argument("--all-methods-presets", nargs="*", default=["gpt2_small"],
+                      help="presets that also run optax.microbatching and MultiSteps "
+                           "(the others: scan accumulation f32/bf16 carry and AdamA)")
+  parser.add_argument("--micro-batch-size", type=int, default=None,
+                      help=f"default: per preset {MICRO_BATCH_SIZES}, else 1")
   parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
-  parser.add_argument("--workers", type=int, default=4,
+  parser.add_argument("--workers", type=int, default=6,
                       help="memory processes at a time (each compiles on the host)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps-per-round", type=int, default=3)
@@ -280,9 +409,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   if args.worker is not None:
     print(json.dumps(_worker(json.loads(args.worker))))
     return []
-  cases = [Case(preset, n, layout == "scanned", args.micro_batch_size, args.seq_len)
-           for preset in args.presets for n in args.num_micro_batches
-           for layout in args.layouts]
+  cases = make_cases(args)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache_dir:
     log = args.out_dir / "raw" / "gpu_tasks.jsonl"
@@ -294,15 +421,29 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   wall_s = time.perf_counter() - start
   slug = device_slug()
   command = "python -m models.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-  (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
   (args.out_dir / "raw" / f"gpu_{slug}.json").write_text(json.dumps(
       {"command": command, "machine": harness.machine_info(), "wall_s": wall_s, "rows": rows},
       indent=1))
-  text = (f"Measured by `{command}` on {harness.machine_info()['device']} in {wall_s:.0f} s.\n\n"
-          + table(rows))
-  (args.out_dir / f"gpu_{slug}.md").write_text(text)
-  print(text)
+  write_report(rows, command=command, device=harness.machine_info()["device"],
+               wall_s=wall_s, out_dir=args.out_dir, slug=slug)
   return rows
+
+
+def write_report(rows: Sequence[dict[str, Any]], *, command: str, device: str, wall_s: float,
+                 out_dir: Path, slug: str) -> str:
+  """gpu_<slug>.md (targets, then the table) and gpu_<slug>.png; returns the text."""
+  sizes = sorted({(r["preset"], r["micro_batch_size"], r["seq_len"]) for r in rows})
+  stated = "; ".join(f"{p}: {b} examples x {t or 'context'} tokens per micro-batch"
+                     for p, b, t in sizes)
+  text = (f"Measured by `{command}` on {device} in {wall_s:.0f} s. Params and moments "
+          f"float32; compute dtype and remat per row; {stated}. Live peak: "
+          "`memory_stats()['peak_bytes_in_use']` after three steps in a process of its "
+          "own; step: median of interleaved rounds.\n\n"
+          + summary(rows) + "\n" + table(rows))
+  (out_dir / f"gpu_{slug}.md").write_text(text)
+  plot(rows, out_dir / f"gpu_{slug}.png")
+  print(text)
+  return text
 
 
 if __name__ == "__main__":

@@ -176,6 +176,9 @@ class TrainConfig:
   data_path: str | None = None  # a user text file or directory (text models).
   max_bytes: int = 2_000_000  # corpus cap for the standard-library text.
   remat: str = "none"
+  # Compute dtype of the model (params, moments and the update stay float32):
+  # "bfloat16" is mixed precision as practitioners train on a GPU.
+  dtype: str = "float32"
   gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
   linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
   loss_chunks: int = 1  # gpt: the LM head's loss over this many chunks of tokens.
@@ -220,6 +223,10 @@ class TrainConfig:
         raise ValueError(
             f"nu_estimator={self.nu_estimator!r} needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
+    if self.dtype not in models.COMPUTE_DTYPES:
+      raise ValueError(f"dtype (compute) must be one of {models.COMPUTE_DTYPES}, got "
+                       f"{self.dtype!r} (float16 needs loss scaling, which the models do "
+                       "not do).")
     if self.nu_estimator not in NU_ESTIMATOR_NAMES:
       raise ValueError(f"nu_estimator must be one of {NU_ESTIMATOR_NAMES}, "
                        f"got {self.nu_estimator!r}.")
@@ -286,6 +293,7 @@ def model_config_of(config: TrainConfig) -> models.Config:
     raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
   chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
   return models.get_config(config.preset_name, remat=config.remat, gelu_bits=config.gelu_bits,
+                           dtype=jnp.dtype(config.dtype),
                            scan_layers=config.scan_layers,
                            linear_keep_ratio=config.linear_keep_ratio, **chunks)
 
@@ -594,9 +602,11 @@ def make_step(
     return step, tx
   if method == "full_batch":
     return optax_adama.microbatch_step(loss_fn, adam, num_micro_batches=1), adam
-  if method == "scan_accumulation":
+  if method in ("scan_accumulation", "scan_accumulation_bf16"):
+    # _bf16: the gradient sum carried in bfloat16, as MaxText users run it.
     step = optax_adama.microbatch_step(
-        loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False)
+        loss_fn, adam, num_micro_batches=num_micro_batches, update_every_micro_batch=False,
+        accumulation_dtype=jnp.bfloat16 if method.endswith("_bf16") else None)
     return step, adam
   if method == "multisteps":
     tx = optax.MultiSteps(adam, every_k_schedule=num_micro_batches)

@@ -27,6 +27,10 @@ DType = Any
 # The block's activations tagged with `checkpoint_name`, for the "minimal" policy.
 CHECKPOINT_NAMES = ("qkv", "attention_context", "attention_out", "mlp_hidden", "mlp_out")
 
+# Compute dtypes the models run: float32, and bfloat16 with float32 params
+# (mixed precision as MaxText and Levanter train).
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
 # Remat policy names (the `remat` field of every model config) mapped onto
 # `jax.checkpoint` policies. `None` means: do not wrap the block at all.
 #   none          keep every activation (fastest, most memory)
@@ -95,6 +99,12 @@ class TransformerConfig:
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if jnp.dtype(self.dtype).name not in COMPUTE_DTYPES:
+      # float16's 5-bit exponent underflows small gradients unless the loss
+      # is scaled, which these models and steps do not do.
+      raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got "
+                       f"{jnp.dtype(self.dtype).name!r} (float16 needs loss scaling; use "
+                       "bfloat16 for mixed precision).")
     if self.gelu_bits is not None and self.gelu_bits not in savers.CODE_BITS:
       raise ValueError(f"gelu_bits must be None or one of {savers.CODE_BITS}, "
                        f"got {self.gelu_bits!r}")

@@ -81,6 +81,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="your own text file or directory (gpt/bert)")
   parser.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
   parser.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
+  parser.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=defaults.dtype,
+                      help="compute dtype; params, moments and updates stay float32 "
+                           "(bfloat16: mixed precision, as on a GPU)")
   parser.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
                       help="GELU backward from a code of this many bits (models.savers); "
                            "default: exact")
