@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import models
@@ -62,12 +63,15 @@ def main() -> None:
   parser.add_argument("--remat", default="none", help="the models' remat policy")
   parser.add_argument("--loss-chunks", type=int, default=1,
                       help="gpt presets: the LM head's loss over this many chunks of tokens")
+  parser.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default="float32",
+                      help="compute dtype (params and moments float32)")
   parser.add_argument("--estimators", nargs="+", default=list(optax_adama.NU_ESTIMATORS),
                       choices=("auto",) + optax_adama.NU_ESTIMATORS)
   args = parser.parse_args()
   for preset in args.presets:
     totals = estimator_totals(preset, args.batch_size, scan_layers=args.scan_layers,
                               remat=args.remat, estimators=args.estimators,
+                              dtype=jnp.dtype(args.dtype),
                               **({"loss_chunks": args.loss_chunks} if args.loss_chunks != 1 else {}))
     params = nnx.eval_shape(lambda: models.create(models.get_config(preset), rngs=nnx.Rngs(0)))
     param_bytes = optax_adama.memory.tree_bytes(nnx.state(params, nnx.Param))

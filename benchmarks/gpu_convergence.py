@@ -43,7 +43,7 @@ def label(run) -> str:
   if config["optimizer"] != "adama":
     return "Adam + accumulation"
   if config["nu_estimator"] == "auto":
-    return "AdamA default ('split' + floor)"
+    return "AdamA 'auto' ('split' + floor; the default then)"
   return f"AdamA nu_estimator={config['nu_estimator']!r}"
 
 

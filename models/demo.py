@@ -12,8 +12,8 @@ both halves:
 
 1. Training: the tiny GPT on the offline corpus, N = 4 micro-batches of 32
    sequences x 64 tokens (2,048 tokens each), 300 mini-batch steps, AdamA
-   (with the `"split"` second-moment estimator, docs/estimators.md's choice wherever
-   micro-batches hold two or more examples) against Adam with a float32
+   (with its default second-moment estimator, `"momentum"`: docs/estimators.md)
+   against Adam with a float32
    gradient accumulator, at the same learning rate; held-out loss of both
    and their gap. Both run the scanned model with the LM-head loss in 8
    chunks; AdamA trains through `release_step`, the step measured below.
@@ -54,8 +54,8 @@ class DemoConfig:
   micro_batch_size: int = 32  # sequences of 64 tokens: 2,048 tokens.
   learning_rate: float = 2e-3
   seed: int = 0
-  # The library's default: "split" here (micro-batches of 32 sequences).
-  nu_estimator: str = "auto"
+  # The library's default estimator ("momentum").
+  nu_estimator: str = harness.DEFAULT_NU_ESTIMATOR
   memory_preset: str = "gpt2_small"
   memory_seq_len: int = 1024
   memory_micro_batch_size: int = 2  # sequences of memory_seq_len.
@@ -111,7 +111,7 @@ def summary(config: DemoConfig, runs: dict[str, dict[str, Any]],
           "steps": config.steps,
           "learning_rate": config.learning_rate,
           "nu_estimator": runs["adama"]["config"]["nu_estimator"],
-          # What "auto" reads as here: "split" where micro-batches halve.
+          # What the estimator reads as here ("auto": "split" where micro-batches halve).
           "nu_estimator_reads_as": _reads_as(config),
           "eval_loss": {name: run["eval_loss"] for name, run in runs.items()},
           "eval_gap": runs["adama"]["eval_loss"] / runs["adam"]["eval_loss"] - 1,

@@ -153,8 +153,9 @@ def tokens_per_example(model_config: models.Config, batch: dict) -> int:
 MODEL_KINDS = ("gpt", "bert", "vit")
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
-# AdamA's estimators of v, "auto" (the library's default) first.
+# AdamA's estimators of v, and the library's default (optax_adama.adamaw's).
 NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.NU_ESTIMATORS
+DEFAULT_NU_ESTIMATOR = "momentum"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,8 @@ class TrainConfig:
   mu_dtype: str | None = None  # e.g. "bfloat16"; adam/multisteps take it too.
   nu_dtype: str | None = None  # adama only (optax.adamw has no nu_dtype).
   quantize_moments: bool = False  # 8-bit BlockQuantization(); adama only.
-  nu_estimator: str = "auto"  # AdamA's second-moment estimator; adama only.
+  nu_estimator: str = DEFAULT_NU_ESTIMATOR  # AdamA's second-moment estimator; adama only.
+  split_floor: bool = True  # "split"'s floor (optax_adama.adama's split_floor); adama only.
   accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
 
   def __post_init__(self):
@@ -219,7 +221,10 @@ class TrainConfig:
         raise ValueError(
             "quantize_moments (8-bit moments) needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
-      if self.nu_estimator != "auto":
+      if not self.split_floor:
+        raise ValueError(f"split_floor=False needs optimizer='adama', got "
+                         f"optimizer={self.optimizer!r}.")
+      if self.nu_estimator != DEFAULT_NU_ESTIMATOR:
         raise ValueError(
             f"nu_estimator={self.nu_estimator!r} needs optimizer='adama', got "
             f"optimizer={self.optimizer!r}.")
@@ -280,7 +285,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         schedule, weight_decay=config.weight_decay,
         num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
         nu_dtype=config.nu_dtype, quantization=quantization,
-        nu_estimator=config.nu_estimator)
+        nu_estimator=config.nu_estimator, split_floor=config.split_floor)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)

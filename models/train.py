@@ -31,7 +31,7 @@ import optax_adama
 from models import harness, planner, savers
 
 # Options only one side of `--compare` takes; the other side keeps its default.
-ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator", "release")
+ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator", "split_floor", "release")
 ACCUMULATION_ONLY = ("accumulation_dtype",)
 
 
@@ -110,6 +110,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
                       default=defaults.nu_estimator,
                       help="AdamA's second-moment estimator, adama only")
+  parser.add_argument("--no-split-floor", dest="split_floor", action="store_false",
+                      help="'auto'/'split' without their floor (optax_adama.adama's "
+                           "split_floor=False), adama only")
   parser.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,
                       help="gradient accumulator dtype, adam only (default: the params')")
   parser.add_argument("--metrics-out", type=Path, default=None,

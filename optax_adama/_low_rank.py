@@ -21,7 +21,7 @@ any AdamA transformation and adds the four things AdamA needs from it:
   ``"split"`` estimator) is projected with the gradient's projector and handed
   on: projection is linear, so ``P^T d`` is the half difference of the
   projected halves, and "split" is exact in the projected space (optax's
-  GaLore takes no extra arguments, so "auto" would fold "mean").
+  GaLore takes no extra arguments, so "split" could not run there).
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def low_rank(
   ``update`` takes the ``"split"`` estimator's ``half_difference=d`` (which
   :func:`microbatch_step` passes) and hands ``inner`` :math:`P^\top d`,
   projected with the projector of :math:`g_i`, never refreshed from ``d``;
-  unprojected leaves get ``d`` whole. Without it ``inner`` gets none (AdamA's
-  default ``nu_estimator="auto"`` then folds ``"mean"``).
+  unprojected leaves get ``d`` whole. Without it ``inner`` gets none
+  (``nu_estimator="auto"`` then folds ``"mean"``; the default ``"momentum"``
+  needs none).
 
   ``inner`` sees no params (they have the full shape, the moments the
   projected one): use :func:`adama` or :func:`scale_by_adama`, not

@@ -83,8 +83,8 @@ def microbatch_step(
     the same results without a params-sized read and write per micro-batch.
     That path takes each call to start a mini-batch, as the previous call
     leaves it; do not interleave your own ``tx.update`` calls on the same
-    state mid-mini-batch. With AdamA's default estimator (``"auto"``) or
-    ``"split"`` each micro-batch's gradient is taken as its two halves' (its
+    state mid-mini-batch. With AdamA's ``nu_estimator="auto"`` or
+    ``"split"`` (not the default, ``"momentum"``) each micro-batch's gradient is taken as its two halves' (its
     first and second half of rows) in one vmapped backward, and their half
     difference goes to ``update`` as well; on a mesh each half's rows are
     split over the devices. ``"auto"`` does so where the rows halve (on a

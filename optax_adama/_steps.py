@@ -75,7 +75,8 @@ def check_halvable(micro_batches, num_devices: int = 1) -> None:
     raise ValueError(
         "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
         f"the micro-batch size must be {rule}, got {size}. Leave nu_estimator "
-        "at its default ('auto'), which folds such micro-batches as 'mean'.")
+        "at its default ('momentum'), which needs no halves, or use 'auto', which "
+        "folds such micro-batches as 'mean'.")
 
 
 def resolve_halves(state, micro_batches, num_devices: int = 1):

@@ -1,10 +1,12 @@
-"""What a user gets without naming an estimator: "auto", per path and per shape.
+"""What a user gets without naming an estimator: "momentum", on every path and shape.
 
-"auto" is "split" wherever the step hands over each micro-batch's half
-difference (the fused steps, micro-batches that halve) and "mean" wherever
-it cannot (one ``update`` per micro-batch; one example or an odd count per
-micro-batch). These tests pin each case to the estimator it must equal,
-bitwise where the same program runs, and check that the state keeps its name.
+"momentum" ("sum" plus (1 - 1/N) m_hat**2 once per mini-batch: Adam's v in
+expectation) needs nothing from the step but the gradient, so the fused,
+release and per-update paths all compute it, for micro-batches of any size,
+at no memory beyond m and v. "auto" stays selectable: "split" wherever the
+step hands over each micro-batch's half difference, "mean" wherever it
+cannot. These tests pin each case to the estimator it must equal, bitwise
+where the same program runs, and check that the state keeps its name.
 """
 
 import chex
@@ -37,12 +39,46 @@ def _adamaw(nu_estimator=None, **options):
   return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4, **kwargs, **options)
 
 
-def test_the_default_estimator_is_auto_everywhere():
+def test_the_default_estimator_is_momentum_everywhere():
   params = {"w": jnp.ones(3)}
   for make in (optax_adama.adama, optax_adama.adamaw):
     state = _adama.adama_of(make(1e-3, num_micro_batches=4).init(params))
-    assert state.nu_estimator == "auto"
-  assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "auto"
+    assert state.nu_estimator == "momentum"
+    assert state.nu_floor == ()  # no state beyond m and v
+  assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "momentum"
+
+
+@pytest.mark.parametrize("batch_size", [16, 4, 12])  # 4, 1 and 3 rows per micro-batch
+def test_fused_default_is_momentum_for_every_micro_batch_size(batch_size):
+  params, state = _run_fused(_adamaw(), batch_size)
+  ref_params, ref_state = _run_fused(_adamaw("momentum"), batch_size)
+  chex.assert_trees_all_equal(params, ref_params)  # the same program: bitwise
+  chex.assert_trees_all_equal(_adama.adama_of(state).nu, _adama.adama_of(ref_state).nu)
+  assert _adama.adama_of(state).nu_estimator == "momentum"
+
+
+def test_fused_default_compiles_to_mean_memory():
+  """No halves, no floor: the default's step holds what "mean"'s holds."""
+  mlp = MLP(num_layers=3, width=256)  # P = 0.79 MB: fixed temporaries are noise
+  batch = mlp.batch(0, 16)
+  params = mlp.params()
+  p = optax_adama.memory.tree_bytes(params)
+  totals = {}
+  for name in ("momentum", "mean", "auto"):
+    tx = _adamaw(name)
+    step = optax_adama.microbatch_step(mlp.loss, tx)
+    totals[name] = optax_adama.memory_report(step, params, tx.init(params), batch).total_bytes
+  # "momentum" adds (1 - 1/N) m_hat**2 on the last fold as a select (not a
+  # branch, which stalls a GPU per leaf); where activations are this small
+  # XLA keeps one layer's fold of m beside its update (_add_squared_momentum).
+  # On GPT-2 small the two compile to the same bytes (docs/estimators.md).
+  # Plus the update's scalars (its weight, the bias correction, the
+  # completion predicate), each padded to XLA's 64-byte alignment.
+  scalars = 16 * 64
+  assert totals["momentum"] - totals["mean"] <= optax_adama.memory.tree_bytes(
+      params["layer0"]) + scalars, totals
+  # "auto" ("split") takes each micro-batch's halves' gradients: most of a P more.
+  assert totals["auto"] - totals["mean"] > 0.5 * p, totals
 
 
 @pytest.mark.parametrize("batch_size, same_as", [
@@ -50,8 +86,8 @@ def test_the_default_estimator_is_auto_everywhere():
     (4, "mean"),    # one example per micro-batch: no halves.
     (12, "mean"),   # 3 rows per micro-batch: no equal halves.
 ])
-def test_fused_default_equals_the_estimator_its_micro_batches_allow(batch_size, same_as):
-  params, state = _run_fused(_adamaw(), batch_size)
+def test_fused_auto_equals_the_estimator_its_micro_batches_allow(batch_size, same_as):
+  params, state = _run_fused(_adamaw("auto"), batch_size)
   ref_params, ref_state = _run_fused(_adamaw(same_as), batch_size)
   # The same program: bitwise.
   chex.assert_trees_all_equal(params, ref_params)
@@ -59,9 +95,9 @@ def test_fused_default_equals_the_estimator_its_micro_batches_allow(batch_size, 
   assert _adama.adama_of(state).nu_estimator == "auto"  # the name it came with
 
 
-def test_fused_default_differs_from_mean_where_it_splits():
+def test_fused_auto_differs_from_mean_where_it_splits():
   # Guards the test above against both runs silently taking one path.
-  params, _ = _run_fused(_adamaw(), 16)
+  params, _ = _run_fused(_adamaw("auto"), 16)
   mean_params, _ = _run_fused(_adamaw("mean"), 16)
   assert not all(jax.tree.leaves(jax.tree.map(
       lambda a, b: bool(jnp.array_equal(a, b)), params, mean_params)))
@@ -72,10 +108,12 @@ def test_explicit_split_refuses_one_example_micro_batches_and_names_the_default(
     _run_fused(_adamaw("split"), 4, steps=1)
 
 
-def test_per_update_default_is_mean_bitwise():
-  """One ``tx.update`` per micro-batch (nnx.Optimizer, optax.chain) has no halves."""
+@pytest.mark.parametrize("name, same_as", [(None, "momentum"), ("auto", "mean")])
+def test_per_update_path_bitwise(name, same_as):
+  """One ``tx.update`` per micro-batch (nnx.Optimizer, optax.chain): the default
+  is "momentum" there too; "auto", given no halves, is "mean"."""
   params = MODEL.params()
-  default, mean = _adamaw(), _adamaw("mean")
+  default, mean = _adamaw(name), _adamaw(same_as)
   s_default, s_mean = default.init(params), mean.init(params)
   p_default = p_mean = params
   for i in range(8):
@@ -84,12 +122,12 @@ def test_per_update_default_is_mean_bitwise():
     u_mean, s_mean = mean.update(grads, s_mean, p_mean)
     chex.assert_trees_all_equal(u_default, u_mean)
     p_default = p_mean = optax.apply_updates(p_default, u_default)
-  assert _adama.adama_of(s_default).nu_estimator == "auto"
+  assert _adama.adama_of(s_default).nu_estimator == (name or "momentum")
 
 
-def test_per_update_default_takes_a_half_difference_when_given():
+def test_per_update_auto_takes_a_half_difference_when_given():
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
-  default = optax_adama.scale_by_adama(num_micro_batches=2)
+  default = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="auto")
   split = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split")
   s_default, s_split = default.init(params), split.init(params)
   for i in range(4):
@@ -101,19 +139,21 @@ def test_per_update_default_takes_a_half_difference_when_given():
   chex.assert_trees_all_equal(s_default.nu, s_split.nu)
 
 
-def test_release_default_equals_release_split():
+@pytest.mark.parametrize("name, same_as", [(None, "momentum"), ("auto", "split")])
+def test_release_bitwise(name, same_as):
   staged = test_release.staged_loss()
   params = test_release.make_params()
   runs = {}
-  for name in ("auto", "split"):
-    tx = optax_adama.adama(1e-2, num_micro_batches=2, nu_estimator=name)
+  for key in (name, same_as):
+    tx = (optax_adama.adama(1e-2, num_micro_batches=2) if key is None else
+          optax_adama.adama(1e-2, num_micro_batches=2, nu_estimator=key))
     step = optax_adama.release_step(staged, tx)
     p, s = jax.tree.map(jnp.array, params), tx.init(params)
     for seed in range(2):
       p, s, _ = step(p, s, test_release.make_batch(seed, size=8))
-    runs[name] = (p, s)
-  chex.assert_trees_all_equal(runs["auto"][0], runs["split"][0])
-  assert _adama.adama_of(runs["auto"][1]).nu_estimator == "auto"
+    runs[key] = (p, s)
+  chex.assert_trees_all_equal(runs[name][0], runs[same_as][0])
+  assert _adama.adama_of(runs[name][1]).nu_estimator == (name or "momentum")
 
 
 def test_eight_bit_moments_take_split_and_keep_a_negative_v():
@@ -151,7 +191,7 @@ def test_eight_bit_default_trains_like_float32_default():
     for i in range(200):
       params, state, metrics = step(params, state, mlp.batch(i % 20, 8))
     losses[name] = float(metrics["loss"])
-  assert _adama.adama_of(state).nu_estimator == "auto"
+  assert _adama.adama_of(state).nu_estimator == "momentum"
   # 8-bit moments round m and sqrt(v) to 3 mantissa bits per block; over 200
   # steps on this MLP the loss lands within 10% of the float32 run's.
   assert abs(losses["8bit"] - losses["f32"]) <= 0.1 * losses["f32"], losses

@@ -198,8 +198,8 @@ def test_half_difference_is_projected_with_the_gradients_projector():
 
 
 def test_fused_step_hands_the_half_difference_through():
-  # Under microbatch_step the default "auto" now gets the halves through
-  # low_rank: it folds "split" bit for bit, and not "mean".
+  # Under microbatch_step "auto" gets the halves through low_rank: it folds
+  # "split" bit for bit, and not "mean".
   params = MODEL.params()
 
   def run(**estimator):
@@ -212,7 +212,7 @@ def test_fused_step_hands_the_half_difference_through():
       p, state, _ = step(p, state, MODEL.batch(seed, 8))
     return p, optax_adama.find_adama_state(state).nu
 
-  auto, split, mean = run(), run(nu_estimator="split"), run(nu_estimator="mean")
+  auto, split, mean = (run(nu_estimator=name) for name in ("auto", "split", "mean"))
   assert auto[1]["layer0"]["w"].shape == (3, 8)
   chex.assert_trees_all_equal(auto, split)
   assert not np.allclose(auto[1]["layer0"]["w"], mean[1]["layer0"]["w"], rtol=1e-3)

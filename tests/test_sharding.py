@@ -320,10 +320,11 @@ def _release_worker(mesh):
       runs[stage] = (params, state, metrics)
     return runs.pop("single"), runs
 
-  # The default's floor where it is factored (a stack of 128 x 128 kernels,
+  # "auto"'s floor where it is factored (a stack of 128 x 128 kernels,
   # split over the devices along a side): each device's part of a row or
   # column sum is put together inside shard_map. Two steps, as "split".
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+                          nu_estimator="auto")
   single, runs = release_runs(
       tx, ("zero1", "zero2"), lambda: test_release.make_params(width=128),
       [test_release.make_batch(seed, size=64, width=128) for seed in range(2)])
