@@ -522,6 +522,34 @@ def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   return _Folded(value, absmax)
 
 
+def adds_momentum_after_fold(state: ScaleByAdamAState, offload_min_size) -> bool:
+  """Whether a step that folds a whole mini-batch may fold ``"momentum"`` as
+  ``"sum"`` and add its ``m_hat**2`` term once, after: moments kept whole in
+  float32 on the device (the term then lands on the same unrounded v)."""
+  return (state.nu_estimator == "momentum" and state.num_micro_batches > 1
+          and offload_min_size is None
+          and all(not isinstance(x, QuantizedArray) and jnp.dtype(x.dtype) == jnp.float32
+                  for x in jax.tree.leaves((state.mu, state.nu),
+                                           is_leaf=lambda x: isinstance(x, QuantizedArray))))
+
+
+def add_momentum_term(state: ScaleByAdamAState, config: AdamAConfig) -> ScaleByAdamAState:
+  """``state`` after a mini-batch folded as ``"sum"``, with ``"momentum"``'s
+  ``(1 - b2)(1 - 1/N) m_hat**2`` added to v: :func:`_add_squared_momentum`
+  on every leaf at once, outside the fold's layer scan (where, fused with
+  the fold, XLA copied a whole layer stack's m: +0.68 P on GPT-2 small's
+  release step)."""
+  n = state.num_micro_batches
+  # The same arithmetic as the fold's (b2 as given, b1 in float32): the
+  # two ways then round alike.
+  t = jnp.asarray(state.count).astype(jnp.float32)  # the completed mini-batch
+  weight = (1 - config.b2) * (1 - 1 / n) / (
+      1 - jnp.asarray(config.b1).astype(jnp.float32) ** t) ** 2
+  weight = jnp.asarray(weight).astype(jnp.float32)
+  nu = jax.tree.map(lambda m, v: v + weight * (m * m), state.mu, state.nu)
+  return state._replace(nu=nu)
+
+
 def completed(state: ScaleByAdamAState) -> jax.Array:
   """Whether the call that produced ``state`` completed a mini-batch."""
   # jnp.asarray also unwraps containers such as flax.nnx.Optimizer's OptArray.

@@ -9,6 +9,7 @@ write by hand (a gradient-sum carry, one `update` on the mean), the baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Any, Callable, NamedTuple, Optional
@@ -421,14 +422,20 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   name = _adama.adama_of(opt_state).nu_estimator
   state, split = _steps.resolve_halves(
       _adama.adama_of(opt_state), micro_batches, placement.num_devices)
+  # "momentum" folds as "sum" and adds its m_hat**2 term once, after the scan.
+  momentum_after = _adama.adds_momentum_after_fold(state, parts.offload_min_size)
+  fold_config = (dataclasses.replace(parts.config, nu_estimator="sum") if momentum_after
+                 else parts.config)
 
   def body(state, micro_batch):
     loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
-    state = _adama.fold_micro_batch(grads, to_device(state), parts.config, **extra_args)
+    state = _adama.fold_micro_batch(grads, to_device(state), fold_config, **extra_args)
     return to_host(state), (loss, aux, jnp.array(False))
 
   state, outputs = jax.lax.scan(body, state, micro_batches)
   state = to_device(state)
+  if momentum_after:
+    state = _adama.add_momentum_term(state, parts.config)
   updates = _adama.emitted_direction(state, params, parts.config)
   inner_state = None
   if parts.inner is not None:

@@ -271,9 +271,16 @@ def release_step(
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
     resolved, _ = _steps.resolve_halves(
         state, micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
-    fold = _scan_body(staged, parts, has_aux, params, mesh, shard_states,
+    momentum_after = _adama.adds_momentum_after_fold(resolved, parts.offload_min_size)
+    fold_parts = parts
+    if momentum_after:  # fold as "sum"; the m_hat**2 term follows the scan
+      fold_parts = dataclasses.replace(
+          parts, config=dataclasses.replace(parts.config, nu_estimator="sum"))
+    fold = _scan_body(staged, fold_parts, has_aux, params, mesh, shard_states,
                              data_axis, shardings)
     folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
+    if momentum_after:
+      folded = _adama.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
         staged, parts, params, folded, _adama.inner_of(opt_state),
         _sharded_update(staged, shardings, shard_states, mesh, data_axis))
