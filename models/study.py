@@ -58,7 +58,7 @@ BASE: dict[str, dict[str, Any]] = {
 # "adam": one step on the whole mini-batch; "adam_accumulation": the same
 # math over N micro-batches summed in float32, so its gap to "adam" is only
 # rounding carried through training, the noise floor a cell's gaps are read
-# against; "auto": AdamA's default (with its floor, which "split" rows run
+# against; "auto": the previous default ("split" with its floor, which "split" rows run
 # before it was added do not have).
 ARMS = ("adam", "adam_accumulation", "adam_bf16acc", "auto", "mean", "sum", "momentum",
         "split")
@@ -96,7 +96,7 @@ class Run:
         num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
         batch_size=self.batch_size, steps=self.steps,
         learning_rate=self.learning_rate, seed=self.seed,
-        nu_estimator="auto" if adam else self.arm,
+        nu_estimator=harness.DEFAULT_NU_ESTIMATOR if adam else self.arm,
         accumulation_dtype="bfloat16" if self.arm == "adam_bf16acc" else None,
         **settings)
 

@@ -522,12 +522,13 @@ def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   return _Folded(value, absmax)
 
 
-def adds_momentum_after_fold(state: ScaleByAdamAState, offload_min_size) -> bool:
+def adds_momentum_after_fold(state: ScaleByAdamAState, per_layer_offload: bool) -> bool:
   """Whether a step that folds a whole mini-batch may fold ``"momentum"`` as
-  ``"sum"`` and add its ``m_hat**2`` term once, after: moments kept whole in
-  float32 on the device (the term then lands on the same unrounded v)."""
+  ``"sum"`` and add its ``m_hat**2`` term once, after: float32 moments (the
+  term then lands on the same unrounded v) that are whole on the device
+  after the fold (not host-offloaded moments brought in a layer at a time)."""
   return (state.nu_estimator == "momentum" and state.num_micro_batches > 1
-          and offload_min_size is None
+          and not per_layer_offload
           and all(not isinstance(x, QuantizedArray) and jnp.dtype(x.dtype) == jnp.float32
                   for x in jax.tree.leaves((state.mu, state.nu),
                                            is_leaf=lambda x: isinstance(x, QuantizedArray))))
@@ -1118,10 +1119,11 @@ def adama(
     >>> for x in (1.0, 2.0):  # two micro-batches (gradients -2, -4), one step
     ...   u, state = tx.update(jax.grad(loss)(params, x), state)
     ...   params = optax.apply_updates(params, u)
-    >>> # Adam on the mean gradient (-3) would step 0.1; AdamA's v is the mean
-    >>> # of squares (10, not 9), so its step is 0.1 * 3 / sqrt(10).
+    >>> # Adam on the mean gradient (-3) would step 0.1; AdamA's v (the default,
+    >>> # "momentum") is (4 + 16) / 2**2 + (1 - 1/2) * 3**2 = 9.5, not 9, so its
+    >>> # step is 0.1 * 3 / sqrt(9.5).
     >>> print(round(float(params["w"]), 4))
-    0.0949
+    0.0973
 
   References:
     Zhang et al., `Adam Accumulation to Reduce Memory Footprints of both

@@ -129,8 +129,8 @@ def memory_report(
     >>> report = optax_adama.memory_report(step, params, state, batch)
     >>> report.param_bytes  # P: one float32 copy of w
     262144
-    >>> round(report.in_p(report.argument_bytes), 2)  # params, m, v, v's floor, the batch
-    3.26
+    >>> round(report.in_p(report.argument_bytes), 2)  # params, m, v, the batch
+    3.25
   """
   compiled = _compile(fn, args)
   analysis = compiled.memory_analysis()
@@ -213,9 +213,9 @@ def memory_floor(
     >>> batch = {"x": jnp.zeros((64, 256))}
     >>> floor = optax_adama.memory.memory_floor(
     ...     loss_fn, params, state, batch, num_micro_batches=4)
-    >>> # params, m, v (and v's floor: a row and a column of w), one gradient of w
+    >>> # params, m, v, one gradient of w
     >>> round(floor.in_p(floor.param_bytes + floor.opt_state_bytes + floor.largest_gradient_bytes), 2)
-    4.01
+    4.0
   """
   micro_batch = jax.eval_shape(
       lambda b: jax.tree.map(lambda x: x[0], _steps.split_micro_batches(b, num_micro_batches)),

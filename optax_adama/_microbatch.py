@@ -170,8 +170,10 @@ def microbatch_step(
     >>> state = tx.init(params)
     >>> batch = {"x": jnp.arange(4.0), "y": 2.0 * jnp.arange(4.0)}
     >>> params, state, metrics = step(params, state, batch)
-    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))  # Adam's first step: lr
-    14.0 0.1
+    >>> # Micro-batch gradients -8 and -20: Adam's first step would be the rate,
+    >>> # 0.1; AdamA's v is (8**2 + 20**2) / 2**2 + (1 - 1/2) * 14**2 = 214.
+    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))  # 0.1 * 14 / sqrt(214)
+    14.0 0.0957
 
   References:
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.
@@ -423,7 +425,8 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   state, split = _steps.resolve_halves(
       _adama.adama_of(opt_state), micro_batches, placement.num_devices)
   # "momentum" folds as "sum" and adds its m_hat**2 term once, after the scan.
-  momentum_after = _adama.adds_momentum_after_fold(state, parts.offload_min_size)
+  # (Offloaded moments are all on the device for the update below anyway.)
+  momentum_after = _adama.adds_momentum_after_fold(state, per_layer_offload=False)
   fold_config = (dataclasses.replace(parts.config, nu_estimator="sum") if momentum_after
                  else parts.config)
 

@@ -186,9 +186,9 @@ def host_state_bytes(state: Any, *, min_size: int = 4096) -> int:
     >>> import jax, jax.numpy as jnp, optax_adama
     >>> tx = optax_adama.adama(1e-3, num_micro_batches=2)
     >>> shapes = jax.eval_shape(tx.init, {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)})
-    >>> # m and v of w, and v's floor for w (whole: a side of w is below 128)
+    >>> # m and v of w (b is below min_size: it stays on the device)
     >>> optax_adama.moments.host_state_bytes(shapes, min_size=4096)
-    49152
+    32768
   """
   return int(sum(
       math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize

@@ -271,7 +271,8 @@ def release_step(
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
     resolved, _ = _steps.resolve_halves(
         state, micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
-    momentum_after = _adama.adds_momentum_after_fold(resolved, parts.offload_min_size)
+    momentum_after = _adama.adds_momentum_after_fold(
+        resolved, per_layer_offload=parts.offload_min_size is not None)
     fold_parts = parts
     if momentum_after:  # fold as "sum"; the m_hat**2 term follows the scan
       fold_parts = dataclasses.replace(

@@ -9,9 +9,14 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
   rows = gpu_bench.main([
       "--presets", "gpt_test", "--num-micro-batches", "2", "--layouts", "scanned",
       "--seq-len", "16", "--workers", "2", "--rounds", "1", "--steps-per-round", "1",
+      "--all-methods-presets", "gpt_test", "--reference-remat",
       "--out-dir", str(tmp_path), "--no-progress"])
   by_method = {r["method"]: r for r in rows}
   assert set(by_method) == set(gpu_bench.METHODS) | {"adama_release"}
+  # Every row states its layout, remat and dtypes; the default on a GPU is
+  # bf16 compute with float32 params, rematerialized in full.
+  assert {(r["scan_layers"], r["remat"], r["dtype"]) for r in rows} == {
+      (True, "full", "bfloat16")}
   for r in rows:
     assert r["compiled_total_bytes"] > 3 * r["param_bytes"]  # params, m, v at least
     assert r["peak_bytes_in_use"] is None  # the CPU backend has no live peak
@@ -25,7 +30,36 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
   saved_json = json.loads((tmp_path / "raw" / f"gpu_{slug}.json").read_text())
   assert saved_json["rows"] == rows and saved_json["command"].startswith("python -m")
   text = (tmp_path / f"gpu_{slug}.md").read_text()
-  assert "| gpt_test scanned N=2 | adama |" in text and "n/a" in text
+  assert "| gpt_test scanned N=2 remat=full bfloat16 | adama |" in text and "n/a" in text
+  assert "| gpt_test, N=2 |" in text  # the targets' summary
+  assert (tmp_path / f"gpu_{slug}.png").stat().st_size > 0
+
+
+def test_default_cases_fill_the_device_and_add_reference_rows():
+  import argparse
+  namespace = argparse.Namespace(
+      presets=["gpt2_small", "gpt2_medium"], num_micro_batches=[4],
+      layouts=["unrolled", "scanned"], remat="full", reference_remat=["none"],
+      dtype="bfloat16", all_methods_presets=["gpt2_small"], micro_batch_size=None,
+      seq_len=None)
+  cases = gpu_bench.make_cases(namespace)
+  assert {c.micro_batch_size for c in cases} == {8}  # 8 x 1,024 tokens
+  small = [c for c in cases if c.preset == "gpt2_small"]
+  assert [(c.scan_layers, c.remat) for c in small] == [
+      (False, "full"), (True, "full"), (False, "none")]
+  assert small[1].methods == gpu_bench.METHODS + ("adama_release",)
+  assert small[2].methods == gpu_bench.REFERENCE_METHODS
+  medium_scanned = [c for c in cases if c.preset == "gpt2_medium" and c.scan_layers][0]
+  assert "multisteps" not in medium_scanned.methods
+
+
+def test_a_compute_dtype_the_models_cannot_run_is_refused():
+  import pytest
+  import models
+  with pytest.raises(ValueError, match="float16 needs loss scaling"):
+    models.get_config("gpt_test", dtype="float16")
+  with pytest.raises(SystemExit):
+    gpu_bench.main(["--dtype", "float16"])
 
 
 def test_a_failed_method_is_recorded_not_fatal(tmp_path):

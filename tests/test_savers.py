@@ -234,8 +234,10 @@ def test_sampled_matmul_weight_gradient_is_unbiased_and_input_gradient_exact():
   standard_error = estimates.std(axis=0) / math.sqrt(len(keys))
   assert np.all(np.abs(estimates.mean(axis=0) - exact_w) <= 5 * standard_error + 1e-6)
   np.testing.assert_allclose(grads[0][0], exact_x, rtol=1e-5, atol=1e-5)
-  # keep_ratio 1 keeps every row: exact.
-  np.testing.assert_allclose(sampled_grads(x, w, g, keys[0], 1.0)[1], exact_w, rtol=1e-5)
+  # keep_ratio 1 keeps every row: exact, up to the order of the 64-row float32
+  # sum (an entry near cancellation moved 7e-7 once: a few ulps of its terms).
+  np.testing.assert_allclose(sampled_grads(x, w, g, keys[0], 1.0)[1], exact_w, rtol=1e-5,
+                             atol=2e-6)
 
 
 def test_sampled_matmul_saves_the_kept_rows_only():
