@@ -16,8 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from models import harness
 from models import train
 
@@ -26,38 +24,11 @@ TRAIN_ARGS = ["--model", "gpt", "--preset", "gpt_tiny", "--compare", "--num-micr
               "--learning-rate", "2e-3", "--warmup-steps", "100", "--no-progress"]
 
 
-def smoothed(losses, window: int = 50) -> np.ndarray:
-  """The running mean over ``window`` steps (shorter at the start)."""
-  losses = np.asarray(losses, np.float64)
-  sums = np.cumsum(np.concatenate([[0.0], losses]))
-  starts = np.maximum(np.arange(1, len(losses) + 1) - window, 0)
-  return (sums[1:] - sums[starts]) / (np.arange(1, len(losses) + 1) - starts)
-
-
 def _label(run) -> str:
   config = run["config"]
   if config["optimizer"] == "adama":
     return f"AdamA (default, nu_estimator={config['nu_estimator']!r})"
   return "Adam + accumulation (float32)"
-
-
-def plot(runs, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (full, tail) = plt.subplots(1, 2, figsize=(11, 4))
-  for run in runs:
-    curve = smoothed(run["train_loss"])
-    steps = np.arange(1, len(curve) + 1)
-    label = f"{_label(run)}: held-out {run['eval_loss']:.4f}"
-    full.plot(steps, curve, label=label)
-    half = len(curve) // 2
-    tail.plot(steps[half:], curve[half:], label=label)
-  full.set(xlabel="step", ylabel="training loss (mean of 50 steps)", title="whole run")
-  tail.set(xlabel="step", title="second half")
-  full.legend()
-  harness.save_figure(fig, path)
 
 
 def markdown(runs, metrics_path: Path, plot_path: Path) -> str:
@@ -101,7 +72,7 @@ def main(argv=None) -> None:
       train_args[train_args.index("--steps") + 1] = str(args.steps)
     train.main(train_args)
   runs = json.loads(args.metrics.read_text())["runs"]
-  plot(runs, args.plot)
+  harness.plot_loss_curves(runs, _label, args.plot)
   args.markdown.write_text(markdown(runs, args.metrics, args.plot))
   print(args.markdown.read_text())
 

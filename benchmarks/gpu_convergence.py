@@ -21,23 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from models import harness
 
 RUNS = ("adam", "adama", "adama_mean", "adama_momentum")
-WINDOW = 50  # steps in the running mean of the curves
-
-
-def smoothed(losses, window: int = WINDOW) -> np.ndarray:
-  """The running mean over ``window`` steps (shorter at the start)."""
-  losses = np.asarray(losses, np.float64)
-  sums = np.cumsum(np.concatenate([[0.0], losses]))
-  ends = np.arange(1, len(losses) + 1)
-  starts = np.maximum(ends - window, 0)
-  return (sums[1:] - sums[starts]) / (ends - starts)
-
-
 def label(run) -> str:
   config = run["config"]
   if config["optimizer"] != "adama":
@@ -45,25 +31,6 @@ def label(run) -> str:
   if config["nu_estimator"] == "auto":
     return "AdamA 'auto' ('split' + floor; the default then)"
   return f"AdamA nu_estimator={config['nu_estimator']!r}"
-
-
-def plot(runs, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (full, tail) = plt.subplots(1, 2, figsize=(12, 4.2))
-  for run in runs:
-    curve = smoothed(run["train_loss"])
-    steps = np.arange(1, len(curve) + 1)
-    text = f"{label(run)}: held-out {run['eval_loss']:.4f}"
-    full.plot(steps, curve, label=text)
-    tail.plot(steps[len(curve) // 2:], curve[len(curve) // 2:], label=text)
-  full.set(xlabel="step", ylabel=f"training loss (mean of {WINDOW} steps)", yscale="log",
-           title="GPT-2 small, bf16 compute, N = 4 x 2,048 tokens")
-  tail.set(xlabel="step", title="second half")
-  full.legend(fontsize=8)
-  harness.save_figure(fig, path)
 
 
 def markdown(runs, plot_path: Path) -> str:
@@ -97,7 +64,8 @@ def main(argv=None) -> None:
   parser.add_argument("--markdown", type=Path, default=Path("benchmarks/gpu_convergence.md"))
   args = parser.parse_args(argv)
   runs = [json.loads((args.raw / f"gpu_gpt2_small_{name}.json").read_text()) for name in RUNS]
-  plot(runs, args.plot)
+  harness.plot_loss_curves(runs, label, args.plot, log=True,
+                           title="GPT-2 small, bf16 compute, N = 4 x 2,048 tokens")
   args.markdown.write_text(markdown(runs, args.plot))
   print(args.markdown.read_text())
 

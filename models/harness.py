@@ -103,6 +103,37 @@ def save_figure(fig: Any, path: Path, *, rect: Any = None) -> None:
   plt.close(fig)
 
 
+def running_mean(values: Sequence[float], window: int = 50) -> np.ndarray:
+  """The mean over the last ``window`` values at each point (fewer at the start)."""
+  values = np.asarray(values, np.float64)
+  sums = np.cumsum(np.concatenate([[0.0], values]))
+  ends = np.arange(1, len(values) + 1)
+  starts = np.maximum(ends - window, 0)
+  return (sums[1:] - sums[starts]) / (ends - starts)
+
+
+def plot_loss_curves(runs: Sequence[dict[str, Any]], label: Callable[[dict], str], path: Path,
+                     *, title: str = "whole run", window: int = 50, log: bool = False) -> None:
+  """Training curves (running means) of ``models.train`` runs: the whole run and its
+  second half, each labelled with ``label(run)`` and the held-out loss."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (full, tail) = plt.subplots(1, 2, figsize=(11.5, 4.2))
+  for run in runs:
+    curve = running_mean(run["train_loss"], window)
+    steps = np.arange(1, len(curve) + 1)
+    text = f"{label(run)}: held-out {run['eval_loss']:.4f}"
+    full.plot(steps, curve, label=text)
+    tail.plot(steps[len(curve) // 2:], curve[len(curve) // 2:], label=text)
+  full.set(xlabel="step", ylabel=f"training loss (mean of {window} steps)", title=title,
+           yscale="log" if log else "linear")
+  tail.set(xlabel="step", title="second half")
+  full.legend(fontsize=8)
+  save_figure(fig, path)
+
+
 # Batches.
 
 
