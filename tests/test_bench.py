@@ -261,7 +261,7 @@ def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
   spec = importlib.util.spec_from_file_location("cpu_stand_in", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  np.testing.assert_allclose(module.smoothed([4.0, 2.0, 0.0], window=2), [4.0, 3.0, 1.0])
+  np.testing.assert_allclose(harness.running_mean([4.0, 2.0, 0.0], window=2), [4.0, 3.0, 1.0])
 
   def run(optimizer, eval_loss):
     config = {"optimizer": optimizer, "nu_estimator": "auto", "num_micro_batches": 4,
