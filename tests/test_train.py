@@ -177,3 +177,13 @@ def test_release_trains_as_the_fused_scanned_step(tmp_path):
   for bad in ({"optimizer": "adam", "scan_layers": True}, {"scan_layers": False}):
     with pytest.raises(ValueError, match="release .* needs scan_layers=True and optimizer"):
       harness.TrainConfig(release=True, **bad)
+
+
+def test_split_floor_option_reaches_adama_and_is_refused_for_adam():
+  config = harness.TrainConfig(optimizer="adama", nu_estimator="auto", split_floor=False)
+  state = harness.make_optimizer(config).init({"w": jax.numpy.zeros((4, 4))})
+  assert optax_adama.find_adama_state(state).nu_floor == ()  # no floor kept
+  floored = harness.make_optimizer(harness.TrainConfig(optimizer="adama", nu_estimator="auto"))
+  assert optax_adama.find_adama_state(floored.init({"w": jax.numpy.zeros((4, 4))})).nu_floor != ()
+  with pytest.raises(ValueError, match="split_floor=False needs optimizer='adama'"):
+    harness.TrainConfig(optimizer="adam", split_floor=False)
