@@ -56,6 +56,8 @@ from models import harness
 # run), optax's two ways, and AdamA with the library's defaults.
 METHODS = ("scan_accumulation", "scan_accumulation_bf16", "optax_microbatching",
            "multisteps", "adama")
+# The row groups of presets outside --all-methods-presets (the budget's cut).
+LEAN_METHODS = ("scan_accumulation", "scan_accumulation_bf16", "adama")
 # The reference rows at another remat (the price of remat, and of the release
 # step's recomputation, against a step that saves its activations).
 REFERENCE_METHODS = ("scan_accumulation", "adama")
@@ -364,8 +366,7 @@ def make_cases(args: argparse.Namespace) -> list[Case]:
       for layout in args.layouts:
         scanned = layout == "scanned"
         names = None if every else (
-            ("scan_accumulation", "scan_accumulation_bf16", "adama")
-            + (("adama_release",) if scanned else ()))
+            LEAN_METHODS + (("adama_release",) if scanned else ()))
         cases.append(Case(preset, n, scanned, size, args.seq_len, args.remat, args.dtype,
                           names))
       for remat in args.reference_remat:

@@ -28,6 +28,7 @@ models, it does not build them, and it is not in the wheel.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import platform
 import signal
@@ -186,7 +187,7 @@ OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
 # AdamA's estimators of v, and the library's default (optax_adama.adamaw's).
 NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.NU_ESTIMATORS
-DEFAULT_NU_ESTIMATOR = "momentum"
+DEFAULT_NU_ESTIMATOR = inspect.signature(optax_adama.adamaw).parameters["nu_estimator"].default
 
 
 @dataclasses.dataclass(frozen=True)
