@@ -61,3 +61,25 @@ class MLP:
 @pytest.fixture
 def mlp():
   return MLP()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+  """Makes `--dist loadgroup` keep each `xdist_group` on one worker under pytest 9.
+
+  pytest-xdist groups tests by a ``@<group>`` suffix that each worker appends
+  to the node ids it reports; it writes ``item._nodeid``, which pytest 9 no
+  longer reads (the id lives in ``item._id``), so the suffix never reached the
+  scheduler and tests/test_sharding.py ran on both workers: the second worker
+  sat on the ``eight_devices`` lock for the whole 8-device subprocess. This
+  appends the suffix where xdist's rename did not take, and does nothing
+  without loadgroup or where it did (pytest 8).
+  """
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    groups = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+              for mark in item.iter_markers("xdist_group")}
+    suffix = "@" + "_".join(sorted(groups))
+    if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+      item._id = type(item._id).parse(item.nodeid + suffix)  # pylint: disable=protected-access

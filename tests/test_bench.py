@@ -46,15 +46,20 @@ def test_throughput_smoke_interleaves_methods():
     assert timing[method]["tokens_per_s"] > 0
 
 
-def test_capacity_smoke_adama_fits_at_least_as_large():
-  # Compile-only, on byte-vocabulary models of 1-4 layers (P of 1-13 MB).
+# Compile-only, on byte-vocabulary models. The default suite searches 1-2
+# layers (4 compiles; at 8.5 MB scan accumulation fits 1 layer, AdamA 2: 9.9
+# and 7.5 MB measured); the search over 1-4 layers (P of 1-13 MB), whose
+# anchors and gallop cost 8 larger compiles, runs with the slow tests.
+@pytest.mark.parametrize("budget_gb, max_scale", [
+    (0.0085, 2), pytest.param(0.03, 4, marks=pytest.mark.slow)], ids=["1-2_layers", "1-4_layers"])
+def test_capacity_smoke_adama_fits_at_least_as_large(budget_gb, max_scale):
   results = bench.measure_capacity(
-      [0.03], ["scan_accumulation", "adama"], num_micro_batches=2,
-      micro_batch_size=1, seq_len=16, remat="full", max_scale=4, vocab_size=256,
+      [budget_gb], ["scan_accumulation", "adama"], num_micro_batches=2,
+      micro_batch_size=1, seq_len=16, remat="full", max_scale=max_scale, vocab_size=256,
       progress=False)
   by_method = {r["method"]: r for r in results}
   assert by_method["adama"]["scale"] >= by_method["scan_accumulation"]["scale"] >= 1
-  assert by_method["adama"]["total_bytes"] <= 0.03e9
+  assert by_method["adama"]["total_bytes"] <= budget_gb * 1e9
 
 
 # 16 s on 2 cores; the capacity search itself is smoke-tested above, the
@@ -170,6 +175,8 @@ SMALL_STEP = dict(num_micro_batches=2, micro_batch_size=1, seq_len=8, remat="ful
                   vocab_size=256, hidden=64)
 
 
+# On one xdist worker (make test: --dist loadgroup): the fixture compiles once.
+@pytest.mark.xdist_group("bench_width_64")
 @pytest.mark.parametrize("method", sorted(harness.STATE_METHODS))
 def test_state_method_smoke(method, width_64_adama_bytes):
   """Fast smoke of each capacity state method on a width-64 model (one compile):
@@ -228,7 +235,12 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
   assert "f32[1,32,512]" in result["fold"]["live_at_peak_p"]
 
 
-def test_estimator_memory_script_release_takes_split_at_means_memory():
+# "split" alone in the default suite (two compiles: the release holds well
+# under the fused step); against "mean" (four compiles) with the slow tests.
+@pytest.mark.parametrize("estimators", [
+    ("split",), pytest.param(("mean", "split"), marks=pytest.mark.slow)],
+    ids=["split", "mean_and_split"])
+def test_estimator_memory_script_release_takes_split_at_means_memory(estimators):
   """benchmarks/estimator_memory.py on a 4-layer scanned gpt_test: in the fused
   step "split" holds the stack's gradient twice (one leaf, per half); the
   release step folds each layer's halves and drops them, at "mean"'s memory."""
@@ -241,13 +253,14 @@ def test_estimator_memory_script_release_takes_split_at_means_memory():
   spec.loader.exec_module(module)
   totals = module.estimator_totals(
       "gpt_test", batch_size=4, num_micro_batches=2, scan_layers=True,
-      estimators=("mean", "split"), num_layers=4)
-  assert set(totals) == {"mean", "mean/release", "split", "split/release"}
+      estimators=estimators, num_layers=4)
+  assert set(totals) == {name for e in estimators for name in (e, f"{e}/release")}
   # Measured: fused 19.8 MB ("mean") and 23.3 MB ("split"); release 13.5 and
   # 13.9 MB (the embedding's and head's halves, outside the stack).
-  assert totals["split"] > 1.15 * totals["mean"], totals
-  assert totals["split/release"] < 1.05 * totals["mean/release"], totals
   assert totals["split/release"] < 0.7 * totals["split"], totals
+  if "mean" in estimators:
+    assert totals["split"] > 1.15 * totals["mean"], totals
+    assert totals["split/release"] < 1.05 * totals["mean/release"], totals
 
 
 def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):

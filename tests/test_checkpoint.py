@@ -24,6 +24,10 @@ import pytest
 from models import checkpoint as checkpointing
 from models import harness
 
+# One xdist worker runs this file (make test: --dist loadgroup), so the
+# module's uninterrupted runs are trained once, not once per worker.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A run small enough for the default suite: gpt_test, 4 micro-batches of 2.
 RUN = dict(model="gpt", preset="gpt_test", num_micro_batches=4, batch_size=8, seq_len=16,
@@ -178,14 +182,20 @@ KILLED_RUN = {**RUN, "steps": 120}
 
 @pytest.fixture(scope="module")
 def uninterrupted_long(tmp_path_factory):
-  """The uninterrupted killed-length runs, by moment storage: (directory, metrics)."""
+  """The uninterrupted killed-length run of a moment storage, trained when a
+  test first asks for it (the 8-bit one only runs with the slow tests):
+  ``uninterrupted_long(eight_bit) -> (directory, metrics)``."""
   runs = {}
-  for eight_bit in (False, True):
-    directory = tmp_path_factory.mktemp(f"uninterrupted_long_{eight_bit}")
-    with jax.numpy_dtype_promotion("standard"):
-      runs[eight_bit] = directory, _train(directory, every=40, steps=KILLED_RUN["steps"],
-                                          quantize_moments=eight_bit)
-  return runs
+
+  def run(eight_bit):
+    if eight_bit not in runs:
+      directory = tmp_path_factory.mktemp(f"uninterrupted_long_{eight_bit}")
+      with jax.numpy_dtype_promotion("standard"):
+        runs[eight_bit] = directory, _train(directory, every=40, steps=KILLED_RUN["steps"],
+                                            quantize_moments=eight_bit)
+    return runs[eight_bit]
+
+  return run
 
 
 def _command(directory, eight_bit):
@@ -232,7 +242,7 @@ def test_a_killed_training_process_resumes_bitwise(uninterrupted_long, tmp_path,
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   assert f"resuming from {run / str(stopped_at)}" in done.stderr
-  want_dir, want_metrics = uninterrupted_long[eight_bit]
+  want_dir, want_metrics = uninterrupted_long(eight_bit)
   step, state = _final_state(run)
   _, want = _final_state(want_dir)
   assert step == KILLED_RUN["steps"]

@@ -284,9 +284,7 @@ def test_load_images_for_picks_the_data_set_by_input_size():
     data.load_images_for(32)
 
 
-def test_vit_mnist_trains_on_mnist_5k_through_the_harness():
-  import jax
-
+def _vit_mnist_data_through_the_harness():
   from models import harness
 
   config = harness.TrainConfig(model="vit", preset="vit_mnist", optimizer="adam",
@@ -296,6 +294,22 @@ def test_vit_mnist_trains_on_mnist_5k_through_the_harness():
   assert next(train)["images"].shape == (8, 28, 28, 1)
   # The whole held-out split, whatever the mini-batch: 5 batches of 200.
   assert [b["labels"].shape[0] for b in held_out] == [200] * 5
+  return config
+
+
+def test_vit_mnist_takes_mnist_5k_through_the_harness():
+  """The data half of the slow test below (ViT training through the harness is
+  in the default suite on the digits: tests/test_validate.py)."""
+  _vit_mnist_data_through_the_harness()
+
+
+@pytest.mark.slow  # 2 steps, then the held-out loss on all 1,000 images: 13-35 s on 2 cores
+def test_vit_mnist_trains_on_mnist_5k_through_the_harness():
+  import jax
+
+  from models import harness
+
+  config = _vit_mnist_data_through_the_harness()
   # optax's adamw relies on implicit promotion (see tests/test_train.py).
   with jax.numpy_dtype_promotion("standard"):
     run = harness.train(config, progress=False)

@@ -2,21 +2,33 @@
 
 import json
 
+import pytest
+
 from models import gpu_bench
 
 
-def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
+# The default suite runs the lean row group (scan accumulation in float32 and
+# bf16, and AdamA) on the unrolled model: the same script end to end, 5 worker
+# processes. Every method and the scanned layout's release row (9 processes,
+# 100-140 s on 2 cores) run with the slow tests.
+@pytest.mark.parametrize("layout, all_methods, methods", [
+    ("unrolled", [], gpu_bench.LEAN_METHODS),
+    pytest.param("scanned", ["gpt_test"], gpu_bench.METHODS + ("adama_release",),
+                 marks=pytest.mark.slow),
+], ids=["lean_unrolled", "every_method_scanned"])
+def test_dry_run_measures_every_method_in_its_own_process(tmp_path, layout, all_methods,
+                                                          methods):
   rows = gpu_bench.main([
-      "--presets", "gpt_test", "--num-micro-batches", "2", "--layouts", "scanned",
+      "--presets", "gpt_test", "--num-micro-batches", "2", "--layouts", layout,
       "--seq-len", "16", "--workers", "2", "--rounds", "1", "--steps-per-round", "1",
-      "--all-methods-presets", "gpt_test", "--reference-remat",
+      "--all-methods-presets", *all_methods, "--reference-remat",
       "--out-dir", str(tmp_path), "--no-progress"])
   by_method = {r["method"]: r for r in rows}
-  assert set(by_method) == set(gpu_bench.METHODS) | {"adama_release"}
+  assert set(by_method) == set(methods) and len(rows) == len(methods)
   # Every row states its layout, remat and dtypes; the default on a GPU is
   # bf16 compute with float32 params, rematerialized in full.
   assert {(r["scan_layers"], r["remat"], r["dtype"]) for r in rows} == {
-      (True, "full", "bfloat16")}
+      (layout == "scanned", "full", "bfloat16")}
   for r in rows:
     assert r["compiled_total_bytes"] > 3 * r["param_bytes"]  # params, m, v at least
     assert r["peak_bytes_in_use"] is None  # the CPU backend has no live peak
@@ -28,9 +40,11 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path):
   assert saved > 0.5 * by_method["adama"]["param_bytes"]
   slug = gpu_bench.device_slug()
   saved_json = json.loads((tmp_path / "raw" / f"gpu_{slug}.json").read_text())
-  assert saved_json["rows"] == rows and saved_json["command"].startswith("python -m")
+  # As JSON has them: a lean row group's method tuple is a list there.
+  assert saved_json["rows"] == json.loads(json.dumps(rows))
+  assert saved_json["command"].startswith("python -m")
   text = (tmp_path / f"gpu_{slug}.md").read_text()
-  assert "| gpt_test scanned N=2 remat=full bfloat16 | adama |" in text and "n/a" in text
+  assert f"| gpt_test {layout} N=2 remat=full bfloat16 | adama |" in text and "n/a" in text
   assert "| gpt_test, N=2 |" in text  # the targets' summary
   assert (tmp_path / f"gpu_{slug}.png").stat().st_size > 0
 

@@ -26,8 +26,11 @@ def _memory_kinds(tree):
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("quantized,low_rank", [(False, False), (True, False), (True, True)],
-                         ids=["float32", "8bit", "8bit_lowrank"])
+# float32 and 8-bit low-rank moments in the default suite; full-rank 8-bit
+# moments (the slowest to compile here) with the slow tests.
+@pytest.mark.parametrize("quantized,low_rank", [
+    (False, False), pytest.param(True, False, marks=pytest.mark.slow), (True, True)],
+    ids=["float32", "8bit", "8bit_lowrank"])
 def test_offloaded_step_equals_on_device_step(quantized, low_rank):
   on_device = _adama(quantized, low_rank)
   offloaded = optax_adama.offload_moments(_adama(quantized, low_rank), min_size=MIN_SIZE)

@@ -14,18 +14,23 @@ def _standard_promotion():
     yield
 
 
-def test_validate_writes_table_plot_and_raw_runs(tmp_path):
+# One seed in the default suite (two training runs); two seeds, whose mean and
+# spread the table reports, with the slow tests (summarize's arithmetic over
+# seeds is checked by hand below).
+@pytest.mark.parametrize("seeds", [["0"], pytest.param(["0", "1"], marks=pytest.mark.slow)],
+                         ids=["one_seed", "two_seeds"])
+def test_validate_writes_table_plot_and_raw_runs(tmp_path, seeds):
   rows = validate.main([
-      "--models", "vit", "--seeds", "0", "1", "--num-micro-batches", "2",
+      "--models", "vit", "--seeds", *seeds, "--num-micro-batches", "2",
       "--steps", "3", "--out-dir", str(tmp_path), "--no-progress",
   ])
   assert [r["arm"] for r in rows] == ["Adam", "AdamA N=2"]
-  assert all(r["seeds"] == 2 for r in rows)
+  assert all(r["seeds"] == len(seeds) for r in rows)
   table = (tmp_path / "convergence.md").read_text()
-  assert "| vit_tiny | AdamA N=2 | 3 | 2 |" in table
+  assert f"| vit_tiny | AdamA N=2 | 3 | {len(seeds)} |" in table
   assert (tmp_path / "convergence.png").stat().st_size > 0
   raw = json.loads((tmp_path / "raw" / "convergence.json").read_text())
-  assert len(raw["runs"]) == 4
+  assert len(raw["runs"]) == 2 * len(seeds)
 
 
 def _run(arm, num_micro_batches, seed, eval_loss, accuracy):
