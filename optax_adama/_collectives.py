@@ -35,7 +35,8 @@ class CollectiveBytes:
   apart, once per execution: an all-gather its gathered result, a
   reduce-scatter its input before the scatter, an all-reduce its array.
   ``uncounted_loops``: loops whose trip count XLA did not record (counted
-  once; a result with any is a lower bound).
+  once; a result with any is a lower bound). :func:`collective_bytes`'s
+  example shows one.
   """
 
   by_kind: dict[str, int]
@@ -82,8 +83,8 @@ def collective_bytes(compiled: Any) -> CollectiveBytes:
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
     >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
-    >>> optax_adama.memory.collective_bytes(compiled).total  # one device: none
-    0
+    >>> optax_adama.memory.collective_bytes(compiled)  # one device: none
+    CollectiveBytes(by_kind={}, uncounted_loops=0)
   """
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   own = collections.defaultdict(collections.Counter)
