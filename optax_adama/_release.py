@@ -183,8 +183,9 @@ def release_step(
       :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
       dense (float32, bfloat16) or 8-bit with
       ``BlockQuantization(layer_aligned=True)``, whose blocks tile each
-      layer's slice (on a mesh each device holds the whole blocks of its
-      slice: see :func:`release_shardings`). On one device it may be under :func:`offload_moments`:
+      layer's slice (on a mesh each device holds its slice's codes: see
+      :func:`release_shardings`). On one device it may be under
+      :func:`offload_moments`:
       the moments stay in host memory and each layer's slice is brought in
       for its fold and for its update, so the device holds one layer's
       moments at a time (and the outer leaves' while they are folded).
@@ -407,10 +408,12 @@ def release_shardings(
     data_axis: the mesh axis (or axes) the batch is split over.
 
   8-bit moments (:class:`BlockQuantization`) are split where their params
-  are, each device holding the whole blocks of its slice: a layer-aligned
-  leaf's blocks of every layer, or a leaf's first axis. A leaf with fewer
-  blocks (per layer) than devices is kept whole on every device, its param
-  and gradient too (a layer norm's scales).
+  are: each device holds the whole blocks of its slice (a layer-aligned
+  leaf's blocks of every layer, or a leaf's first axis) or, where each row
+  is one block (a layer norm's scales; an embedding split along its width),
+  a part of every block, whose scale the fold puts together across the
+  devices. A leaf that fits neither way and has fewer blocks (per layer)
+  than devices is kept whole on every device, its param and gradient too.
 
   Returns:
     A :class:`StepShardings`: ``jax.device_put(params, s.params)`` and
