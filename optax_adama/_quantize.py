@@ -88,7 +88,9 @@ class BlockQuantization:
       that a layer's slice of the moment is a contiguous run of blocks:
       what :func:`release_step` needs to fold 8-bit moments one layer at a
       time. The blocks then divide the slice exactly (at most
-      ``block_size`` elements each, fewer where the slice's size asks); a
+      ``block_size`` elements each, fewer where the slice's size asks, or
+      where fewer give a block count divisible by 8, which a mesh of up to
+      8 devices splits whole); a
       slice with no such tiling into blocks of at least ``block_size // 8``
       elements (a prime size, say) keeps its leaf in ``mu_dtype`` /
       ``nu_dtype``. 1-D leaves are laid out as without it.
@@ -157,15 +159,21 @@ class BlockQuantization:
         scale=jnp.zeros(blocks_shape[:-1], jnp.float32))
 
 
+# A layer's block count divisible by this where a divisor allows: a mesh of
+# up to 8 devices (or any power of two dividing the count) then splits every
+# layer's blocks whole (release_step(mesh=...)).
+_PREFERRED_BLOCKS_MULTIPLE = 8
+
+
 def _exact_block_len(size: int, block_size: int) -> Optional[int]:
-  """The largest divisor of ``size`` that is at most ``block_size``, if it is
-  at least ``block_size // 8`` (or ``size`` itself, when that is smaller)."""
+  """The largest divisor of ``size`` that is at most ``block_size`` and at
+  least ``block_size // 8``, preferring one that leaves a block count
+  divisible by 8 (or ``size`` itself, when that is at most ``block_size``)."""
   if size <= block_size:
     return size
-  for block_len in range(block_size, max(1, block_size // 8) - 1, -1):
-    if size % block_len == 0:
-      return block_len
-  return None
+  divisors = [n for n in range(block_size, max(1, block_size // 8) - 1, -1) if size % n == 0]
+  preferred = [n for n in divisors if (size // n) % _PREFERRED_BLOCKS_MULTIPLE == 0]
+  return (preferred or divisors or [None])[0]
 
 
 def block_layout(size: int, block_size: int) -> tuple[int, int]:

@@ -272,14 +272,17 @@ def _bad_input_worker(mesh):
     out["placement/release_step"] = {"error": str(e)}
   out["placement/release_step"]["donated"] = any(
       x.is_deleted() for x in jax.tree.leaves((params, state)))
-  # 8-bit moments whose blocks do not split whole over the devices: a width
-  # of 48 gives each layer's kernel 9 blocks of 256, on 8 devices.
+  # 8-bit moments whose blocks do not split whole over the devices: a layer
+  # of [3, 1024], split along its 1024, is 16 blocks of 192, each across 3 rows.
   eight_bit = optax_adama.adamaw(1e-2, num_micro_batches=NUM_MICRO, quantization=EIGHT_BIT)
-  params = test_release.make_params(width=48)
+  scaled = optax_adama.StagedLoss(
+      embed=lambda outer, b: b["x"], block=lambda layer, x, b: x * jnp.mean(layer["w"]),
+      head=lambda outer, x, b: jnp.mean(x ** 2), layers="stack")
+  params = {"stack": {"w": jnp.ones((test_release.NUM_LAYERS, 3, 1024))}}
   state = eight_bit.init(params)
   try:
-    optax_adama.release_step(staged, eight_bit, mesh=mesh, shard_states="fsdp")(
-        params, state, test_release.make_batch(0, 64, width=48))
+    optax_adama.release_step(scaled, eight_bit, mesh=mesh, shard_states="fsdp")(
+        params, state, {"x": jnp.ones((64, 4))})
     out["blocks/release_step"] = {"error": None}
   except ValueError as e:
     out["blocks/release_step"] = {"error": str(e)}
@@ -734,7 +737,7 @@ def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devic
     assert "release_shardings for release_step" in placement["error"]
     assert not placement["donated"]
     blocks = bad["blocks/release_step"]
-    assert "['body']['stack']['w'] (shape (8, 48, 48), codes (8, 9, 256))" in (
+    assert "['stack']['w'] (shape (8, 3, 1024), codes (8, 16, 192))" in (
         blocks["error"]), blocks
     assert "layer_aligned=True" in blocks["error"] and "min_size" in blocks["error"], blocks
     assert not blocks["donated"]
