@@ -10,17 +10,21 @@ sequences of ``--seq-len`` tokens per device in each micro-batch, for:
 - ``fsdp_scan_accumulation``: ``optax.adamw`` through ``microbatch_step``
   (a float32 gradient accumulator, split like the params);
 - ``fsdp_adama``: AdamA's default through ``microbatch_step``;
-- ``fsdp_adama_release`` / ``..._bf16``: AdamA's default through
-  ``release_step``, float32 / bfloat16 moments (8-bit moments are not yet
-  laid out for a mesh in the release).
+- ``fsdp_adama_release`` / ``..._bf16`` / ``..._8bit``: AdamA's default
+  through ``release_step``, float32 / bfloat16 / 8-bit moments
+  (``BlockQuantization(layer_aligned=True)``: each device holds the whole
+  blocks of its slice of every layer).
 
 All take the model as a ``StagedLoss`` under ``shard_states="fsdp"``, so each
 layer's params are gathered inside the layer scan. Each row gives the
 compiled per-device bytes (``memory_analysis()``), in P (the bytes of the
-whole float32 params) and against the per-device floor: params, m and v
-split D ways, one layer's params gathered and its gradient, and one
-micro-batch's activations on one device (``memory_floor``). Writes
-``--json`` and ``--markdown``.
+whole float32 params) and against the method's per-device floor: params and
+its optimizer state split D ways, one layer's params gathered and its
+gradient, and one micro-batch's activations on one device
+(``memory_floor``); and the bytes its collectives move per step
+(``optax_adama.memory.collective_bytes``) against FSDP's ideal, the params
+gathered twice and the gradient reduce-scattered once per micro-batch
+(3 N P). Writes ``--json`` and ``--markdown``.
 """
 
 import argparse
@@ -43,7 +47,19 @@ def _parse(argv):
 
 
 METHODS = ("fsdp_scan_accumulation", "fsdp_adama", "fsdp_adama_release",
-           "fsdp_adama_release_bf16")
+           "fsdp_adama_release_bf16", "fsdp_adama_release_8bit")
+
+
+def _optimizer(method, num_micro_batches):
+  import jax.numpy as jnp
+  import optax
+  import optax_adama
+  if method == "fsdp_scan_accumulation":
+    return optax.adamw(1e-4)
+  moments = {"fsdp_adama_release_bf16": {"nu_dtype": jnp.bfloat16, "mu_dtype": jnp.bfloat16},
+             "fsdp_adama_release_8bit": {"quantization": optax_adama.BlockQuantization(
+                 layer_aligned=True)}}.get(method, {})
+  return optax_adama.adamaw(1e-4, num_micro_batches=num_micro_batches, **moments)
 
 
 def measure(preset, args):
@@ -73,15 +89,12 @@ def measure(preset, args):
       staged, params, jax.eval_shape(one_device.init, params),
       harness.abstract_batch(config, args.rows, args.seq_len), num_micro_batches=1
   ).activation_bytes
-  floor = 3 * P / args.devices + 2 * layer + activations
   rows = []
   for method in METHODS:
-    if method == "fsdp_scan_accumulation":
-      tx = optax.adamw(1e-4)
-    else:
-      dtype = {"nu_dtype": jnp.bfloat16, "mu_dtype": jnp.bfloat16} if method.endswith("bf16") else {}
-      tx = optax_adama.adamaw(1e-4, num_micro_batches=n, **dtype)
+    tx = _optimizer(method, n)
     state = jax.eval_shape(tx.init, params)
+    state_bytes = optax_adama.memory.tree_bytes(state)
+    floor = (P + state_bytes) / args.devices + 2 * layer + activations
     if "release" in method:
       step = optax_adama.release_step(staged, tx, mesh=mesh, shard_states="fsdp")
       shardings = optax_adama.sharding.release_shardings(
@@ -96,15 +109,22 @@ def measure(preset, args):
     compiled = step.lower(place(params, shardings.params), place(state, shardings.opt_state),
                           batch).compile()
     total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
+    collectives = optax_adama.memory.collective_bytes(compiled)
+    ideal = 3 * n * P
     rows.append({"preset": preset, "method": method, "devices": args.devices,
                  "num_micro_batches": n, "tokens_per_device_per_micro_batch":
                      args.rows * args.seq_len,
                  "param_bytes": P, "per_device_bytes": int(total),
                  "per_device_p": total / P, "floor_bytes": int(floor),
                  "activation_bytes": int(activations), "layer_bytes": int(layer),
-                 "over_floor": total / floor - 1})
+                 "state_bytes": int(state_bytes), "over_floor": total / floor - 1,
+                 "collective_bytes": collectives.by_kind,
+                 "uncounted_loops": collectives.uncounted_loops,
+                 "ideal_collective_bytes": ideal,
+                 "collective_ratio": collectives.total / ideal})
     print(f"{preset} {method}: {total / 2**30:.3f} GiB = {total / P:.3f} P per device "
-          f"(floor {floor / P:.3f} P, {100 * (total / floor - 1):+.0f}%)", flush=True)
+          f"(floor {floor / P:.3f} P, {100 * (total / floor - 1):+.0f}%), collectives "
+          f"{collectives.total / ideal:.3f}x the ideal", flush=True)
   return rows
 
 
@@ -114,14 +134,19 @@ def markdown(rows, command):
            "scanned, `remat=\"full\"`, N = "
            f"{rows[0]['num_micro_batches']}, {rows[0]['tokens_per_device_per_micro_batch']:,} "
            "tokens per device per micro-batch, the default estimator, float32 params. P: "
-           "the bytes of the whole params. Floor: params, m and v split over the devices, "
-           "one layer's params gathered and its gradient, and one device's micro-batch "
-           "activations (`optax_adama.memory.memory_floor`).",
-           "", "| preset | method | per device | in P | against the floor |",
-           "|---|---|---|---|---|"]
+           "the bytes of the whole params. Floor: params and the method's optimizer state "
+           "split over the devices, one layer's params gathered and its gradient, and one "
+           "device's micro-batch activations (`optax_adama.memory.memory_floor`). "
+           "Collectives: the bytes all-gathered, reduce-scattered and all-reduced per step "
+           "(`optax_adama.memory.collective_bytes`, each weighted by the trip counts of "
+           "its loops) against FSDP's ideal, the params gathered twice and the gradient "
+           "reduce-scattered once per micro-batch (3 N P).",
+           "", "| preset | method | per device | in P | floor | against the floor "
+           "| collectives / ideal |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['preset']} | {r['method']} | {r['per_device_bytes'] / 2**30:.3f} GiB "
-                 f"| {r['per_device_p']:.3f} P | {100 * r['over_floor']:+.0f}% |")
+                 f"| {r['per_device_p']:.3f} P | {r['floor_bytes'] / r['param_bytes']:.3f} P "
+                 f"| {100 * r['over_floor']:+.0f}% | {r['collective_ratio']:.3f} |")
   return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,7 @@ gradient.
 One host (any number of local devices; on CPU, fake 8 of them):
 
     python examples/multihost_train.py --num-cpu-devices 8
-    python examples/multihost_train.py --num-cpu-devices 8 --release --shard-states fsdp \
-        --moments float32
+    python examples/multihost_train.py --num-cpu-devices 8 --release --shard-states fsdp
 
 Several hosts: run the same command on every host. On a cluster JAX detects
 (Slurm, Cloud TPU, Open MPI, Kubernetes with the JobSet env), nothing more is
@@ -59,13 +58,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--seq-len", type=int, default=64)
   parser.add_argument("--learning-rate", type=float, default=2e-3)
   parser.add_argument("--release", action="store_true",
-                      help="scanned layers through optax_adama.release_step (float32 or "
-                           "bfloat16 moments)")
-  args = parser.parse_args(argv)
-  if args.release and args.moments == "8bit":
-    parser.error("--release on a mesh folds each device's slice of a layer; 8-bit blocks "
-                 "are not aligned with those slices: pass --moments float32 or bfloat16")
-  return args
+                      help="scanned layers through optax_adama.release_step")
+  return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> float:
@@ -121,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> float:
   moments = {
       "float32": {},
       "bfloat16": {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16},
-      "8bit": {"quantization": optax_adama.BlockQuantization()},
+      # The release folds a layer at a time: blocks laid out per layer.
+      "8bit": {"quantization": optax_adama.BlockQuantization(layer_aligned=args.release)},
   }[args.moments]
   tx = optax_adama.adamaw(
       schedule, weight_decay=0.0, num_micro_batches=args.num_micro_batches, **moments)

@@ -158,6 +158,11 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   devices = 1 if mesh is None else mesh.size
   batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
   state = jax.eval_shape(tx.init, params)
+  if method in harness.FSDP_METHODS:  # each device's slices, as the step keeps them
+    shardings = harness.fsdp_shardings(method, loss_fn, params, state, mesh)
+    place = lambda tree, sh: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+    params, state = place(params, shardings.params), place(state, shardings.opt_state)
   offloaded = method.endswith("_offload")
   total = device_bytes(step, params, state, batch, offloaded=offloaded)
   if offloaded and method in harness.RELEASE_METHODS:
@@ -343,12 +348,14 @@ def measure_capacity(
 def capacity_table(results: Sequence[dict[str, Any]]) -> str:
   """Markdown: one row per budget, one column per method, and the ratios.
 
-  Ratios are of parameter counts against data-parallel (or single-device)
-  scan accumulation, and for ZeRO-2 AdamA against ZeRO-2 accumulation too.
+  Ratios are of parameter counts against data-parallel (or FSDP, or
+  single-device) scan accumulation, and for ZeRO-2 AdamA against ZeRO-2
+  accumulation too.
   """
   methods = list(dict.fromkeys(r["method"] for r in results))
   budgets = list(dict.fromkeys(r["budget_gb"] for r in results))
-  base = "dp_scan_accumulation" if "dp_scan_accumulation" in methods else "scan_accumulation"
+  base = next((m for m in ("dp_scan_accumulation", "fsdp_scan_accumulation") if m in methods),
+              "scan_accumulation")
   same = "zero2_scan_accumulation"  # AdamA against accumulation with the same sharding
   lines = ["| budget | " + " | ".join(methods) + f" | parameters vs {base} |",
            "|" + "---|" * (len(methods) + 2)]
@@ -466,7 +473,8 @@ def _parse_args(argv):
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--methods", nargs="+",
                       choices=(harness.METHODS + harness.SHARDED_METHODS
-                               + harness.RELEASE_METHODS + harness.STATE_METHODS),
+                               + harness.RELEASE_METHODS + harness.STATE_METHODS
+                               + harness.FSDP_METHODS),
                       default=list(harness.METHODS))
   common.add_argument("--micro-batch-size", type=int, default=1)
   common.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")

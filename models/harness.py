@@ -611,6 +611,11 @@ SHARDED_METHODS = ("dp_scan_accumulation", "dp_adama", "zero2_scan_accumulation"
 # float32 moments, with 8-bit ones whose blocks tile each layer, and with those
 # kept in host memory (each layer's slice brought in for its fold and update).
 RELEASE_METHODS = ("adama_release", "adama_release_8bit", "adama_release_8bit_offload")
+# FSDP on a mesh, the model in stages (--scan-layers): every device holds a
+# slice of every layer, each layer's params gathered inside the layer scan.
+# Scan accumulation (optax.adam, a float32 accumulator split like the params)
+# against the release with float32 and with layer-aligned 8-bit moments.
+FSDP_METHODS = ("fsdp_scan_accumulation", "fsdp_adama_release", "fsdp_adama_release_8bit")
 Step = Callable[..., Any]
 
 
@@ -625,6 +630,8 @@ def make_step(
   projection rank.
   """
   adam = optax.adam(learning_rate)
+  if method in FSDP_METHODS:
+    return _fsdp_step(method, loss_fn, num_micro_batches, learning_rate, mesh)
   if method in STATE_METHODS:
     return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
   if method in SHARDED_METHODS:
@@ -664,6 +671,29 @@ def make_step(
       tx = optax_adama.offload_moments(tx)
     return optax_adama.release_step(loss_fn, tx), tx
   raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def _fsdp_step(method, staged, num_micro_batches, learning_rate, mesh):
+  """The steps of FSDP_METHODS (place their arguments with :func:`fsdp_shardings`)."""
+  if mesh is None or not isinstance(staged, optax_adama.StagedLoss):
+    raise ValueError(f"{method} needs a mesh and a scanned model (--devices, --scan-layers).")
+  if method == "fsdp_scan_accumulation":
+    tx = optax.adam(learning_rate)
+    return optax_adama.microbatch_step(staged, tx, num_micro_batches=num_micro_batches,
+                                       mesh=mesh, shard_states="fsdp"), tx
+  quantization = (optax_adama.BlockQuantization(layer_aligned=True)
+                  if method.endswith("_8bit") else None)
+  tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
+                         quantization=quantization)
+  return optax_adama.release_step(staged, tx, mesh=mesh, shard_states="fsdp"), tx
+
+
+def fsdp_shardings(method: str, staged: optax_adama.StagedLoss, params: Any, opt_state: Any,
+                   mesh: jax.sharding.Mesh) -> optax_adama.sharding.StepShardings:
+  """Where an FSDP method's step keeps params and state (each layer split)."""
+  shardings = (optax_adama.sharding.stack_shardings if method == "fsdp_scan_accumulation"
+               else optax_adama.sharding.release_shardings)
+  return shardings(staged, params, opt_state, mesh, shard_states="fsdp")
 
 
 def _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank):

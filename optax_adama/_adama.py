@@ -305,12 +305,15 @@ def _fold_moment(
     moment: Moment, grad: jax.Array, finite_grad: jax.Array, decay: jax.Array,
     weight: jax.Array, order: int, less: Optional[jax.Array] = None,
     less_absmax: Optional[jax.Array] = None,
+    whole_block_absmax: Callable[[jax.Array], jax.Array] = lambda x: x,
 ) -> _Folded:
   """``decay * moment + weight * (grad**order - less)``, not yet stored.
 
   ``grad`` is the raw gradient leaf, ``finite_grad`` the same with its
   non-finite entries zeroed; ``less`` is the "split" estimator's noise term
   (``less_absmax`` bounds it per block where ``moment`` is quantized).
+  ``whole_block_absmax`` makes a per-block absmax of this leaf's part of
+  each block the whole block's (a ``pmax`` where a mesh splits blocks).
   """
   dtype = _compute_dtype(_quantize.storage_dtype(moment))
   decay = jnp.asarray(decay).astype(dtype)
@@ -327,10 +330,12 @@ def _fold_moment(
   # float32 result, which XLA then materializes for every leaf at once (2 P
   # of temp, measured). |new| <= decay |old|max + weight |g|max**order; with
   # "split"'s term, |g**2 - less| <= max(|g|max**2, |less|max).
-  grad_absmax = _quantize.finite_absmax_blocks(grad, *moment.codes.shape)**order
+  grad_absmax = whole_block_absmax(
+      _quantize.finite_absmax_blocks(grad, *moment.codes.shape))**order
   if less_absmax is not None:
     grad_absmax = jnp.maximum(grad_absmax, less_absmax)
-  return _Folded(new, decay * _stored_absmax(moment, order) + weight * grad_absmax)
+  stored_absmax = whole_block_absmax(_stored_absmax(moment, order))
+  return _Folded(new, decay * stored_absmax + weight * grad_absmax)
 
 
 def _direction(
@@ -467,11 +472,13 @@ def decayed_floor(state: ScaleByAdamAState, config: AdamAConfig) -> Any:
 
 
 def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds,
-              half_difference=None):
+              half_difference=None, whole_block_absmax=lambda x: x):
   """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``.
 
   The fold kernel: :func:`fold_micro_batch` maps it over a tree, and
-  :func:`release_step` over one layer's slices at a time.
+  :func:`release_step` over one layer's slices at a time (on a mesh that
+  splits 8-bit blocks, ``whole_block_absmax`` puts each block's parts
+  together: see :func:`_fold_moment`).
   """
   b1, b2, nu_estimator = config.b1, config.b2, config.nu_estimator
   # The guard is elementwise so it fuses into the fold. Gating the fold on a
@@ -486,11 +493,13 @@ def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds
   if half_difference is not None:
     less = _split_noise(half_difference, is_finite, n)
     if isinstance(nu, QuantizedArray):  # from the raw input: see _fold_moment
-      less_absmax = (1 - 1 / n) * _quantize.finite_absmax_blocks(
-          half_difference, *nu.codes.shape)**2
-  m = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1)
+      less_absmax = (1 - 1 / n) * whole_block_absmax(_quantize.finite_absmax_blocks(
+          half_difference, *nu.codes.shape))**2
+  m = _fold_moment(mu, grad, finite_grad, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1,
+                   whole_block_absmax=whole_block_absmax)
   v = _fold_moment(nu, grad, finite_grad, jnp.where(starts, b2, 1.0),
-                   _nu_weight(b2, n, nu_estimator), 2, less, less_absmax)
+                   _nu_weight(b2, n, nu_estimator), 2, less, less_absmax,
+                   whole_block_absmax=whole_block_absmax)
   if nu_estimator == "momentum" and n > 1:
     v = _add_squared_momentum(m, v, state, b1, b2)
   return (_store(m.value, mu, 1, seeds[0], m.absmax),

@@ -64,8 +64,11 @@ class QuantizedArray(NamedTuple):
   gradient leaf it folds in. :class:`BlockQuantization`'s example shows one.
   """
 
-  codes: chex.Array  # float8_e4m3fn [num_blocks, block_len]: value / scale, rounded.
-  scale: chex.Array  # float32 [num_blocks]: block absmax / the code's largest value.
+  # float8_e4m3fn [num_blocks, block_len], or [leading, blocks_per_index,
+  # block_len] for a layer-aligned leaf (each index of its leading axis, each
+  # layer of a stack, tiled by its own blocks): value / scale, rounded.
+  codes: chex.Array
+  scale: chex.Array  # float32 codes.shape[:-1]: block absmax / the code's largest value.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,9 @@ class BlockQuantization:
       that a layer's slice of the moment is a contiguous run of blocks:
       what :func:`release_step` needs to fold 8-bit moments one layer at a
       time. The blocks then divide the slice exactly (at most
-      ``block_size`` elements each, fewer where the slice's size asks); a
+      ``block_size`` elements each, fewer where the slice's size asks, or
+      where fewer give a block count divisible by 8, which a mesh of up to
+      8 devices splits whole); a
       slice with no such tiling into blocks of at least ``block_size // 8``
       elements (a prime size, say) keeps its leaf in ``mu_dtype`` /
       ``nu_dtype``. 1-D leaves are laid out as without it.
@@ -119,7 +124,7 @@ class BlockQuantization:
         math.prod(shape[1:]), self.block_size) is not None
 
   def layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(num_blocks, block_len)`` of a leaf of ``shape``."""
+    """``(num_blocks, block_len)`` of a leaf of ``shape`` (all its blocks)."""
     if self._aligns(shape):
       slice_size = math.prod(shape[1:])
       block_len = _exact_block_len(slice_size, self.block_size)
@@ -133,23 +138,42 @@ class BlockQuantization:
   def _aligns(self, shape: tuple[int, ...]) -> bool:
     return self.layer_aligned and len(shape) >= 2
 
+  def blocks_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The codes' shape for a leaf of ``shape``.
+
+    ``(num_blocks, block_len)``; layer-aligned, ``(shape[0], num_blocks //
+    shape[0], block_len)``: a layer's blocks are an index of the leading axis,
+    so a mesh can split every layer's blocks over its devices as it splits
+    the layer (``release_step(mesh=...)``).
+    """
+    num_blocks, block_len = self.layout(shape)
+    if self._aligns(shape):
+      return (shape[0], num_blocks // shape[0], block_len)
+    return (num_blocks, block_len)
+
   def zeros(self, shape: tuple[int, ...]) -> QuantizedArray:
     """The quantized form of ``jnp.zeros(shape)``."""
-    num_blocks, block_len = self.layout(shape)
+    blocks_shape = self.blocks_shape(shape)
     return QuantizedArray(
-        codes=jnp.zeros((num_blocks, block_len), self.code_dtype),
-        scale=jnp.zeros((num_blocks,), jnp.float32))
+        codes=jnp.zeros(blocks_shape, self.code_dtype),
+        scale=jnp.zeros(blocks_shape[:-1], jnp.float32))
+
+
+# A layer's block count divisible by this where a divisor allows: a mesh of
+# up to 8 devices (or any power of two dividing the count) then splits every
+# layer's blocks whole (release_step(mesh=...)).
+_PREFERRED_BLOCKS_MULTIPLE = 8
 
 
 def _exact_block_len(size: int, block_size: int) -> Optional[int]:
-  """The largest divisor of ``size`` that is at most ``block_size``, if it is
-  at least ``block_size // 8`` (or ``size`` itself, when that is smaller)."""
+  """The largest divisor of ``size`` that is at most ``block_size`` and at
+  least ``block_size // 8``, preferring one that leaves a block count
+  divisible by 8 (or ``size`` itself, when that is at most ``block_size``)."""
   if size <= block_size:
     return size
-  for block_len in range(block_size, max(1, block_size // 8) - 1, -1):
-    if size % block_len == 0:
-      return block_len
-  return None
+  divisors = [n for n in range(block_size, max(1, block_size // 8) - 1, -1) if size % n == 0]
+  preferred = [n for n in divisors if (size // n) % _PREFERRED_BLOCKS_MULTIPLE == 0]
+  return (preferred or divisors or [None])[0]
 
 
 def block_layout(size: int, block_size: int) -> tuple[int, int]:
@@ -163,13 +187,14 @@ def block_layout(size: int, block_size: int) -> tuple[int, int]:
   return num_blocks, max(1, -(-size // num_blocks))
 
 
-def to_blocks(x: jax.Array, num_blocks: int, block_len: int) -> jax.Array:
-  """Flattens ``x`` (row-major) into ``[num_blocks, block_len]``, zero-padded."""
+def to_blocks(x: jax.Array, *blocks_shape: int) -> jax.Array:
+  """Flattens ``x`` (row-major) into ``blocks_shape`` (blocks along the last
+  axis: ``num_blocks, block_len``, or a layer-aligned leaf's three), zero-padded."""
   flat = jnp.ravel(x)
-  pad = num_blocks * block_len - flat.size
+  pad = math.prod(blocks_shape) - flat.size
   if pad:
     flat = jnp.pad(flat, (0, pad))
-  return flat.reshape(num_blocks, block_len)
+  return flat.reshape(blocks_shape)
 
 
 def from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -309,8 +334,8 @@ def storage_dtype(moment: jax.Array | QuantizedArray) -> jnp.dtype:
 
 
 def block_absmax(blocks: jax.Array) -> jax.Array:
-  """float32 ``[num_blocks]``: the largest magnitude in each block."""
-  return jnp.max(jnp.abs(blocks), axis=1)
+  """float32 ``blocks.shape[:-1]``: the largest magnitude in each block."""
+  return jnp.max(jnp.abs(blocks), axis=-1)
 
 
 # The two reductions below work on bit patterns on purpose. A reduction that
@@ -321,8 +346,8 @@ def block_absmax(blocks: jax.Array) -> jax.Array:
 # fold, so each reduction reads its input buffer directly.
 
 
-def finite_absmax_blocks(x: jax.Array, num_blocks: int, block_len: int) -> jax.Array:
-  """float32 ``[num_blocks]``: the largest finite magnitude of ``x`` per block.
+def finite_absmax_blocks(x: jax.Array, *blocks_shape: int) -> jax.Array:
+  """float32 ``blocks_shape[:-1]``: the largest finite magnitude of ``x`` per block.
 
   ``x`` is blocked as by :func:`to_blocks`; NaN and Inf entries count as zero
   (the fold drops them).
@@ -332,15 +357,15 @@ def finite_absmax_blocks(x: jax.Array, num_blocks: int, block_len: int) -> jax.A
   magnitude = bits & jnp.uint32(0x7FFFFFFF)
   magnitude = jnp.where(magnitude < jnp.uint32(0x7F800000), magnitude,
                         jnp.zeros_like(magnitude))
-  largest = jnp.max(to_blocks(magnitude, num_blocks, block_len), axis=1)
+  largest = jnp.max(to_blocks(magnitude, *blocks_shape), axis=-1)
   return jax.lax.bitcast_convert_type(largest, jnp.float32)
 
 
 def quantized_absmax(quantized: QuantizedArray) -> jax.Array:
-  """float32 ``[num_blocks]``: the largest stored magnitude in each block."""
+  """float32 ``codes.shape[:-1]``: the largest stored magnitude in each block."""
   codes = quantized.codes
   bits = jax.lax.bitcast_convert_type(codes, jnp.uint8) & jnp.uint8(0x7F)
-  largest = jax.lax.bitcast_convert_type(jnp.max(bits, axis=1), codes.dtype)
+  largest = jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), codes.dtype)
   return largest.astype(jnp.float32) * quantized.scale
 
 
@@ -351,13 +376,13 @@ def quantize_blocks(
     absmax: Optional[jax.Array] = None,
     unbiased_square: bool = False,
 ) -> QuantizedArray:
-  """Quantizes float32 ``[num_blocks, block_len]`` with one scale per block.
+  """Quantizes float32 ``[..., block_len]`` blocks with one scale per block.
 
   Args:
     blocks: float32 values, e.g. from :func:`to_blocks`.
     code_dtype: an 8-bit float dtype.
     seed: a uint32 seed for stochastic rounding; ``None`` rounds to nearest.
-    absmax: float32 ``[num_blocks]``, an upper bound of each block's largest
+    absmax: float32 ``blocks.shape[:-1]``, an upper bound of each block's largest
       magnitude; ``None`` computes it exactly. A bound computed without
       ``blocks`` lets XLA fuse the producer of ``blocks`` into the
       quantization instead of materializing it in float32 for the reduction;
@@ -373,7 +398,7 @@ def quantize_blocks(
   scale = absmax / code_max
   # An all-zero block keeps scale 0 (it dequantizes to zeros either way).
   divisor = jnp.where(absmax > 0, scale, jnp.ones_like(scale))
-  scaled = blocks / divisor[:, None]
+  scaled = blocks / divisor[..., None]
   if seed is not None:
     round_fn = stochastic_round_square if unbiased_square else stochastic_round
     scaled = round_fn(scaled, code_dtype, seed)
@@ -383,5 +408,5 @@ def quantize_blocks(
 
 
 def dequantize_blocks(quantized: QuantizedArray) -> jax.Array:
-  """float32 ``[num_blocks, block_len]`` values of a :class:`QuantizedArray`."""
-  return quantized.codes.astype(jnp.float32) * quantized.scale[:, None]
+  """float32 values of a :class:`QuantizedArray`, in its codes' shape."""
+  return quantized.codes.astype(jnp.float32) * quantized.scale[..., None]

@@ -181,9 +181,11 @@ def release_step(
     staged: the model's loss in stages.
     tx: an AdamA transformation: :func:`adama`, :func:`adamaw`,
       :func:`scale_by_adama`, or :func:`mini_batch_chain` of one; moments
-      dense (float32, bfloat16) or, on one device, 8-bit with
+      dense (float32, bfloat16) or 8-bit with
       ``BlockQuantization(layer_aligned=True)``, whose blocks tile each
-      layer's slice. On one device it may be under :func:`offload_moments`:
+      layer's slice (on a mesh each device holds its slice's codes: see
+      :func:`release_shardings`). On one device it may be under
+      :func:`offload_moments`:
       the moments stay in host memory and each layer's slice is brought in
       for its fold and for its update, so the device holds one layer's
       moments at a time (and the outer leaves' while they are folded).
@@ -218,11 +220,13 @@ def release_step(
     TypeError: if ``tx`` is not an AdamA transformation.
     ValueError: for ``shard_states`` without a mesh, or an unknown stage;
       at the first call, for ``nu_estimator="split"`` and micro-batches that
-      do not split into two halves (of rows for every device, on a mesh).
-    NotImplementedError: for offloaded moments on a mesh, or (at the first call) for a chained transform with
-      a per-parameter state under :func:`offload_moments`, or for 8-bit
-      moments of a stacked leaf whose blocks straddle layers
-      (``layer_aligned=False``) and, on a mesh, for 8-bit moments of any leaf.
+      do not split into two halves (of rows for every device, on a mesh),
+      and on a mesh for 8-bit moments that do not split into whole blocks
+      per device (:func:`release_shardings`).
+    NotImplementedError: for offloaded moments on a mesh, or (at the first
+      call) for a chained transform with a per-parameter state under
+      :func:`offload_moments`, or for 8-bit moments of a stacked leaf whose
+      blocks straddle layers (``layer_aligned=False``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -261,11 +265,13 @@ def release_step(
   def step(params, opt_state, batch):
     staged.check_stack(params)
     _check_is_state_of_tx(opt_state, parts.inner)
-    _check_moments(staged, params, _adama.adama_of(opt_state), on_mesh=mesh is not None)
-    shardings = None
+    _check_moments(staged, params, _adama.adama_of(opt_state))
+    shardings = slices = None
     if mesh is not None:
       shardings = release_shardings(
           staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+      slices = _moment_slices(staged, params, opt_state, _sharding.auto_mesh(mesh),
+                              shard_states, data_axis)
       params, opt_state = _constrained((params, opt_state), shardings)
     state = _adama.adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
@@ -278,13 +284,13 @@ def release_step(
       fold_parts = dataclasses.replace(
           parts, config=dataclasses.replace(parts.config, nu_estimator="sum"))
     fold = _scan_body(staged, fold_parts, has_aux, params, mesh, shard_states,
-                             data_axis, shardings)
+                      data_axis, shardings, slices)
     folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
     if momentum_after:
       folded = _adama.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
         staged, parts, params, folded, _adama.inner_of(opt_state),
-        _sharded_update(staged, shardings, shard_states, mesh, data_axis))
+        _sharded_update(staged, slices, shard_states, mesh, data_axis))
     opt_state = _adama.with_adama(
         opt_state, _adama.with_estimator(folded, state.nu_estimator), inner_state)
     if shardings is not None:
@@ -323,7 +329,7 @@ def _constrained(params_and_state, shardings):
 
 
 def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
-                      shardings):
+               shardings, slices):
   """The scan body ``(state, micro_batch) -> (state, (loss, aux))``."""
   def fold(state, micro_batch):
     if _adama.takes_halves(state):
@@ -338,21 +344,21 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
           staged, parts, has_aux, mesh, shard_states, data_axis,
           _adama.with_estimator(_specs(_adama.adama_of(shardings.opt_state)),
                                 state.nu_estimator),
-          _specs(shardings.params), params, state, micro_batch)
+          _specs(shardings.params), _specs(slices), params, state, micro_batch)
     return state, (loss, aux)
   return fold
 
 
-def _sharded_update(staged, shardings, shard_states, mesh, data_axis):
-  """``(params, updates) -> params`` for updates split like ZeRO's moments.
+def _sharded_update(staged, slices, shard_states, mesh, data_axis):
+  """``(params, updates) -> params`` for updates split like ZeRO's moments
+  (``slices``: :func:`_moment_slices`).
 
   ``None`` where params and updates are whole on every device.
   """
   if shard_states in (None, "fsdp"):  # FSDP: params split as the update is
     return None
-  moment_shardings = _adama.adama_of(shardings.opt_state).mu
   return lambda params, updates: _apply_sharded_updates(
-      staged, params, updates, moment_shardings, mesh, data_axis)
+      staged, params, updates, slices, mesh, data_axis)
 
 
 def _micro_batches(state, batch, mesh, data_axis):
@@ -401,13 +407,25 @@ def release_shardings(
     shard_states: ``None``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
     data_axis: the mesh axis (or axes) the batch is split over.
 
+  8-bit moments (:class:`BlockQuantization`) are split where their params
+  are: each device holds the whole blocks of its slice (a layer-aligned
+  leaf's blocks of every layer, or a leaf's first axis) or, where each row
+  is one block (a layer norm's scales; an embedding split along its width),
+  a part of every block, whose scale the fold puts together across the
+  devices. A leaf that fits neither way and has fewer blocks (per layer)
+  than devices is kept whole on every device, its param and gradient too.
+
   Returns:
     A :class:`StepShardings`: ``jax.device_put(params, s.params)`` and
     ``jax.device_put(opt_state, s.opt_state)`` before the first step let the
     step donate them in place.
 
   Raises:
-    ValueError: for an unknown ``shard_states``.
+    ValueError: for an unknown ``shard_states``, or for an 8-bit moment with
+      a block for each device that still does not split into whole blocks
+      (the error names the leaf and the fix).
+    NotImplementedError: for 8-bit moments of a stacked leaf whose blocks
+      straddle layers (``layer_aligned=False``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, numpy as np, optax_adama
@@ -422,8 +440,11 @@ def release_shardings(
     (None, 'data')
   """
   _check_release_stage(mesh, shard_states)
-  return stack_shardings(staged, params, opt_state, mesh, shard_states=shard_states,
-                         data_axis=data_axis)
+  state = _adama.adama_of(opt_state)
+  if isinstance(state, ScaleByAdamAState):
+    _check_moments(staged, params, state)
+  return _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+                          align_blocks=True)
 
 
 def stack_shardings(
@@ -468,22 +489,131 @@ def stack_shardings(
     >>> tuple(s.params["stack"]["w"].spec)  # a slice of every layer on each device
     (None, 'data')
   """
+  return _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+                          align_blocks=False)
+
+
+def _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+                     align_blocks: bool) -> _sharding.StepShardings:
+  """:func:`stack_shardings`; ``align_blocks``: as :func:`release_step` folds 8-bit moments.
+
+  The release folds each device's slice of a leaf inside ``shard_map``, so an
+  8-bit moment must be split where its param is, whole blocks on each device
+  (:func:`_quantized_sharding`); GSPMD (``microbatch_step``) takes any split.
+  """
   base = _sharding.step_shardings(
       params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
   if shard_states is None:
     return base
   split = lambda tree: _stack_aware_shardings(staged, tree, mesh, data_axis)
   state = _adama.adama_of(opt_state)
+  slices = split(params)
   if isinstance(state, ScaleByAdamAState):
+    if align_blocks:
+      slices = _moment_slices(staged, params, opt_state, mesh, shard_states, data_axis)
+      moments = lambda tree: _moment_shardings(slices, params, tree)
+    else:
+      moments = split
     state_shardings = _adama.adama_of(base.opt_state)._replace(
-        mu=split(state.mu), nu=split(state.nu))
+        mu=moments(state.mu), nu=moments(state.nu))
     opt_state_shardings = _adama.with_adama(
         base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
   else:
     opt_state_shardings = base.opt_state
-  grads = split(params) if shard_states in ("zero2", "fsdp") else base.grads
-  param_shardings = split(params) if shard_states == "fsdp" else base.params
+  grads = slices if shard_states in ("zero2", "fsdp") else base.grads
+  param_shardings = slices if shard_states == "fsdp" else base.params
   return _sharding.StepShardings(param_shardings, opt_state_shardings, grads)
+
+
+_is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+
+
+def _moment_slices(staged, params, opt_state, mesh, shard_states, data_axis):
+  """Per param, how the release splits its moments, in the param's layout:
+  what each device folds (its gradient's slice) and updates."""
+  if shard_states is None:
+    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+  slices = _stack_aware_shardings(staged, params, mesh, data_axis)
+  state = _adama.adama_of(opt_state)
+  return _block_aligned_slices(staged, slices, params, state.mu, mesh, data_axis)
+
+
+def _quantized_sharding(moment: _quantize.QuantizedArray, shape, sharding):
+  """The sharding of an 8-bit moment whose param is split as ``sharding``:
+  each device holds the codes of its own slice; ``None`` if none does.
+
+  A leaf's codes are its elements in row-major order, blocked along the last
+  axis: ``[num_blocks, block_len]``, or ``[shape[0], blocks, block_len]``
+  layer-aligned. A param split along an axis the codes keep (a layer-aligned
+  leaf's first) splits them there; one split where each index before the
+  split holds whole blocks splits the blocks' axis (a slice of every layer:
+  whole blocks on each device); one split where each index before it is one
+  block splits the blocks themselves (each device a part of every block, its
+  scale put together across the devices: :func:`_splits_blocks`).
+  """
+  spec = sharding.spec
+  dim = _sharding.split_dim(spec)
+  codes_shape = moment.codes.shape
+  kept = len(codes_shape) - 2  # leading axes of the leaf the codes keep
+  codes_dim = None
+  if dim is not None:
+    if math.prod(codes_shape) != math.prod(shape):  # padded blocks
+      return None
+    num_devices = _sharding.num_devices(sharding.mesh, spec[dim])
+    before = math.prod(shape[kept:dim])
+    candidates = ([dim] if dim < kept else
+                  [axis for axis, fits in ((kept, before == 1),
+                                           (kept + 1, before == codes_shape[kept])) if fits])
+    codes_dim = next((a for a in candidates if codes_shape[a] % num_devices == 0), None)
+    if codes_dim is None:
+      return None
+  named = lambda ndim: NamedSharding(sharding.mesh, PartitionSpec(
+      *(spec[dim] if i == codes_dim else None for i in range(ndim))))
+  return _quantize.QuantizedArray(codes=named(len(codes_shape)),
+                                  scale=named(len(codes_shape) - 1))
+
+
+def _splits_blocks(codes_spec: PartitionSpec) -> bool:
+  """Whether the devices each hold a part of every block (the codes' last axis)."""
+  dim = _sharding.split_dim(codes_spec)
+  return dim is not None and dim == len(codes_spec) - 1
+
+
+def _block_aligned_slices(staged, slices, params, mu, mesh, data_axis):
+  """``slices`` (each param's split) with the 8-bit moments' leaves that
+  cannot split whole blocks kept whole on every device, or an error for
+  those with a block for each device (where keeping them whole costs memory)."""
+  num_devices = _sharding.num_devices(mesh, data_axis)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def align(path, sharding, param, moment):
+    if not _is_quantized(moment):
+      return sharding
+    shape = jnp.shape(param)
+    if _quantized_sharding(moment, shape, sharding) is not None:
+      return sharding
+    blocks = moment.codes.shape[-2]
+    if blocks < num_devices:
+      return replicated
+    raise ValueError(
+        f"release_step(mesh=...) folds each device's slice of a leaf, and the "
+        f"8-bit blocks of the moment of {jax.tree_util.keystr(path)} (shape {shape}, "
+        f"codes {moment.codes.shape}) do not split into whole blocks along "
+        f"{sharding.spec}: pass BlockQuantization(layer_aligned=True) and give the "
+        f"dimension the devices split ({num_devices}) a size with whole blocks per "
+        "device (e.g. pad it), or keep that leaf's moments dense (a larger min_size).")
+
+  return jax.tree_util.tree_map_with_path(align, slices, params, mu,
+                                          is_leaf=_is_quantized)
+
+
+def _moment_shardings(slices, params, moment):
+  """A moment's shardings from its params' (``slices``, block-aligned)."""
+  def place(sharding, param, leaf):
+    if _is_quantized(leaf):
+      return _quantized_sharding(leaf, jnp.shape(param), sharding)
+    return sharding
+  return jax.tree.map(place, slices, params, moment, is_leaf=_is_quantized)
 
 
 def _stack_aware_shardings(staged, tree, mesh, data_axis):
@@ -499,10 +629,10 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
 
 
 def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
-                        state_specs, param_specs, params, state, micro_batch):
+                        state_specs, param_specs, slice_specs, params, state, micro_batch):
   """:func:`_release_micro_batch` with each device on its rows, under ``shard_map``."""
   reductions = _data_parallel_reductions(
-      staged, state_specs, param_specs, mesh, shard_states, data_axis)
+      staged, state_specs, param_specs, slice_specs, mesh, shard_states, data_axis)
   axis_names = _sharding.axis_names(data_axis)
 
   def local(params, state, micro_batch):
@@ -521,12 +651,21 @@ def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
       out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
 
 
-def _data_parallel_reductions(staged, state_specs, param_specs, mesh, shard_states,
-                              data_axis):
-  """The collectives of a ZeRO stage, for :func:`_release_micro_batch` in ``shard_map``."""
+def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mesh,
+                              shard_states, data_axis):
+  """The collectives of a ZeRO stage, for :func:`_release_micro_batch` in ``shard_map``.
+
+  ``slice_specs``: each leaf's split in its param's layout (:func:`_moment_slices`).
+  """
   num_devices = _sharding.num_devices(mesh, data_axis)
-  outer_specs, stacked_specs = staged.split(state_specs.mu)
+  outer_specs, stacked_specs = staged.split(slice_specs)
   is_spec = lambda x: isinstance(x, PartitionSpec)
+  is_moment_spec = lambda x: is_spec(x) or _is_quantized(x)
+  # Per leaf, whether each device holds a part of every 8-bit block.
+  splits_blocks = {kind: [_is_quantized(x) and _splits_blocks(x.codes)
+                          for x in jax.tree.leaves(tree, is_leaf=is_moment_spec)]
+                   for kind, tree in zip(("outer", "layer"), staged.split(state_specs.mu))}
+  pmax = lambda absmax: jax.lax.pmax(absmax, data_axis)
   outer_specs = jax.tree.leaves(outer_specs, is_leaf=is_spec)
   # A layer's slice is placed as its stacked moment, less the layer axis.
   layer_specs = [PartitionSpec(*spec[1:])
@@ -555,10 +694,15 @@ def _data_parallel_reductions(staged, state_specs, param_specs, mesh, shard_stat
     # A non-finite entry may sit in another device's slice.
     return jax.lax.psum((~finite).astype(jnp.int32), data_axis) == 0
 
-  def seed(s):
-    # Each device rounds its own slice: its own noise.
-    return None if s is None else _quantize.mix_seed(
-        s, jax.lax.axis_index(data_axis).astype(jnp.uint32))
+  def seed(s, spec):
+    # Each device rounds its own slice: its own noise. A leaf whole on every
+    # device is rounded alike on each, so that it stays the same everywhere.
+    if s is None or _sharding.split_dim(spec) is None:
+      return s
+    return _quantize.mix_seed(s, jax.lax.axis_index(data_axis).astype(jnp.uint32))
+
+  def seeds(pairs, specs):
+    return [tuple(seed(s, spec) for s in pair) for pair, spec in zip(pairs, specs)]
 
   def floor(increment, spec, leaf_shape, slice_ndim):
     # Computed from this device's block of the gradient: whole again (and
@@ -580,7 +724,10 @@ def _data_parallel_reductions(staged, state_specs, param_specs, mesh, shard_stat
       outer_grads=lambda grads: list(map(reduce, grads, outer_specs)),
       layer_grads=lambda grads: list(map(reduce, grads, layer_specs)),
       all_finite=all_finite,
-      seed=seed,
+      whole_block_absmax=lambda kind, i: pmax if splits_blocks[kind][i] else _identity,
+      layer_seeds=lambda pairs: seeds(pairs, layer_specs),
+      # The outer leaves' seeds follow the stack's (see _fold_outer).
+      outer_seeds=lambda pairs: seeds(pairs, layer_specs + outer_specs),
       outer_floors=lambda incs, shapes: floors(incs, shapes, outer_specs, False),
       layer_floors=lambda incs, shapes: floors(incs, shapes, layer_specs, True),
       outer_params=(lambda outer: jax.tree.map(gather, outer, outer_param_specs))
@@ -609,7 +756,7 @@ def _local_slice(x, spec, data_axis, num_devices):
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(data_axis) * size, size, dim)
 
 
-def _apply_sharded_updates(staged, params, updates, moment_shardings, mesh, data_axis):
+def _apply_sharded_updates(staged, params, updates, slices, mesh, data_axis):
   """Replicated params plus updates split like the moments, gathered in pieces.
 
   Each device adds its slice of the update to its slice of the params and
@@ -619,7 +766,7 @@ def _apply_sharded_updates(staged, params, updates, moment_shardings, mesh, data
   buffer alive beside the params.
   """
   num_devices = _sharding.num_devices(mesh, data_axis)
-  update_specs = _specs(moment_shardings)
+  update_specs = _specs(slices)
   outer_specs, stacked_specs = staged.split(update_specs)
 
   def apply(p, u, spec):
@@ -655,20 +802,12 @@ def _specs(shardings):
   return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def _check_moments(staged: StagedLoss, params, state: ScaleByAdamAState,
-                   on_mesh: bool) -> None:
-  """Raises for moments the release cannot fold: 8-bit ones on a mesh, and
-  8-bit stacked ones whose blocks straddle layers."""
-  is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+def _check_moments(staged: StagedLoss, params, state: ScaleByAdamAState) -> None:
+  """Raises for 8-bit stacked moments whose blocks straddle layers (on a mesh,
+  :func:`release_shardings` checks that each device holds whole blocks)."""
+  is_quantized = _is_quantized
   _, stacked_params = staged.split(params)
   for moment in (state.mu, state.nu):
-    if on_mesh and any(map(is_quantized, jax.tree.leaves(moment, is_leaf=is_quantized))):
-      raise NotImplementedError(
-          "release_step on a mesh folds each device's slice of a leaf inside "
-          "shard_map, where 8-bit blocks would have to align with the "
-          "slices; use dense moments (mu_dtype / nu_dtype float32 or "
-          "bfloat16) with release_step(mesh=...), or microbatch_step(mesh=...) "
-          "for 8-bit moments.")
     _, stacked = staged.split(moment)
     leaves = jax.tree.structure(stacked_params).flatten_up_to(stacked)
     for param, leaf in zip(jax.tree.leaves(stacked_params), leaves):
@@ -682,17 +821,18 @@ def _check_moments(staged: StagedLoss, params, state: ScaleByAdamAState,
 
 
 def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
-  num_blocks, block_len = moment.codes.shape
-  num_layers, slice_size = shape[0], math.prod(shape[1:])
-  return num_blocks % num_layers == 0 and (num_blocks // num_layers) * block_len == slice_size
+  # BlockQuantization(layer_aligned=True)'s layout: [layers, blocks, block_len].
+  codes_shape = moment.codes.shape
+  return (len(codes_shape) == 3 and codes_shape[0] == shape[0]
+          and codes_shape[1] * codes_shape[2] == math.prod(shape[1:]))
 
 
 def _layer_slice(moment, layer, num_layers, keepdims=False):
-  """Layer ``layer``'s slice of a stacked moment (a run of blocks if 8-bit)."""
+  """Layer ``layer``'s slice of a stacked moment (its blocks if 8-bit)."""
+  del num_layers
   if isinstance(moment, _quantize.QuantizedArray):
-    rows = moment.codes.shape[0] // num_layers
     return jax.tree.map(
-        lambda x: _as_stored(jax.lax.dynamic_slice_in_dim(_as_bytes(x), layer * rows, rows, 0),
+        lambda x: _as_stored(jax.lax.dynamic_index_in_dim(_as_bytes(x), layer, keepdims=False),
                              x.dtype), moment)
   return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=keepdims)
 
@@ -712,9 +852,8 @@ def _as_stored(x, dtype):
 def _with_layer_slice(moment, value, layer):
   """``moment`` with layer ``layer``'s slice replaced by ``value``, in place."""
   if isinstance(moment, _quantize.QuantizedArray):
-    rows = value.codes.shape[0]
     return jax.tree.map(
-        lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v, layer * rows, 0), moment, value)
+        lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, layer, 0), moment, value)
   return jax.lax.dynamic_update_index_in_dim(moment, value, layer, 0)
 
 
@@ -732,7 +871,13 @@ class _Reductions(NamedTuple):
   outer_grads: Callable[[list[jax.Array]], list[jax.Array]]
   layer_grads: Callable[[list[jax.Array]], list[jax.Array]]
   all_finite: Callable[[jax.Array], jax.Array]
-  seed: Callable[[Optional[jax.Array]], Optional[jax.Array]]
+  # ("outer" or "layer", leaf index) -> the fold's whole_block_absmax for it
+  # (see _adama.fold_leaf): a pmax where the mesh splits the leaf's blocks.
+  whole_block_absmax: Callable[[str, int], Callable[[jax.Array], jax.Array]]
+  # Lists of (m, v) seed pairs, one per leaf (the stack's, or the stack's
+  # then the outer leaves'): each device's own where it holds a slice.
+  layer_seeds: Callable[[list], list]
+  outer_seeds: Callable[[list], list]
   # Flat lists of "split"'s floor increments (FactoredSquares) from the
   # reduced gradient leaves above, each made whole; with the leaves' shapes.
   outer_floors: Callable[[list, list[int]], list]
@@ -745,14 +890,11 @@ class _Reductions(NamedTuple):
 
 _identity = lambda x: x
 _increments = lambda increments, leaf_shapes: increments
-_ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity, _identity,
+_ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity,
+                          lambda kind, i: _identity, _identity, _identity,
                           _increments, _increments, _identity, _identity)
 
 
-def _leaf_seeds(config, state, mus, nus, reductions=_ONE_DEVICE):
-  """:func:`_adama.leaf_seeds`, each device's own under ``shard_map``."""
-  seeds = _adama.leaf_seeds(config, state, mus, nus)
-  return [tuple(map(reductions.seed, pair)) for pair in seeds]
 
 
 def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
@@ -867,7 +1009,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   floor_leaves = None if floor_stacked is None else stacked_def.flatten_up_to(floor_stacked)
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
-  seeds = _leaf_seeds(parts.config, state, mu_leaves, nu_leaves, reductions)
+  seeds = reductions.layer_seeds(_adama.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
   offloaded = [_offloaded(m, v, parts) for m, v in zip(mu_leaves, nu_leaves)]
 
@@ -882,15 +1024,16 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
         stacked_def.flatten_up_to(_steps.poison_if_loss_nonfinite(loss, layer_grads)), halves,
         reductions.layer_grads)
     new_mus, new_nus, finite = [], [], []
-    for grad, d, mu, nu, (mu_off, nu_off), leaf_seeds in zip(
-        layer_grads, differences, mus, nus, offloaded, seeds):
+    for i, (grad, d, mu, nu, (mu_off, nu_off), leaf_seeds) in enumerate(zip(
+        layer_grads, differences, mus, nus, offloaded, seeds)):
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       # Offloaded moments: only this layer's slice comes to the device.
       m, v, leaf_finite = _adama.fold_leaf(
           grad, _offload.to_device(_layer_slice(mu, layer, num_layers), mu_off),
           _offload.to_device(_layer_slice(nu, layer, num_layers), nu_off),
-          state, parts.config, layer_seeds, d)
+          state, parts.config, layer_seeds, d,
+          whole_block_absmax=reductions.whole_block_absmax("layer", i))
       new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
       new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
       finite.append(leaf_finite)
@@ -927,12 +1070,13 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
   num_stacked = len(stacked_mus)
-  outer_seeds = _leaf_seeds(
-      parts.config, state, stacked_mus + mus, stacked_nus + nus, reductions)
+  outer_seeds = reductions.outer_seeds(_adama.leaf_seeds(
+      parts.config, state, stacked_mus + mus, stacked_nus + nus))
   folded = [
-      _fold_offloaded_leaf(g, m, v, state, parts, leaf_seeds, d)
-      for g, d, m, v, leaf_seeds in zip(
-          grads, differences, mus, nus, outer_seeds[num_stacked:])]
+      _fold_offloaded_leaf(g, m, v, state, parts, leaf_seeds, d,
+                           reductions.whole_block_absmax("outer", i))
+      for i, (g, d, m, v, leaf_seeds) in enumerate(zip(
+          grads, differences, mus, nus, outer_seeds[num_stacked:]))]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   if floor_outer is not None:
     increments = reductions.outer_floors(
@@ -951,13 +1095,14 @@ def _offloaded(mu, nu, parts):
   return _offload.offloaded_leaves(mu, min_size), _offload.offloaded_leaves(nu, min_size)
 
 
-def _fold_offloaded_leaf(grad, mu, nu, state, parts, seeds, half_difference=None):
+def _fold_offloaded_leaf(grad, mu, nu, state, parts, seeds, half_difference=None,
+                        whole_block_absmax=_identity):
   """:func:`_adama.fold_leaf` of a whole leaf, its moments brought in and
   sent back if they live in host memory."""
   mu_off, nu_off = _offloaded(mu, nu, parts)
   m, v, finite = _adama.fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
-      parts.config, seeds, half_difference)
+      parts.config, seeds, half_difference, whole_block_absmax)
   return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite
 
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multihost_train.py"
-RELEASE_FSDP = ["--release", "--shard-states", "fsdp", "--moments", "float32"]
+RELEASE_FSDP = ["--release", "--shard-states", "fsdp"]  # and 8-bit moments, the default
 
 
 def _command(*args):
@@ -38,14 +38,11 @@ def test_one_process_of_eight_devices_trains_with_release_and_fsdp():
   assert "1 process(es), 8 devices" in result.stdout
   losses = _losses(result.stdout)
   assert len(losses) == 2 and losses[-1] < losses[0], result.stdout
-  # m and v split 8 ways under FSDP: 2 P / 8 on each device.
-  assert "= 0.250 P" in result.stdout, result.stdout
-
-
-def test_eight_bit_moments_with_release_are_refused():
-  result = subprocess.run(_command("--release", "--moments", "8bit"),
-                          capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
-  assert result.returncode == 2 and "--moments float32 or bfloat16" in result.stderr
+  # m and v split 8 ways under FSDP, 8-bit: about 2 P / 8 / 4 on each device
+  # (0.0625 P; the leaves under BlockQuantization's min_size stay float32 and
+  # each block keeps a float32 scale: measured 0.064 P).
+  share = float(re.search(r"m \+ v per device [\d,]+ B = ([\d.]+) P", result.stdout).group(1))
+  assert 0.0625 <= share < 0.07, result.stdout
 
 
 @pytest.mark.slow

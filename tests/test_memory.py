@@ -125,3 +125,36 @@ def test_scanned_layers_make_the_stack_one_gradient_leaf():
   assert floor.largest_gradient_bytes >= 0.99 * P  # the stacked weights
   assert reports["adama"].total_bytes <= 1.05 * floor.total_bytes  # measured 4.31 P
   assert reports["accumulation"].total_bytes - reports["adama"].total_bytes >= 0.8 * P
+
+
+# A module as XLA prints it, cut to what collective_bytes reads: a loop of 4
+# micro-batches around a loop of 3 layers, each layer gathering 1 KiB and
+# reduce-scattering 256 B to each of 4 devices, and one all-reduce outside.
+_LOOPED_HLO = """\
+HloModule step
+
+%layer_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %all-gather.1 = f32[256]{0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %reduce-scatter.2 = f32[64]{0} reduce-scatter(%y), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+
+%micro_batch_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %while.1 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %while.2 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%micro_batch_body, backend_config={"known_trip_count":{"n":"4"}}
+  %all-reduce.3 = f32[8]{0} all-reduce(%z), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+
+
+def test_collective_bytes_weighs_each_collective_by_its_loops():
+  counted = optax_adama.memory.collective_bytes(_LOOPED_HLO)
+  assert counted.by_kind == {"all-gather": 12 * 1024, "reduce-scatter": 12 * 1024,
+                             "all-reduce": 32}
+  assert counted.total == 24 * 1024 + 32 and counted.uncounted_loops == 0
+  # Without a recorded trip count a loop counts once, and says so.
+  unknown = optax_adama.memory.collective_bytes(
+      _LOOPED_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""))
+  assert unknown.by_kind["all-gather"] == 3 * 1024 and unknown.uncounted_loops == 1

@@ -31,17 +31,23 @@ def test_layer_aligned_layout_tiles_each_layer_with_whole_blocks():
   # 768 x 3072 per layer = 1152 blocks of 2048; a bias row is one block.
   assert aligned.layout((12, 768, 3072)) == (12 * 1152, 2048)
   assert aligned.layout((24, 1536)) == (24, 1536)
-  # Blocks divide the slice exactly: 6 x 1000 -> 3 blocks of 2000 per layer.
-  assert aligned.layout((4, 6, 1000)) == (12, 2000)
+  # Blocks divide the slice exactly, 8 of them per layer where a divisor
+  # allows (a mesh of 8 devices splits them whole): 6 x 1000 -> 8 blocks of
+  # 750 (not 3 of 2000); 16,896 -> 16 of 1,056 (not 11 of 1,536); where
+  # none does (6 x 1001 = 2 x 3 x 7 x 11 x 13), the longest: 3 of 2002.
+  assert aligned.layout((4, 6, 1000)) == (32, 750)
+  assert aligned.blocks_shape((4, 6, 1000)) == (4, 8, 750)
+  assert aligned.blocks_shape((66, 16896)) == (66, 16, 1056)
+  assert aligned.blocks_shape((4, 6, 1001)) == (4, 3, 2002)
   # Without it, the bias stack's blocks straddle layers (18 blocks of 2048).
   assert optax_adama.BlockQuantization().layout((24, 1536)) == (18, 2048)
   # 1-D leaves as before; a slice of prime size over block_size stays dense.
   assert aligned.layout((2049,)) == (2, 1025)
   assert aligned.quantizes((4, 4099)) is False
-  # Layer l's slice is rows [l k, (l + 1) k) of the blocks.
+  # Layer l's slice is index l of the blocks' leading axis.
   x = jnp.arange(4 * 6 * 1000, dtype=jnp.float32).reshape(4, 6, 1000)
-  blocks = _quantize.to_blocks(x, *aligned.layout(x.shape))
-  np.testing.assert_array_equal(blocks[3:6].reshape(6, 1000), x[1])
+  blocks = _quantize.to_blocks(x, *aligned.blocks_shape(x.shape))
+  np.testing.assert_array_equal(blocks[1].reshape(6, 1000), x[1])
 
 
 def test_round_trip_error_is_bounded():

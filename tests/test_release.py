@@ -177,7 +177,7 @@ def test_eight_bit_layer_aligned_moments_equal_microbatch_step():
   (params, state, _), (ref_params, ref_state, _) = run_both(tx, batches)
   stack_mu = state.adama.mu["body"]["stack"]["w"]
   assert isinstance(stack_mu, optax_adama.moments.QuantizedArray)
-  assert stack_mu.codes.shape == (NUM_LAYERS * 64 * 64 // 256, 256)
+  assert stack_mu.codes.shape == (NUM_LAYERS, 64 * 64 // 256, 256)  # [layers, blocks, len]
   # Once the params differ by an ulp a code may round the other way (a
   # float8 step is 1/8 of the value): that element's update moves by a
   # fraction of the learning rate (1e-2). Few do.

@@ -272,6 +272,22 @@ def _bad_input_worker(mesh):
     out["placement/release_step"] = {"error": str(e)}
   out["placement/release_step"]["donated"] = any(
       x.is_deleted() for x in jax.tree.leaves((params, state)))
+  # 8-bit moments whose blocks do not split whole over the devices: a layer
+  # of [3, 1024], split along its 1024, is 16 blocks of 192, each across 3 rows.
+  eight_bit = optax_adama.adamaw(1e-2, num_micro_batches=NUM_MICRO, quantization=EIGHT_BIT)
+  scaled = optax_adama.StagedLoss(
+      embed=lambda outer, b: b["x"], block=lambda layer, x, b: x * jnp.mean(layer["w"]),
+      head=lambda outer, x, b: jnp.mean(x ** 2), layers="stack")
+  params = {"stack": {"w": jnp.ones((test_release.NUM_LAYERS, 3, 1024))}}
+  state = eight_bit.init(params)
+  try:
+    optax_adama.release_step(scaled, eight_bit, mesh=mesh, shard_states="fsdp")(
+        params, state, {"x": jnp.ones((64, 4))})
+    out["blocks/release_step"] = {"error": None}
+  except ValueError as e:
+    out["blocks/release_step"] = {"error": str(e)}
+  out["blocks/release_step"]["donated"] = any(
+      x.is_deleted() for x in jax.tree.leaves((params, state)))
   for name, make in {"axis/microbatch_step": optax_adama.microbatch_step,
                      "axis/release_step": optax_adama.release_step}.items():
     try:
@@ -355,8 +371,65 @@ def _release_worker(mesh):
           "stack_moment_spec": str(run[1].adama.mu["body"]["stack"]["w"].sharding.spec),
           "param_spec": str(run[0]["body"]["stack"]["w"].sharding.spec),
       }
+  _eight_bit_release_runs(release_runs, batches, out)
   out["memory"] = _release_memory(mesh)
   return out
+
+
+# Layer-aligned 8-bit moments of the test MLP: the stack's kernels [8, 64, 64]
+# as 16 blocks of 256 per layer (2 whole blocks per device), its biases
+# [8, 64] one block of 64 per layer (8 elements of it per device, the block's
+# scale put together across the devices), w_in [64, 64] one block per row.
+EIGHT_BIT = optax_adama.BlockQuantization(block_size=256, min_size=256, layer_aligned=True)
+
+
+def _eight_bit_release_runs(release_runs, batches, out):
+  """8-bit moments under every stage against one device, rounded to nearest
+  and stochastically (each device its own noise: another draw)."""
+  import test_release  # pylint: disable=g-import-not-at-top
+
+  def tx(stochastic_rounding):
+    return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+                              quantization=EIGHT_BIT, stochastic_rounding=stochastic_rounding)
+
+  # One step (the one with a dropped micro-batch): past it, a code that an
+  # ulp of the cross-device sum rounds the other way moves its element's
+  # update by a fraction of the rate, and the gradients after it differ.
+  nearest, runs = release_runs(tx(False), RELEASE_STAGES, test_release.make_params,
+                               batches[1:2])
+  for stage, run in runs.items():
+    mu = run[1].adama.mu
+    out[f"8bit/{stage}"] = {
+        "param_diff": _max_diff(run[0], nearest[0]),
+        "fraction_codes_differ": _fraction_codes_differ(run[1].adama, nearest[1].adama),
+        "num_dropped": int(run[1].adama.num_dropped),
+        "codes_spec": str(mu["body"]["stack"]["w"].codes.sharding.spec),
+        "codes_shape": list(mu["body"]["stack"]["w"].codes.shape),
+        "bias_codes_spec": str(mu["body"]["stack"]["b"].codes.sharding.spec),
+        "param_spec": str(run[0]["body"]["stack"]["w"].sharding.spec),
+    }
+  nearest, _ = release_runs(tx(False), (), test_release.make_params, batches)
+  stochastic, runs = release_runs(tx(True), ("fsdp",), test_release.make_params, batches)
+  out["8bit_stochastic/fsdp"] = {
+      "rms_to_one_device": _rms_diff(runs["fsdp"][0], stochastic[0]),
+      "rms_rounding": _rms_diff(stochastic[0], nearest[0]),
+      "rms_movement": _rms_diff(stochastic[0], test_release.make_params()),
+  }
+
+
+def _fraction_codes_differ(state, reference):
+  """The fraction of 8-bit codes of m and v that differ between two states."""
+  is_quantized = lambda x: isinstance(x, optax_adama.moments.QuantizedArray)
+  codes = lambda st: [np.asarray(x.codes, np.float32) for x in jax.tree.leaves(
+      (st.mu, st.nu), is_leaf=is_quantized) if is_quantized(x)]
+  differ = [a != b for a, b in zip(codes(state), codes(reference))]
+  return float(sum(d.sum() for d in differ) / sum(d.size for d in differ))
+
+
+def _rms_diff(a, b):
+  squares = [np.square(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+  return float(np.sqrt(sum(x.sum() for x in squares) / sum(x.size for x in squares)))
 
 
 def _release_memory(mesh):
@@ -399,6 +472,7 @@ def _release_memory(mesh):
           "total_bytes": int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                              + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
           "collectives": _collectives(compiled.as_text()),
+          "collective_bytes": optax_adama.memory.collective_bytes(compiled).by_kind,
       }
   return out
 
@@ -598,6 +672,38 @@ def test_release_step_on_a_mesh_equals_one_device(eight_devices, stage, estimato
   assert run["param_spec"] == str(expected if stage == "fsdp" else PartitionSpec()), run
 
 
+@pytest.mark.parametrize("stage", RELEASE_STAGES)
+def test_release_step_with_eight_bit_moments_on_a_mesh_equals_one_device(eight_devices, stage):
+  run = eight_devices["release"][f"8bit/{stage}"]
+  # Rounded to nearest, each device folds the whole blocks of its slice as
+  # one device folds them: the same codes (measured: all of them; the
+  # cross-device sum rounds in another order, and a value an ulp from a code
+  # boundary may round the other way) and the same step up to float32
+  # rounding of the update (one step, the one with a dropped micro-batch).
+  assert run["fraction_codes_differ"] < 1e-3, run
+  assert run["param_diff"] < 1e-6, run
+  assert run["num_dropped"] == 1, run
+  assert run["codes_shape"] == [8, 16, 256], run  # [layers, blocks, block_len]
+  # A slice of every layer's blocks on each device; of the biases (one
+  # block per layer) a part of every block.
+  split = str(PartitionSpec() if stage is None else PartitionSpec(None, "data"))
+  assert run["codes_spec"] == split, run
+  assert run["bias_codes_spec"] == str(
+      PartitionSpec() if stage is None else PartitionSpec(None, None, "data")), run
+  assert run["param_spec"] == (split if stage == "fsdp" else str(PartitionSpec())), run
+
+
+def test_release_step_with_stochastic_eight_bit_moments_on_a_mesh_trains_like_one_device(
+    eight_devices):
+  run = eight_devices["release"]["8bit_stochastic/fsdp"]
+  # Each device draws its own rounding noise, so the mesh's params are another
+  # draw of one device's: as far from them as rounding to nearest is (a bias,
+  # a fold of the wrong blocks, or a misplaced slice would be several times
+  # further), and both far below the params' movement in training.
+  assert run["rms_to_one_device"] < 2 * run["rms_rounding"], run
+  assert run["rms_rounding"] < 0.2 * run["rms_movement"], run
+
+
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
 def test_release_floor_on_a_mesh_equals_one_device(eight_devices, stage):
   run = eight_devices["release"][f"floor/{stage}"]
@@ -630,6 +736,11 @@ def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devic
         placement["error"]), placement
     assert "release_shardings for release_step" in placement["error"]
     assert not placement["donated"]
+    blocks = bad["blocks/release_step"]
+    assert "['stack']['w'] (shape (8, 3, 1024), codes (8, 16, 192))" in (
+        blocks["error"]), blocks
+    assert "layer_aligned=True" in blocks["error"] and "min_size" in blocks["error"], blocks
+    assert not blocks["donated"]
 
 
 def test_fsdp_on_a_staged_loss_gathers_one_layer_at_a_time(eight_devices):
@@ -672,6 +783,20 @@ def test_release_step_on_a_mesh_holds_one_layer_at_a_time(eight_devices):
   assert _largest_operand(memory["release/fsdp"]["collectives"]["all-gather"]) == layer
 
 
+@pytest.mark.parametrize("name", ["release", "fused"])
+def test_fsdp_moves_the_ideal_collective_bytes(eight_devices, name):
+  # FSDP's ideal per micro-batch: the params all-gathered twice (forward,
+  # backward) and the gradient reduce-scattered once: 3 P, N times a step.
+  # The trip counts of the scans weigh each collective (collective_bytes);
+  # a collective of the whole stack, or one per micro-batch and layer too
+  # many, would move the total by at least 1 P per micro-batch.
+  memory = eight_devices["release"]["memory"]
+  P, by_kind = memory["param_bytes"], memory[f"{name}/fsdp"]["collective_bytes"]
+  assert by_kind["all-gather"] == pytest.approx(2 * NUM_MICRO * P, rel=0.01), by_kind
+  assert by_kind["reduce-scatter"] == pytest.approx(NUM_MICRO * P, rel=0.01), by_kind
+  assert sum(by_kind.values()) / (3 * NUM_MICRO * P) < 1.01, by_kind
+
+
 def test_release_step_rejects_what_it_does_not_support():
   import test_release  # pylint: disable=g-import-not-at-top
 
@@ -687,7 +812,7 @@ def test_release_step_rejects_what_it_does_not_support():
   params = {"w_in": jnp.zeros((64, 64)), "b_out": jnp.zeros(64),
             "body": {"stack": {"w": jnp.zeros((8, 4, 4)), "b": jnp.zeros((8, 4))}}}
   step = optax_adama.release_step(staged, quantized, mesh=mesh, shard_states="zero2")
-  with pytest.raises(NotImplementedError, match="8-bit"):
+  with pytest.raises(NotImplementedError, match="layer_aligned=True"):
     step(params, quantized.init(params), test_release.make_batch(0, width=64))
 
 
