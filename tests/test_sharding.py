@@ -26,8 +26,9 @@ import optax_adama
 from optax_adama import _steps
 from conftest import MLP
 
-# Meant to keep this file on one xdist worker (make test: --dist loadgroup);
-# inert under pytest 9, so the `eight_devices` fixture also shares its result.
+# Keeps this file on one xdist worker (make test: --dist loadgroup; under
+# pytest 9 through tests/conftest.py's hook); the `eight_devices` fixture also
+# shares its result through a file, should the group ever be split.
 pytestmark = pytest.mark.xdist_group("eight_devices")
 
 NUM_DEVICES = 8
@@ -495,11 +496,11 @@ def _run_on_eight_devices():
 def eight_devices(tmp_path_factory, worker_id):
   """The subprocess's results, computed once per test run.
 
-  Under pytest-xdist each worker has its own session, and `--dist loadgroup`
-  cannot keep this file on one worker with pytest 9 (xdist 3.8 renames
-  `item._nodeid`, which pytest 9 no longer reads), so the first worker to get
-  here runs the subprocess (about 50 s) and the others wait on a file lock and
-  read its result from the run's shared temporary directory.
+  Under pytest-xdist each worker has its own session. `--dist loadgroup`
+  keeps this file on one worker (tests/conftest.py), and should another
+  worker get here, the first runs the subprocess (about 50 s) and the others
+  wait on a file lock and read its result from the run's shared temporary
+  directory.
   """
   if worker_id == "master":  # not under xdist
     return _run_on_eight_devices()
