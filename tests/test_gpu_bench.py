@@ -88,3 +88,36 @@ def test_a_failed_method_is_recorded_not_fatal(tmp_path):
   row = {"case": "x", "method": "adama", **gpu_bench.MISSING_MEMORY, **result,
          "floor_bytes": None, "median_step_s": None}
   assert "| failed: " in gpu_bench.table([row])
+
+
+def test_a_task_crowded_out_of_the_device_runs_again_alone(monkeypatch):
+  # Six gpt2_large processes at once overfill an 80 GB device: the memory task
+  # that failed among them is measured again on its own.
+  calls = []
+
+  def fake_run(task, env):
+    calls.append(task)
+    if task["kind"] == "time":
+      return {"adama": {"median_step_s": 0.1, "step_s_all": [0.1]}}
+    if task["kind"] == "floor":
+      return {"floor_bytes": 10, "param_bytes": 4}
+    if sum(c["kind"] == "memory" for c in calls) == 1:
+      return {"error": "Traceback...\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of "
+                       "memory\n----\nFor simplicity, JAX has removed its internal frames"}
+    return {"compiled_total_bytes": 11, "param_bytes": 4, "peak_bytes_in_use": 12,
+            "compile_s": 1.0, "loss": 2.0}
+
+  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
+  case = gpu_bench.Case("gpt_test", 2, False, method_names=("adama",))
+  [row] = gpu_bench.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
+                        progress=False)
+  assert [c["kind"] for c in calls].count("memory") == 2
+  assert row["retried_alone"] and "error" not in row and row["peak_bytes_in_use"] == 12
+
+
+def test_a_failed_row_shows_the_exception_not_the_traceback_footer():
+  row = {"case": "x", "method": "adama", **gpu_bench.MISSING_MEMORY, "param_bytes": None,
+         "floor_bytes": None, "median_step_s": None,
+         "error": "Traceback\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\n"
+                  "----\nFor simplicity, JAX has removed its internal frames"}
+  assert "| failed: jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED" in gpu_bench.table([row])
