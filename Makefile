@@ -13,7 +13,7 @@ VENV_MIN  := .venv-min
 STAMP_MIN := $(VENV_MIN)/.installed
 CONSTRAINTS_MIN := .ci/constraints-min.txt
 
-.PHONY: demo test test-all test-min validate notebooks bench-gpu clean
+.PHONY: demo test test-all test-min validate notebooks bench-gpu bench-gpu-capacity clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ validate: $(STAMP)
 # machine's own Python, whose jax has CUDA (.venv's is the CPU build).
 bench-gpu:
 	$(PYTHON) -m models.gpu_bench $(BENCH_GPU_ARGS)
+
+# The largest GPT each method trains on the device (a call of its own).
+bench-gpu-capacity:
+	$(PYTHON) -m models.gpu_bench --capacity $(BENCH_GPU_ARGS)
 
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 import models
@@ -125,25 +126,30 @@ def measure_memory(
 
 
 def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
-               hidden: int | None = None, scan_layers: bool = False) -> models.GPTConfig:
+               hidden: int | None = None, scan_layers: bool = False,
+               dtype: Any = None) -> models.GPTConfig:
   """A GPT-2-shaped model grown in depth and width together.
 
   ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
   128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
   of width 1536), or ``hidden`` (a multiple of 64: heads of 64) when given.
+  ``dtype``: the compute dtype (``None``: the config's default, float32);
+  params stay float32.
   """
   if hidden is None:
     hidden = max(128, int(round(64 * scale / 128)) * 128)
   elif hidden % 64:
     raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
-  return models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64, remat=remat,
-                          vocab_size=vocab_size, scan_layers=scan_layers)
+  config = models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64,
+                            remat=remat, vocab_size=vocab_size, scan_layers=scan_layers)
+  return config if dtype is None else dataclasses.replace(config, dtype=jnp.dtype(dtype))
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
                    seq_len: int, remat: str, vocab_size: int = 50257,
                    mesh: jax.sharding.Mesh | None = None,
-                   hidden: int | None = None, scan_layers: bool = False) -> tuple[int, int]:
+                   hidden: int | None = None, scan_layers: bool = False,
+                   dtype: Any = None) -> tuple[int, int]:
   """(compiled total bytes, param count) of a method's step on gpt_family(scale).
 
   With a mesh the bytes are one device's, and every device gets
@@ -151,7 +157,7 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   stacked under one scan (what the release methods need).
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
-                      scan_layers=scan_layers)
+                      scan_layers=scan_layers, dtype=dtype)
   loss_fn, params = harness.split_model(config)
   step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
                        rank=config.hidden // 4)
@@ -282,6 +288,7 @@ def measure_capacity(
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
     refine_width: bool = False,
     scan_layers: bool = False,
+    dtype: Any = None,
 ) -> list[dict[str, Any]]:
   """For each budget and method, the largest gpt_family model whose step fits.
 
@@ -299,7 +306,8 @@ def measure_capacity(
       cache[method, scale, hidden] = total_bytes_at(
           scale, method, num_micro_batches=num_micro_batches,
           micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
-          vocab_size=vocab_size, mesh=mesh, hidden=hidden, scan_layers=scan_layers)
+          vocab_size=vocab_size, mesh=mesh, hidden=hidden, scan_layers=scan_layers,
+          dtype=dtype)
     return cache[method, scale, hidden]
 
   results = []

@@ -65,6 +65,10 @@ REFERENCE_METHODS = ("scan_accumulation", "adama")
 # Examples per micro-batch that fill an H100 at the preset's 1,024-token context
 # with bf16 compute and remat "full" (8,192 tokens; what the table states).
 MICRO_BATCH_SIZES = {"gpt2_small": 8, "gpt2_medium": 8, "gpt2_large": 8, "gpt2_xl": 4}
+# The live capacity search (--capacity): float32 and bf16-carry accumulation
+# against the release step with 8-bit moments in host memory, all scanned.
+CAPACITY_METHODS = ("scan_accumulation", "scan_accumulation_bf16",
+                    "adama_release_8bit_offload")
 # The memory fields of a row whose process failed (its "error" says why).
 MISSING_MEMORY = {"compiled_total_bytes": None, "param_bytes": None,
                   "peak_bytes_in_use": None, "compile_s": None, "loss": None}
@@ -149,6 +153,57 @@ def measure_times(case: Case, rounds: int, steps_per_round: int) -> dict[str, An
           for method, t in times.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class CapacityCase:
+  """The live capacity search: one budget, the family's shape, every method's step."""
+
+  budget_gb: float
+  num_micro_batches: int = 4
+  micro_batch_size: int = 1
+  seq_len: int = 1024
+  remat: str = "full"
+  dtype: str = "bfloat16"
+  max_scale: int = 128
+  vocab_size: int = 50257
+
+
+def search_capacity(case: CapacityCase, method: str) -> dict[str, Any]:
+  """The largest gpt_family scale whose compiled step fits the budget (compile only).
+
+  Every method runs the scanned stack (the release methods need it; the same
+  layout for all). Compiled on this device, so its autotuned workspaces count.
+  """
+  from models import bench
+  [result] = bench.measure_capacity(
+      [case.budget_gb], [method], num_micro_batches=case.num_micro_batches,
+      micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, remat=case.remat,
+      max_scale=case.max_scale, vocab_size=case.vocab_size, scan_layers=True,
+      dtype=jnp.dtype(case.dtype), progress=False)
+  return result
+
+
+def train_at_scale(case: CapacityCase, method: str, scale: int, steps: int = 3) -> dict[str, Any]:
+  """Trains ``steps`` steps of gpt_family(scale) with ``method``; raises when it does not fit."""
+  from models import bench
+  config = bench.gpt_family(scale, remat=case.remat, vocab_size=case.vocab_size,
+                            scan_layers=True, dtype=jnp.dtype(case.dtype))
+  model = models.create(config, rngs=nnx.Rngs(0))
+  loss_fn, params = models.staged_loss(model)
+  del model
+  step, tx = harness.make_step(method, loss_fn, num_micro_batches=case.num_micro_batches,
+                               rank=config.hidden // 4)
+  state = tx.init(params)
+  batch = harness.random_batch(config, harness.abstract_batch(
+      config, case.micro_batch_size * case.num_micro_batches, case.seq_len))
+  losses = []
+  for _ in range(steps):
+    params, state, metrics = step(params, state, batch)
+    losses.append(float(metrics["loss"]))  # waits for the step: an OOM surfaces here
+  stats = jax.devices()[0].memory_stats()
+  return {"scale": scale, "param_count": models.param_count(config), "losses": losses,
+          "peak_bytes_in_use": None if not stats else stats.get("peak_bytes_in_use")}
+
+
 def case_from_dict(fields: dict[str, Any]) -> Case:
   """A case back from its JSON form (its method tuple arrives as a list)."""
   names = fields.get("method_names")
@@ -156,6 +211,10 @@ def case_from_dict(fields: dict[str, Any]) -> Case:
 
 
 def _worker(task: dict[str, Any]) -> dict[str, Any]:
+  if task["kind"] == "capacity_search":
+    return search_capacity(CapacityCase(**task["case"]), task["method"])
+  if task["kind"] == "capacity_train":
+    return train_at_scale(CapacityCase(**task["case"]), task["method"], task["scale"])
   case = case_from_dict(task["case"])
   if task["kind"] == "memory":
     return measure_method(case, task["method"])
@@ -257,6 +316,63 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
                  "median_step_s": timing.get("median_step_s"),
                  "step_s_all": timing.get("step_s_all")})
   return rows
+
+
+def run_capacity(case: CapacityCase, methods: Sequence[str], *, cache_dir: str,
+                 tries: int = 3, workers: int = 3,
+                 log: Path | None = None) -> list[dict[str, Any]]:
+  """Per method, the largest GPT of the family that trains within the budget.
+
+  The compile-only searches run a few at a time (host work, no device
+  memory); then each answer is trained, one process at a time with the device
+  to itself, and on a failure (out of memory) the next smaller scale is
+  tried, at most ``tries`` scales in all.
+  """
+  env = worker_env(cache_dir)
+  searches = [{"kind": "capacity_search", "case": dataclasses.asdict(case), "method": m}
+              for m in methods]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    found = list(pool.map(lambda t: run_in_process(t, env), searches))
+  rows = []
+  for task, search in zip(searches, found):
+    log_result(log, task, search)
+    row = {"method": task["method"], "budget_gb": case.budget_gb,
+           "compiled_scale": search.get("scale"), "compiled_bytes": search.get("total_bytes"),
+           "trained_scale": None, "param_count": None, "peak_bytes_in_use": None,
+           "losses": None, "attempts": [], "error": search.get("error")}
+    scale = search.get("scale") or 0
+    while scale >= 1 and len(row["attempts"]) < tries:
+      train = {"kind": "capacity_train", "case": dataclasses.asdict(case),
+               "method": task["method"], "scale": scale}
+      result = run_in_process(train, env)
+      log_result(log, train, result)
+      row["attempts"].append({"scale": scale, "error": result.get("error")})
+      if "error" not in result:
+        row.update(trained_scale=scale, param_count=result["param_count"],
+                   peak_bytes_in_use=result["peak_bytes_in_use"], losses=result["losses"],
+                   error=None)
+        break
+      scale -= 1
+    rows.append(row)
+  return rows
+
+
+def capacity_table(rows: Sequence[dict[str, Any]]) -> str:
+  """Markdown: what each method trains, against float32 scan accumulation."""
+  base = next((r["param_count"] for r in rows
+               if r["method"] == "scan_accumulation" and r["param_count"]), None)
+  lines = ["| method | compiled fits | trains (live) | parameters | live peak | vs scan "
+           "accumulation | tries |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    count, peak = r["param_count"], r["peak_bytes_in_use"]
+    lines.append(
+        f"| {r['method']} | {r['compiled_scale'] or 'none'} layers "
+        f"| {r['trained_scale'] or 'none'} layers "
+        f"| {'' if not count else f'{count / 1e6:,.1f}M'} "
+        f"| {'' if peak is None else harness.format_bytes(peak)} "
+        f"| {'' if not (count and base) else f'{count / base:.2f}x'} "
+        f"| {', '.join(str(a['scale']) + (' fails' if a['error'] else ' trains') for a in r['attempts'])} |")
+  return "\n".join(lines) + "\n"
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -421,12 +537,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps-per-round", type=int, default=3)
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--capacity", action="store_true",
+                      help="instead of the row groups: the largest GPT each of "
+                           f"{CAPACITY_METHODS} trains on this device (compile-only "
+                           "search, then trained, stepping down on out-of-memory)")
+  parser.add_argument("--capacity-budget-gb", type=float, default=None,
+                      help="default: the device's memory (memory_stats bytes_limit)")
+  parser.add_argument("--capacity-max-scale", type=int, default=128)
+  parser.add_argument("--capacity-vocab-size", type=int, default=50257)
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   if args.worker is not None:
     print(json.dumps(_worker(json.loads(args.worker))))
     return []
+  if args.capacity:
+    return main_capacity(args, argv)
   cases = make_cases(args)
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache_dir:
@@ -444,6 +570,44 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       indent=1))
   write_report(rows, command=command, device=harness.machine_info()["device"],
                wall_s=wall_s, out_dir=args.out_dir, slug=slug)
+  return rows
+
+
+def device_budget_gb() -> float:
+  """The device's memory in GB, as its allocator reports it."""
+  stats = jax.devices()[0].memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    raise SystemExit("this backend reports no memory limit: pass --capacity-budget-gb")
+  return stats["bytes_limit"] / 1e9
+
+
+def main_capacity(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
+  """--capacity: runs the search, writes gpu_<slug>_capacity.md and its raw JSON."""
+  budget = args.capacity_budget_gb or device_budget_gb()
+  case = CapacityCase(budget, num_micro_batches=args.num_micro_batches[0],
+                      micro_batch_size=args.micro_batch_size or 1,
+                      seq_len=args.seq_len or 1024, remat=args.remat, dtype=args.dtype,
+                      max_scale=args.capacity_max_scale, vocab_size=args.capacity_vocab_size)
+  start = time.perf_counter()
+  slug = device_slug()
+  (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache_dir:
+    rows = run_capacity(case, CAPACITY_METHODS, cache_dir=cache_dir,
+                        log=args.out_dir / "raw" / f"gpu_{slug}_capacity_tasks.jsonl")
+  wall_s = time.perf_counter() - start
+  command = "python -m models.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+  machine = harness.machine_info()
+  (args.out_dir / "raw" / f"gpu_{slug}_capacity.json").write_text(json.dumps(
+      {"command": command, "machine": machine, "wall_s": wall_s,
+       "case": dataclasses.asdict(case), "rows": rows}, indent=1))
+  text = (f"Measured by `{command}` on {machine['device']} in {wall_s:.0f} s: budget "
+          f"{budget:.3g} GB; gpt_family (GPT-2 shaped, width 64 x layers), scanned, "
+          f"remat {case.remat}, {case.dtype} compute, float32 params; N = "
+          f"{case.num_micro_batches} micro-batches of {case.micro_batch_size} x "
+          f"{case.seq_len} tokens. Compiled: the compile-only search on this device; "
+          "trains: three steps ran.\n\n" + capacity_table(rows))
+  (args.out_dir / f"gpu_{slug}_capacity.md").write_text(text)
+  print(text)
   return rows
 
 

@@ -2,6 +2,9 @@
 
 import json
 
+import jax
+import numpy as np
+
 import pytest
 
 from models import gpu_bench
@@ -121,3 +124,51 @@ def test_a_failed_row_shows_the_exception_not_the_traceback_footer():
          "error": "Traceback\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\n"
                   "----\nFor simplicity, JAX has removed its internal frames"}
   assert "| failed: jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED" in gpu_bench.table([row])
+
+
+def test_capacity_trains_the_compiled_answer_and_steps_down_when_it_does_not_fit(monkeypatch):
+  # The compile-only search says 5 layers; 5 runs out of memory live, 4 trains.
+  def fake_run(task, env):
+    if task["kind"] == "capacity_search":
+      return {"scale": 5, "total_bytes": 10}
+    if task["scale"] == 5:
+      return {"error": "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
+    return {"scale": task["scale"], "param_count": 400 if task["method"] != "scan_accumulation"
+            else 100, "peak_bytes_in_use": 9, "losses": [5.0, 4.9, 4.8]}
+
+  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
+  case = gpu_bench.CapacityCase(budget_gb=1.0)
+  rows = gpu_bench.run_capacity(case, ("scan_accumulation", "adama_release_8bit_offload"),
+                                cache_dir="", tries=3)
+  assert [r["trained_scale"] for r in rows] == [4, 4]
+  assert [a["scale"] for a in rows[0]["attempts"]] == [5, 4]
+  text = gpu_bench.capacity_table(rows)
+  assert "| 5 layers | 4 layers |" in text and "| 4.00x |" in text and "5 fails, 4 trains" in text
+
+
+def test_capacity_records_a_method_that_fits_nowhere(monkeypatch):
+  monkeypatch.setattr(gpu_bench, "run_in_process", lambda task, env: (
+      {"scale": 2, "total_bytes": 1} if task["kind"] == "capacity_search"
+      else {"error": "RESOURCE_EXHAUSTED"}))
+  [row] = gpu_bench.run_capacity(gpu_bench.CapacityCase(budget_gb=1.0), ("scan_accumulation",),
+                                 cache_dir="", tries=3)
+  assert row["trained_scale"] is None and [a["scale"] for a in row["attempts"]] == [2, 1]
+  assert "| none layers |" in gpu_bench.capacity_table([row])
+
+
+@pytest.mark.parametrize("method", [
+    "scan_accumulation_bf16",
+    # The release step with offloaded 8-bit moments compiles for ~40 s here.
+    pytest.param("adama_release_8bit_offload", marks=pytest.mark.slow)])
+def test_capacity_worker_trains_a_small_family_member(method):
+  # The accumulation baselines are optax.adam, which relies on implicit promotion.
+  with jax.numpy_dtype_promotion("standard"):
+    _train_small_family_member(method)
+
+
+def _train_small_family_member(method):
+  case = gpu_bench.CapacityCase(budget_gb=1.0, num_micro_batches=2, seq_len=16,
+                                dtype="float32", vocab_size=128)
+  result = gpu_bench.train_at_scale(case, method, scale=1, steps=2)
+  assert result["scale"] == 1 and result["param_count"] > 0
+  assert all(np.isfinite(result["losses"])) and result["losses"][1] != result["losses"][0]
