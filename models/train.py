@@ -64,73 +64,95 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m models.train", description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--model", choices=harness.MODEL_KINDS, default=defaults.model)
-  parser.add_argument("--preset", default=None, choices=sorted(models.PRESETS),
-                      help="default: <model>_tiny")
-  parser.add_argument("--optimizer", choices=harness.OPTIMIZERS, default=defaults.optimizer)
-  parser.add_argument("--num-micro-batches", type=int, default=defaults.num_micro_batches)
-  parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-  parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-  parser.add_argument("--steps", type=int, default=defaults.steps)
-  parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-  parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-  parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-  parser.add_argument("--seed", type=int, default=defaults.seed)
-  parser.add_argument("--eval-batches", type=int, default=defaults.eval_batches)
-  parser.add_argument("--data-path", default=None,
-                      help="your own text file or directory (gpt/bert)")
-  parser.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
-  parser.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
-  parser.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=defaults.dtype,
-                      help="compute dtype; params, moments and updates stay float32 "
-                           "(bfloat16: mixed precision, as on a GPU)")
-  parser.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
-                      help="GELU backward from a code of this many bits (models.savers); "
-                           "default: exact")
-  parser.add_argument("--linear-keep-ratio", type=float, default=None,
-                      help="MLP output projection's weight gradient from this share of its "
-                           "input rows (models.savers.sampled_matmul); default: exact")
-  parser.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
-                      help="gpt: the LM head's loss over this many chunks of tokens, one "
-                           "chunk's logits alive at a time (models.savers)")
-  parser.add_argument("--scan-layers", action="store_true",
-                      help="blocks' params stacked and run under one lax.scan")
-  parser.add_argument("--release", action="store_true",
-                      help="with --scan-layers, adama: gradient release (optax_adama."
-                           "release_step), one layer's gradient alive at a time")
-  parser.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",
-                      help="models.plan's planner chooses N, remat, savers and moment storage "
-                           "to fit this many GB at the best predicted step time (overrides them)")
-  parser.add_argument("--mu-dtype", choices=harness.MOMENT_DTYPES, default=None,
-                      help="first-moment dtype (default: the params' dtype)")
-  parser.add_argument("--nu-dtype", choices=harness.MOMENT_DTYPES, default=None,
-                      help="second-moment dtype, adama only (default: the params' dtype)")
-  parser.add_argument("--quantize-moments", action="store_true",
-                      help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
-  parser.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
-                      default=defaults.nu_estimator,
-                      help="AdamA's second-moment estimator, adama only")
-  parser.add_argument("--no-split-floor", dest="split_floor", action="store_false",
-                      help="'auto'/'split' without their floor (optax_adama.adama's "
-                           "split_floor=False), adama only")
-  parser.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,
-                      help="gradient accumulator dtype, adam only (default: the params')")
-  parser.add_argument("--metrics-out", type=Path, default=None,
-                      help="write the run(s) as JSON here")
-  parser.add_argument("--compare", action="store_true",
-                      help="train AdamA and Adam with gradient accumulation, print both")
-  parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                      help="save params, optimizer state, step and data position here (orbax, "
-                           "in the background) and resume from the newest complete checkpoint "
-                           "when started again with the same directory")
-  parser.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                      help="with --checkpoint-dir: steps between saves (the last step and "
-                           "SIGTERM / SIGINT save too); default 100")
-  parser.add_argument("--keep", type=int, default=None, metavar="N",
-                      help="with --checkpoint-dir: how many of the newest checkpoints to "
-                           "keep; default 3")
-  parser.add_argument("--no-progress", action="store_true")
+  _add_run_args(parser.add_argument_group("model, data and schedule"), defaults)
+  _add_memory_args(parser.add_argument_group("memory savers"), defaults)
+  _add_optimizer_args(parser.add_argument_group("optimizer state and estimator"), defaults)
+  _add_output_args(parser.add_argument_group("output and checkpoints"))
   args = parser.parse_args(argv)
+  _check_args(parser, args)
+  return args
+
+
+def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
+  group.add_argument("--model", choices=harness.MODEL_KINDS, default=defaults.model)
+  group.add_argument("--preset", default=None, choices=sorted(models.PRESETS),
+                     help="default: <model>_tiny")
+  group.add_argument("--optimizer", choices=harness.OPTIMIZERS, default=defaults.optimizer)
+  group.add_argument("--num-micro-batches", type=int, default=defaults.num_micro_batches)
+  group.add_argument("--batch-size", type=int, default=defaults.batch_size)
+  group.add_argument("--seq-len", type=int, default=defaults.seq_len)
+  group.add_argument("--steps", type=int, default=defaults.steps)
+  group.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+  group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+  group.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+  group.add_argument("--seed", type=int, default=defaults.seed)
+  group.add_argument("--eval-batches", type=int, default=defaults.eval_batches)
+  group.add_argument("--data-path", default=None,
+                     help="your own text file or directory (gpt/bert)")
+  group.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
+
+
+def _add_memory_args(group: Any, defaults: harness.TrainConfig) -> None:
+  group.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
+  group.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=defaults.dtype,
+                     help="compute dtype; params, moments and updates stay float32 "
+                          "(bfloat16: mixed precision, as on a GPU)")
+  group.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
+                     help="GELU backward from a code of this many bits (models.savers); "
+                          "default: exact")
+  group.add_argument("--linear-keep-ratio", type=float, default=None,
+                     help="MLP output projection's weight gradient from this share of its "
+                          "input rows (models.savers.sampled_matmul); default: exact")
+  group.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
+                     help="gpt: the LM head's loss over this many chunks of tokens, one "
+                          "chunk's logits alive at a time (models.savers)")
+  group.add_argument("--scan-layers", action="store_true",
+                     help="blocks' params stacked and run under one lax.scan")
+  group.add_argument("--release", action="store_true",
+                     help="with --scan-layers, adama: gradient release (optax_adama."
+                          "release_step), one layer's gradient alive at a time")
+  group.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",
+                     help="models.plan's planner chooses N, remat, savers and moment storage "
+                          "to fit this many GB at the best predicted step time (overrides them)")
+
+
+def _add_optimizer_args(group: Any, defaults: harness.TrainConfig) -> None:
+  group.add_argument("--mu-dtype", choices=harness.MOMENT_DTYPES, default=None,
+                     help="first-moment dtype (default: the params' dtype)")
+  group.add_argument("--nu-dtype", choices=harness.MOMENT_DTYPES, default=None,
+                     help="second-moment dtype, adama only (default: the params' dtype)")
+  group.add_argument("--quantize-moments", action="store_true",
+                     help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
+  group.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
+                     default=defaults.nu_estimator,
+                     help="AdamA's second-moment estimator, adama only")
+  group.add_argument("--no-split-floor", dest="split_floor", action="store_false",
+                     help="'auto'/'split' without their floor (optax_adama.adama's "
+                          "split_floor=False), adama only")
+  group.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,
+                     help="gradient accumulator dtype, adam only (default: the params')")
+
+
+def _add_output_args(group: Any) -> None:
+  group.add_argument("--metrics-out", type=Path, default=None,
+                     help="write the run(s) as JSON here")
+  group.add_argument("--compare", action="store_true",
+                     help="train AdamA and Adam with gradient accumulation, print both")
+  group.add_argument("--checkpoint-dir", type=Path, default=None,
+                     help="save params, optimizer state, step and data position here (orbax, "
+                          "in the background) and resume from the newest complete checkpoint "
+                          "when started again with the same directory")
+  group.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                     help="with --checkpoint-dir: steps between saves (the last step and "
+                          "SIGTERM / SIGINT save too); default 100")
+  group.add_argument("--keep", type=int, default=None, metavar="N",
+                     help="with --checkpoint-dir: how many of the newest checkpoints to "
+                          "keep; default 3")
+  group.add_argument("--no-progress", action="store_true")
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Flags that only make sense together, refused with the fix."""
   for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
     if value is not None and args.checkpoint_dir is None:
       parser.error(f"{flag} needs --checkpoint-dir (where to save)")
@@ -139,7 +161,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.checkpoint_dir is not None and args.compare:
     parser.error("--checkpoint-dir saves one run; --compare trains two: give each run "
                  "its own directory (run without --compare, once per --optimizer)")
-  return args
 
 
 def _planned(config: harness.TrainConfig, budget_gb: float, *,
