@@ -377,6 +377,61 @@ def _gap_legend(rows: Sequence[dict[str, Any]]) -> list[Any]:
              handle("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
 
 
+def parse_cell(text: str) -> tuple[str, int, int]:
+  """``"gpt:4:32"`` -> (model, N, examples per micro-batch), checked."""
+  try:
+    model, n, size = text.split(":")
+    cell = (model, int(n), int(size))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"a cell is MODEL:N:EXAMPLES_PER_MICRO_BATCH (e.g. gpt:4:32), got {text!r}") from None
+  if model not in STUDY_MODELS:
+    raise argparse.ArgumentTypeError(f"model {model!r} is not one of {STUDY_MODELS}")
+  return cell
+
+
+def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[str, int, int]],
+                path: Path, *, steps: int = 300,
+                arms: Sequence[str] = ("adam", harness.DEFAULT_NU_ESTIMATOR)) -> None:
+  """Training loss of Adam and the default, side by side, one panel per cell.
+
+  Each arm at its best rate in the cell; every seed it has there drawn thin,
+  the median over seeds drawn thick, the held-out loss of each seed in the
+  legend. Adam is its whole-batch run (the same math as Adam + accumulation).
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["arm"]): r
+          for r in best_rows(results) if r["steps"] == steps}
+  fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
+  for ax, (model, n, size) in zip(axes[0], cells):
+    for arm, color in zip(arms, ("tab:gray", "tab:blue")):
+      key = (model, 1, n * size, arm) if arm == "adam" else (model, n, size, arm)
+      row = best.get(key)
+      if row is None:
+        continue
+      runs = [r for r in results.values()
+              if r["model"] == model and r["arm"] == arm and r["steps"] == steps
+              and r["learning_rate"] == row["best_lr"]
+              and r["num_micro_batches"] * r["micro_batch_size"] == n * size
+              and (arm == "adam" or r["num_micro_batches"] == n)]
+      curves = np.array([r["train_loss"] for r in runs])
+      x = np.arange(curves.shape[1]) * (steps / curves.shape[1])
+      ax.plot(x, curves.T, color=color, alpha=0.25, linewidth=0.8)
+      held_out = " / ".join(f"{r['eval_loss']:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
+      label = "Adam" if arm == "adam" else f"AdamA default ({arm!r})"
+      ax.plot(x, np.median(curves, axis=0), color=color, linewidth=2,
+              label=f"{label}, lr {row['best_lr']:g}\nheld-out {held_out}")
+    ax.set_title(f"{model}, N = {n} x {size} ({n * size * _tokens_per_example(model):,} "
+                 "tokens per mini-batch)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (median over seeds thick)")
+    ax.legend(fontsize=7)
+  harness.save_figure(fig, path)
+
+
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
                 steps: int, seed: int = 0,
                 follow: str = "adam") -> optax_adama.SecondMomentDiagnosis:
@@ -583,7 +638,7 @@ def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path
 def main(argv: Sequence[str]) -> None:
   parser = argparse.ArgumentParser(prog="python -m models.validate study|rho",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("command", choices=("study", "rho"))
+  parser.add_argument("command", choices=("study", "rho", "curves"))
   parser.add_argument("--models", nargs="+", choices=STUDY_MODELS, default=["gpt"])
   parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
   parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
@@ -604,9 +659,19 @@ def main(argv: Sequence[str]) -> None:
                       "skipped) and write <out-dir>/<its stem>.md, their table against "
                       "the tail targets, instead of rho.png and raw/rho.json")
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--cells", nargs="+", type=parse_cell, default=[],
+                      metavar="MODEL:N:SIZE",
+                      help="curves: the cells to draw from --results, e.g. gpt:4:32")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   command = "python -m models.validate " + " ".join(argv)
+  if args.command == "curves":
+    if not args.cells:
+      parser.error("curves needs --cells MODEL:N:SIZE ...")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot_curves(load_results(args.results), args.cells, args.out_dir / "study_curves.png",
+                steps=args.steps)
+    return
   if args.command == "rho" and args.rows is not None:
     table = args.out_dir / f"{args.rows.stem}.md"
     run_rho_rows(args.models, args.num_micro_batches, args.micro_batch_sizes, args.steps,

@@ -4,6 +4,7 @@
     python -m models.validate --models vit --seeds 0 --steps 50   # a quick look
     python -m models.validate study ...   # estimators x micro-batch size (models/study.py)
     python -m models.validate rho ...     # v / v_adam along Adam's path
+    python -m models.validate curves ...  # Adam and the default, training curves per cell
 
 For each model (GPT on the standard-library byte corpus, BERT masked-LM on the
 same corpus, ViT on scikit-learn's digits) and each seed, trains
@@ -177,7 +178,7 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> Non
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv[:1] in (["study"], ["rho"]):  # the estimator study (models/study.py)
+  if argv[:1] in (["study"], ["rho"], ["curves"]):  # the estimator study (models/study.py)
     return study.main(argv)
   parser = argparse.ArgumentParser(prog="python -m models.validate",
                                    description=__doc__.split("\n\n")[0])

@@ -144,3 +144,29 @@ def test_three_seeds_at_two_rates_overrule_seed_zero():
   records = [r for r in records if not (r["learning_rate"] == 2e-3 and r["seed"] > 0)]
   mean = next(r for r in study.best_rows({r["key"]: r for r in records}) if r["arm"] == "mean")
   assert mean["best_lr"] == 2e-3
+
+
+def test_curves_draw_each_arm_at_its_best_rate_and_refuse_a_malformed_cell(tmp_path,
+                                                                          monkeypatch):
+  records = [_record("adam", lr, 2.0 + (lr > 1e-3), seed=s) for lr in (1e-3, 2e-3)
+             for s in range(2)]
+  records += [_record("momentum", 2e-3, 2.1, seed=s) for s in range(2)]
+  for r in records:
+    r["train_loss"] = [5.0 - 0.01 * i for i in range(60)]
+  drawn = []
+  real_median = study.np.median
+
+  def spy_median(values, axis=None):
+    if axis == 0:  # the curves' median over seeds
+      drawn.append(values.shape)
+    return real_median(values, axis=axis)
+
+  monkeypatch.setattr(study.np, "median", spy_median)
+  study.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8)], tmp_path / "c.png")
+  # Adam at 1e-3 (its best, two seeds), the default at 2e-3 (two seeds): 60 points each.
+  assert (2, 60) in drawn and drawn.count((2, 60)) == 2
+  assert (tmp_path / "c.png").stat().st_size > 10_000
+  assert study.parse_cell("vit_mnist:4:64") == ("vit_mnist", 4, 64)
+  for bad in ("gpt:4", "gpt:x:8", "resnet:4:8"):
+    with pytest.raises(study.argparse.ArgumentTypeError):
+      study.parse_cell(bad)
