@@ -184,11 +184,14 @@ def release_step(
       dense (float32, bfloat16) or 8-bit with
       ``BlockQuantization(layer_aligned=True)``, whose blocks tile each
       layer's slice (on a mesh each device holds its slice's codes: see
-      :func:`release_shardings`). On one device it may be under
-      :func:`offload_moments`:
+      :func:`release_shardings`). It may be under :func:`offload_moments`:
       the moments stay in host memory and each layer's slice is brought in
       for its fold and for its update, so the device holds one layer's
-      moments at a time (and the outer leaves' while they are folded).
+      moments at a time (and the outer leaves' while they are folded); on a
+      mesh each device keeps its slice of them in host memory and brings in
+      its part of each layer's (place the state with
+      :func:`release_shardings` of ``tx.init(params)``, which keeps the
+      leaves' memory kinds).
       Then the transforms of :func:`mini_batch_chain` run on one layer's
       slice at a time (each stacked leaf as a ``[1, ...]`` slice, so its rank
       is kept): they must act elementwise with a state of scalars, as the
@@ -222,11 +225,14 @@ def release_step(
       at the first call, for ``nu_estimator="split"`` and micro-batches that
       do not split into two halves (of rows for every device, on a mesh),
       and on a mesh for 8-bit moments that do not split into whole blocks
-      per device (:func:`release_shardings`).
-    NotImplementedError: for offloaded moments on a mesh, or (at the first
-      call) for a chained transform with a per-parameter state under
-      :func:`offload_moments`, or for 8-bit moments of a stacked leaf whose
-      blocks straddle layers (``layer_aligned=False``).
+      per device (:func:`release_shardings`), or for params or state placed
+      on the mesh with other shardings or memory kinds than the step keeps
+      them in (offloaded moments in device memory), before any buffer is
+      donated.
+    NotImplementedError: (at the first call) for a chained transform with a
+      per-parameter state under :func:`offload_moments`, or for 8-bit
+      moments of a stacked leaf whose blocks straddle layers
+      (``layer_aligned=False``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -253,12 +259,6 @@ def release_step(
   """
   _check_release_stage(mesh, shard_states)
   parts = _adama.folding_parts(tx, "release_step")
-  if mesh is not None and parts.offload_min_size is not None:
-    raise NotImplementedError(
-        "release_step with offload_moments runs on one device: on a mesh each "
-        "device would bring in its slice of a layer's moments inside "
-        "shard_map, which is not built. Use microbatch_step(mesh=...) with "
-        "offload_moments, or release_step(mesh=...) with moments on the device.")
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
 
@@ -268,8 +268,8 @@ def release_step(
     _check_moments(staged, params, _adama.adama_of(opt_state))
     shardings = slices = None
     if mesh is not None:
-      shardings = release_shardings(
-          staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+      shardings = _step_shardings(staged, parts, params, opt_state, mesh, shard_states,
+                                  data_axis)
       slices = _moment_slices(staged, params, opt_state, _sharding.auto_mesh(mesh),
                               shard_states, data_axis)
       params, opt_state = _constrained((params, opt_state), shardings)
@@ -283,14 +283,17 @@ def release_step(
     if momentum_after:  # fold as "sum"; the m_hat**2 term follows the scan
       fold_parts = dataclasses.replace(
           parts, config=dataclasses.replace(parts.config, nu_estimator="sum"))
+    offloaded = _offloaded_state(state, parts)
     fold = _scan_body(staged, fold_parts, has_aux, params, mesh, shard_states,
-                      data_axis, shardings, slices)
+                      data_axis, shardings, slices, offloaded)
     folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
     if momentum_after:
       folded = _adama.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
         staged, parts, params, folded, _adama.inner_of(opt_state),
-        _sharded_update(staged, slices, shard_states, mesh, data_axis))
+        _sharded_update(staged, slices, shard_states, mesh, data_axis), offloaded,
+        None if mesh is None else _split_by_layer(
+            staged, slices, _specs(_adama.adama_of(shardings.opt_state)), mesh, data_axis))
     opt_state = _adama.with_adama(
         opt_state, _adama.with_estimator(folded, state.nu_estimator), inner_state)
     if shardings is not None:
@@ -306,13 +309,52 @@ def release_step(
   jitted = jax.jit(step, donate_argnums=(0, 1),
                    in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
   def expected_shardings(params, opt_state):
-    shardings = release_shardings(
-        staged, params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
+    shardings = _step_shardings(staged, parts, params, opt_state, mesh, shard_states,
+                                data_axis)
     return shardings.params, shardings.opt_state
 
+  @functools.wraps(jitted)
+  def placed(params, opt_state, batch):
+    # Leaves not yet on the mesh (fresh from tx.init) are placed here: jit
+    # would place them too, but not offload_moments' host leaves, which its
+    # init commits to one device.
+    params, opt_state = _steps.place_off_mesh(
+        (params, opt_state), expected_shardings(params, opt_state))
+    return jitted(params, opt_state, batch)
+
+  placed.lower = jitted.lower
   return _steps.with_distinct_buffers(
-      jitted, _sharding.num_devices(mesh, data_axis), data_axis,
+      placed, _sharding.num_devices(mesh, data_axis), data_axis,
       expected_shardings=expected_shardings)
+
+
+def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_axis):
+  """:func:`release_shardings` as the step keeps them: under
+  :func:`offload_moments` the state leaves it offloads in host memory (decided
+  by each whole leaf's size, as ``init`` places them, not by where they are)."""
+  _check_moments(staged, params, _adama.adama_of(opt_state))
+  shardings = _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+                               align_blocks=True)
+  if parts.offload_min_size is None:
+    return shardings
+  return shardings._replace(opt_state=_in_host_memory(
+      shardings.opt_state, _offload.offloaded_leaves(opt_state, parts.offload_min_size)))
+
+
+def _in_host_memory(shardings, in_host):
+  """``shardings`` with those flagged in ``in_host`` in host memory."""
+  return jax.tree.map(
+      lambda s, host: s.with_memory_kind(_offload.HOST_MEMORY_KIND) if host else s,
+      shardings, in_host)
+
+
+def _memory_kinds_of(opt_state):
+  """Per state leaf: whether it is in host memory (arrays, or
+  ``jax.ShapeDtypeStruct`` with a sharding)."""
+  def in_host(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    return getattr(sharding, "memory_kind", None) == _offload.HOST_MEMORY_KIND
+  return jax.tree.map(in_host, opt_state)
 
 
 def _check_is_state_of_tx(opt_state, inner) -> None:
@@ -329,8 +371,11 @@ def _constrained(params_and_state, shardings):
 
 
 def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
-               shardings, slices):
-  """The scan body ``(state, micro_batch) -> (state, (loss, aux))``."""
+               shardings, slices, offloaded):
+  """The scan body ``(state, micro_batch) -> (state, (loss, aux))``.
+
+  ``offloaded``: :func:`_offloaded_state` of the whole state.
+  """
   def fold(state, micro_batch):
     if _adama.takes_halves(state):
       # Halved before the devices take their rows: each device then holds
@@ -338,13 +383,14 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
       micro_batch = _steps.halves(micro_batch)
     if mesh is None:
       state, loss, aux = _release_micro_batch(
-          staged, parts, has_aux, params, state, micro_batch)
+          staged, parts, has_aux, params, state, micro_batch, offloaded)
     else:
       state, loss, aux = _data_parallel_fold(
           staged, parts, has_aux, mesh, shard_states, data_axis,
           _adama.with_estimator(_specs(_adama.adama_of(shardings.opt_state)),
                                 state.nu_estimator),
-          _specs(shardings.params), _specs(slices), params, state, micro_batch)
+          _specs(shardings.params), _specs(slices), offloaded, params, state,
+          micro_batch)
     return state, (loss, aux)
   return fold
 
@@ -407,6 +453,11 @@ def release_shardings(
     shard_states: ``None``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
     data_axis: the mesh axis (or axes) the batch is split over.
 
+  A state leaf in host memory (:func:`offload_moments`' ``init`` puts its
+  large leaves there; :func:`moments.offloaded_state_shapes` for
+  ``jax.eval_shape``) keeps its memory kind: each device holds its slice of
+  it in host memory.
+
   8-bit moments (:class:`BlockQuantization`) are split where their params
   are: each device holds the whole blocks of its slice (a layer-aligned
   leaf's blocks of every layer, or a leaf's first axis) or, where each row
@@ -443,8 +494,11 @@ def release_shardings(
   state = _adama.adama_of(opt_state)
   if isinstance(state, ScaleByAdamAState):
     _check_moments(staged, params, state)
-  return _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
-                          align_blocks=True)
+  shardings = _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+                               align_blocks=True)
+  # Offloaded leaves (offload_moments' init puts them in host memory) stay there.
+  return shardings._replace(opt_state=_in_host_memory(
+      shardings.opt_state, _memory_kinds_of(opt_state)))
 
 
 def stack_shardings(
@@ -629,8 +683,13 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
 
 
 def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
-                        state_specs, param_specs, slice_specs, params, state, micro_batch):
-  """:func:`_release_micro_batch` with each device on its rows, under ``shard_map``."""
+                        state_specs, param_specs, slice_specs, offloaded, params, state,
+                        micro_batch):
+  """:func:`_release_micro_batch` with each device on its rows, under ``shard_map``.
+
+  Offloaded state leaves come in and leave in host memory, each device's
+  slice of them (``shard_map`` keeps an operand's memory kind).
+  """
   reductions = _data_parallel_reductions(
       staged, state_specs, param_specs, slice_specs, mesh, shard_states, data_axis)
   axis_names = _sharding.axis_names(data_axis)
@@ -641,7 +700,7 @@ def _data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
       # the backward leaves the reduction to `reductions`.
       params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
     return _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
-                             reductions)
+                                offloaded, reductions)
 
   replicated = PartitionSpec()
   halves = _adama.takes_halves(state)  # [2, rows, ...]: each half's rows split
@@ -897,9 +956,13 @@ _ONE_DEVICE = _Reductions(_identity, _identity, _identity, _identity, _identity,
 
 
 
-def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
-                      reductions: _Reductions = _ONE_DEVICE):
+def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offloaded,
+                         reductions: _Reductions = _ONE_DEVICE):
   """One micro-batch: forward, then a backward that folds layer by layer.
+
+  ``offloaded``: which leaves of m, v and the floor live in host memory
+  (:func:`_offloaded_state`, taken from the whole leaves: under
+  ``shard_map`` ``state`` holds this device's slices).
 
   For AdamA's "split" estimator ``micro_batch`` comes as its two halves
   (``[2, B / 2, ...]`` leaves) and each stage runs on both (vmapped, the
@@ -928,16 +991,19 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
 
   mu_outer, mu_stacked = staged.split(state.mu)
   nu_outer, nu_stacked = staged.split(state.nu)
+  (mu_off_outer, mu_off_stacked), (nu_off_outer, nu_off_stacked) = map(
+      staged.split, offloaded[:2])
   # "split"'s floor: decayed once here, then each gradient adds its part
   # (on the device throughout: offloaded, it comes in whole).
-  floor_offloaded = _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)
+  floor_offloaded = offloaded[2]
   floor_outer, floor_stacked = (None, None) if not _adama.floors_split(state) else staged.split(
       _adama.decayed_floor(state._replace(
           nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
   x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
       parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,
-      mu_stacked, nu_stacked, floor_stacked, reductions, layer_pullback, halves)
+      mu_stacked, nu_stacked, floor_stacked, (mu_off_stacked, nu_off_stacked),
+      reductions, layer_pullback, halves)
   embed_pullback = per_half(functools.partial(_pullback, staged.embed),
                             ((None,), 0, 0))
   (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
@@ -947,7 +1013,7 @@ def _release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
       parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
       [jnp.shape(p) for p in jax.tree.leaves(outer)],
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
-      reductions, halves)
+      (mu_off_outer, nu_off_outer), reductions, halves)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
   mu = _like(state.mu, staged.merge(mu_outer, mu_stacked))
   nu = _like(state.nu, staged.merge(nu_outer, nu_stacked))
@@ -989,7 +1055,7 @@ def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, l
 
 
 def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
-                   x_grad, mu_stacked, nu_stacked, floor_stacked, reductions,
+                   x_grad, mu_stacked, nu_stacked, floor_stacked, offloaded, reductions,
                    layer_pullback, halves):
   """The backward through the stack as a reverse scan over its layers.
 
@@ -998,6 +1064,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   input cotangent down; one layer's gradient is alive at a time.
   ``layer_pullback((layer_params, layer_input), micro_batch, x_grad)`` gives
   ``(layer cotangent, input cotangent)``, per half with ``halves``.
+  ``offloaded``: the stack's ``(m, v)`` host-memory flags.
 
   Returns:
     The cotangent of the stack's input, the new stacked m, v and floor
@@ -1011,7 +1078,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   # mixes in its index so no two layers share rounding noise.
   seeds = reductions.layer_seeds(_adama.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  offloaded = [_offloaded(m, v, parts) for m, v in zip(mu_leaves, nu_leaves)]
+  offloaded = list(zip(*map(stacked_def.flatten_up_to, offloaded)))
 
   def release_layer(carry, xs):
     x_grad, mus, nus, floors = carry
@@ -1055,28 +1122,30 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
 
 
 def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
-                leaf_shapes, stacked_mus, stacked_nus, reductions, halves):
+                leaf_shapes, stacked_mus, stacked_nus, offloaded, reductions, halves):
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
   ``leaf_shapes``: the outer params' (whole) shapes, which decide how the
   floor is factored (on a mesh a gradient here may be a device's slice).
   ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
-  come first. Returns the new outer m, v and floor (``None`` without
+  come first. ``offloaded``: the outer ``(m, v)`` host-memory flags.
+  Returns the new outer m, v and floor (``None`` without
   halves) and whether every gradient was finite.
   """
   outer_grads = _steps.poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
   grads, differences = _gradient_and_difference(grads, halves, reductions.outer_grads)
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
+  flags = list(zip(*map(outer_def.flatten_up_to, offloaded)))
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
   num_stacked = len(stacked_mus)
   outer_seeds = reductions.outer_seeds(_adama.leaf_seeds(
       parts.config, state, stacked_mus + mus, stacked_nus + nus))
   folded = [
-      _fold_offloaded_leaf(g, m, v, state, parts, leaf_seeds, d,
+      _fold_offloaded_leaf(g, m, v, flag, state, parts, leaf_seeds, d,
                            reductions.whole_block_absmax("outer", i))
-      for i, (g, d, m, v, leaf_seeds) in enumerate(zip(
-          grads, differences, mus, nus, outer_seeds[num_stacked:]))]
+      for i, (g, d, m, v, flag, leaf_seeds) in enumerate(zip(
+          grads, differences, mus, nus, flags, outer_seeds[num_stacked:]))]
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   if floor_outer is not None:
     increments = reductions.outer_floors(
@@ -1089,17 +1158,21 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
           functools.reduce(operator.and_, finite, jnp.array(True)))
 
 
-def _offloaded(mu, nu, parts):
-  """Per leaf of a moment pair (whole leaves, not slices): in host memory?"""
-  min_size = parts.offload_min_size
-  return _offload.offloaded_leaves(mu, min_size), _offload.offloaded_leaves(nu, min_size)
+def _offloaded_state(state, parts):
+  """``(m's, v's, the floor's)`` flags of :func:`_offload.offloaded_leaves`:
+  per leaf, whether it lives in host memory. Taken from the whole leaves of
+  ``state`` (under ``shard_map`` a device sees slices, smaller than
+  ``min_size`` where the whole leaf is not)."""
+  return _offload.offloaded_leaves((state.mu, state.nu, state.nu_floor),
+                                   parts.offload_min_size)
 
 
-def _fold_offloaded_leaf(grad, mu, nu, state, parts, seeds, half_difference=None,
-                        whole_block_absmax=_identity):
-  """:func:`_adama.fold_leaf` of a whole leaf, its moments brought in and
-  sent back if they live in host memory."""
-  mu_off, nu_off = _offloaded(mu, nu, parts)
+def _fold_offloaded_leaf(grad, mu, nu, offloaded, state, parts, seeds, half_difference=None,
+                         whole_block_absmax=_identity):
+  """:func:`_adama.fold_leaf` of a whole leaf (or this device's slice of it),
+  its moments brought in and sent back where ``offloaded = (m's, v's flags)``
+  says they live in host memory."""
+  mu_off, nu_off = offloaded
   m, v, finite = _adama.fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
       parts.config, seeds, half_difference, whole_block_absmax)
@@ -1121,14 +1194,21 @@ def _like(reference: Any, tree: Any) -> Any:
   return treedef.unflatten(leaves)
 
 
-def _apply_emitted(staged, parts, params, state, inner_state, sharded_update):
+def _apply_emitted(staged, parts, params, state, inner_state, sharded_update,
+                   offloaded=None, split=None):
   """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
 
   ``sharded_update(params, updates)`` applies an update split like the
   moments (ZeRO); ``None``: params and update are whole on every device.
+  Offloaded moments (``offloaded``: :func:`_offloaded_state`) are applied a
+  layer at a time; ``split(apply_by_layer) -> (params, inner_state)`` runs
+  that on a ZeRO-1/2 mesh (:func:`_split_by_layer`).
   """
   if parts.offload_min_size is not None:
-    return _apply_by_layer(staged, parts, params, state, inner_state)
+    apply = functools.partial(_apply_by_layer, staged, parts, offloaded=offloaded)
+    if sharded_update is None or split is None:
+      return apply(params, state, inner_state)
+    return split(apply, params, state, inner_state)
   updates = _adama.emitted_direction(state, params, parts.config)
   if parts.inner is not None:
     updates, inner_state = _adama.per_mini_batch_update(
@@ -1138,7 +1218,60 @@ def _apply_emitted(staged, parts, params, state, inner_state, sharded_update):
   return sharded_update(params, updates), inner_state
 
 
-def _apply_by_layer(staged, parts, params, state, inner_state):
+class _Split(NamedTuple):
+  """Inside ``shard_map`` under ZeRO-1/2: each device's slices of whole
+  params and the gather back, for the outer leaves and for ``[1, ...]``
+  layer slices (flat lists of leaves)."""
+
+  outer: Callable[[list], list]
+  outer_whole: Callable[[list], list]
+  layer: Callable[[list], list]
+  layer_whole: Callable[[list], list]
+
+
+_WHOLE = _Split(_identity, _identity, _identity, _identity)
+
+
+def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
+  """``(apply_by_layer, params, state, inner_state) -> (params, inner_state)``
+  for offloaded moments under ZeRO-1/2: :func:`_apply_by_layer` in
+  ``shard_map``, each device on its slice of each layer's moments (brought
+  in from host memory), adding it to its slice of the params and gathering
+  the layer, as :func:`_apply_sharded_updates` does."""
+  num_devices = _sharding.num_devices(mesh, data_axis)
+  outer_specs, stacked_specs = (jax.tree.leaves(tree, is_leaf=_is_spec)
+                                for tree in staged.split(_specs(slices)))
+
+  def local(leaves, specs):
+    return [_local_slice(x, spec, data_axis, num_devices) for x, spec in zip(leaves, specs)]
+
+  def whole(leaves, specs):
+    gather = lambda x, dim: jax.lax.all_gather(x, data_axis, axis=dim, tiled=True)
+    return [x if _sharding.split_dim(spec) is None else gather(x, _sharding.split_dim(spec))
+            for x, spec in zip(leaves, specs)]
+
+  split = _Split(outer=lambda leaves: local(leaves, outer_specs),
+                 outer_whole=lambda leaves: whole(leaves, outer_specs),
+                 layer=lambda leaves: local(leaves, stacked_specs),
+                 layer_whole=lambda leaves: whole(leaves, stacked_specs))
+
+  def run(apply_by_layer, params, state, inner_state):
+    replicated = jax.tree.map(lambda _: PartitionSpec(), inner_state)
+    specs = _adama.with_estimator(state_specs, state.nu_estimator)
+    # Gathered leaves are the same on every device (see _apply_sharded_updates).
+    return jax.shard_map(
+        lambda p, st, i: apply_by_layer(p, st, i, split=split), mesh=mesh,
+        in_specs=(PartitionSpec(), specs, replicated),
+        out_specs=(PartitionSpec(), replicated), check_vma=False)(params, state, inner_state)
+
+  return run
+
+
+_is_spec = lambda x: isinstance(x, PartitionSpec)
+
+
+def _apply_by_layer(staged, parts, params, state, inner_state, offloaded=None,
+                    split: _Split = _WHOLE):
   """``(params, inner_state)`` after the emitted update, a layer at a time.
 
   For offloaded moments: the direction of a whole stacked leaf would bring
@@ -1147,7 +1280,10 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   m and v, computes its direction, runs ``inner`` on it and adds it to the
   layer's params in place. ``inner`` sees params-shaped trees whose other
   leaves are zeros it does not use (elementwise transforms, checked by their
-  state); its state advances once, from the outer call.
+  state); its state advances once, from the outer call. ``offloaded``:
+  :func:`_offloaded_state` of the whole state (``None``: of ``state``);
+  ``split``: under ZeRO-1/2 in ``shard_map``, each device's slices
+  (:func:`_split_by_layer`).
   """
   inner = parts.inner
   if inner is not None and any(jnp.ndim(x) > 0 for x in jax.tree.leaves(inner_state)):
@@ -1156,6 +1292,8 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
         "AdamA one layer at a time, which needs them elementwise with a state "
         "of scalars (learning rate, schedule, weight decay); this chain keeps "
         "per-parameter state.")
+  if offloaded is None:
+    offloaded = _offloaded_state(state, parts)
   emit = _adama.emitted(state)
   direction = _adama.direction_args(state, parts.config)
 
@@ -1175,40 +1313,49 @@ def _apply_by_layer(staged, parts, params, state, inner_state):
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   outer, stacked = staged.split(params)
   (mu_outer, mu_stacked), (nu_outer, nu_stacked) = map(staged.split, (state.mu, state.nu))
+  (mu_off_outer, mu_off_stacked), (nu_off_outer, nu_off_stacked) = map(
+      staged.split, offloaded[:2])
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
   if _adama.floors_split(state):
-    floor_outer, floor_stacked = staged.split(_offload.to_device(
-        state.nu_floor, _offload.offloaded_leaves(state.nu_floor, parts.offload_min_size)))
-    outer_floors = [_floor.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)]
+    floor_outer, floor_stacked = staged.split(_offload.to_device(state.nu_floor, offloaded[2]))
+    outer_floors = split.outer(
+        [_floor.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)])
     stacked_floors = stacked_def.flatten_up_to(floor_stacked)
   else:
     outer_floors, stacked_floors = [None] * outer_def.num_leaves, None
+  # Under ZeRO-1/2 this device's slices of the (whole) outer params.
+  local_outer = outer_def.unflatten(split.outer(jax.tree.leaves(outer)))
   outer_dirs = outer_def.unflatten([
-      leaf_direction(m, v, p, f, *_offloaded(m, v, parts))
-      for m, v, p, f in zip(outer_def.flatten_up_to(mu_outer),
-                            outer_def.flatten_up_to(nu_outer), jax.tree.leaves(outer),
-                            outer_floors)])
-  updates, new_inner_state = chained(outer_dirs, zeros(stacked), outer, stacked)
-  new_outer = _steps.apply_updates(outer, staged.split(updates)[0])
+      leaf_direction(m, v, p, f, m_off, v_off)
+      for m, v, p, f, m_off, v_off in zip(
+          outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer),
+          jax.tree.leaves(local_outer), outer_floors,
+          outer_def.flatten_up_to(mu_off_outer), outer_def.flatten_up_to(nu_off_outer))])
+  updates, new_inner_state = chained(outer_dirs, zeros(stacked), local_outer, stacked)
+  new_outer = outer_def.unflatten(split.outer_whole(jax.tree.leaves(
+      _steps.apply_updates(local_outer, staged.split(updates)[0]))))
 
   mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
-  flags = [_offloaded(m, v, parts) for m, v in zip(mus, nus)]
+  flags = list(zip(stacked_def.flatten_up_to(mu_off_stacked),
+                   stacked_def.flatten_up_to(nu_off_stacked)))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
   def update_layer(stacked, layer):
     # [1, ...] slices: the chained transforms see each leaf at its rank.
-    layer_params = jax.tree.map(
-        lambda p: jax.lax.dynamic_slice_in_dim(p, layer, 1, 0), stacked)
+    layer_params = stacked_def.unflatten(split.layer([
+        jax.lax.dynamic_slice_in_dim(p, layer, 1, 0) for p in jax.tree.leaves(stacked)]))
     floors = ([None] * len(mus) if stacked_floors is None else
-              [_floor.floor_layer_estimate(f, layer) for f in stacked_floors])
+              split.layer([_floor.floor_layer_estimate(f, layer) for f in stacked_floors]))
     dirs = stacked_def.unflatten([
         leaf_direction(_layer_slice(m, layer, num_layers, keepdims=True),
                        _layer_slice(v, layer, num_layers, keepdims=True), p, f, *flag)
         for m, v, p, f, flag in zip(mus, nus, jax.tree.leaves(layer_params), floors, flags)])
-    updates, _ = chained(zeros(outer), dirs, outer, layer_params)
-    new = _steps.apply_updates(layer_params, staged.split(updates)[1])
-    return jax.tree.map(lambda p, n: jax.lax.dynamic_update_slice_in_dim(p, n, layer, 0),
-                        stacked, new), None
+    updates, _ = chained(zeros(local_outer), dirs, local_outer, layer_params)
+    new = split.layer_whole(jax.tree.leaves(
+        _steps.apply_updates(layer_params, staged.split(updates)[1])))
+    return stacked_def.unflatten([
+        jax.lax.dynamic_update_slice_in_dim(p, n, layer, 0)
+        for p, n in zip(jax.tree.leaves(stacked), new)]), None
 
   stacked, _ = jax.lax.scan(update_layer, stacked, jnp.arange(num_layers, dtype=jnp.int32))
   return _like(params, staged.merge(new_outer, stacked)), new_inner_state

@@ -230,13 +230,28 @@ def check_placement(params, opt_state, param_shardings, state_shardings) -> None
       if sharding.mesh.devices.shape != expected.mesh.devices.shape or (
           sharding.is_equivalent_to(expected, jnp.ndim(leaf))):
         continue
+      memory = sharding.memory_kind != expected.memory_kind
+      where = lambda s: f"{s.spec} in {s.memory_kind} memory" if memory else f"{s.spec}"
       raise ValueError(
-          f"{name}{jax.tree_util.keystr(path)} is placed as {sharding.spec} but this "
-          f"step keeps it as {expected.spec}: the step would copy it into place "
+          f"{name}{jax.tree_util.keystr(path)} is placed as {where(sharding)} but this "
+          f"step keeps it as {where(expected)}: the step would copy it into place "
           "and lose its donation. Place params and state with the step's shardings "
           "before the first step (optax_adama.sharding.step_shardings for "
           "microbatch_step, release_shardings for release_step, with the same "
-          "shard_states and data_axis).")
+          "shard_states and data_axis" + (
+              "; under offload_moments, from the state its init returns, whose "
+              "large leaves it puts in host memory" if memory else "") + ").")
+
+
+def place_off_mesh(tree, shardings):
+  """``tree`` with its leaves not placed on the mesh of ``shardings`` (the
+  leaves :func:`check_placement` lets through) put there."""
+  def place(leaf, expected):
+    sharding = getattr(leaf, "sharding", None)
+    on_mesh = (isinstance(sharding, jax.sharding.NamedSharding)
+               and sharding.mesh.devices.shape == expected.mesh.devices.shape)
+    return leaf if on_mesh else jax.device_put(leaf, expected)
+  return jax.tree.map(place, tree, shardings)
 
 
 def raise_shared_leaves(params, opt_state):

@@ -289,6 +289,22 @@ def _bad_input_worker(mesh):
     out["blocks/release_step"] = {"error": str(e)}
   out["blocks/release_step"]["donated"] = any(
       x.is_deleted() for x in jax.tree.leaves((params, state)))
+  # Offloaded moments placed in device memory (shardings taken from the
+  # state of the transformation without offload_moments).
+  offloaded = optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
+  params = test_release.make_params()
+  shardings = optax_adama.sharding.release_shardings(
+      staged, params, tx.init(params), mesh, shard_states="zero2")
+  state = jax.device_put(offloaded.init(params), shardings.opt_state)
+  params = jax.device_put(params, shardings.params)
+  try:
+    optax_adama.release_step(staged, offloaded, mesh=mesh, shard_states="zero2")(
+        params, state, test_release.make_batch(0, 64))
+    out["memory/release_step"] = {"error": None}
+  except ValueError as e:
+    out["memory/release_step"] = {"error": str(e)}
+  out["memory/release_step"]["donated"] = any(
+      x.is_deleted() for x in jax.tree.leaves((params, state)))
   for name, make in {"axis/microbatch_step": optax_adama.microbatch_step,
                      "axis/release_step": optax_adama.release_step}.items():
     try:
@@ -316,9 +332,10 @@ def _release_worker(mesh):
   batches[1]["x"] = batches[1]["x"].at[13].set(jnp.nan)  # one micro-batch dropped
   out = {}
 
-  def release_runs(tx, stages, params_fn, batches):
+  def release_runs(tx, stages, params_fn, batches, reference=True):
+    """(the run on one device, or None without ``reference``; {stage: run})."""
     runs = {}
-    for stage in ("single",) + stages:
+    for stage in ("single",) * reference + stages:
       on_mesh = stage != "single"
       step = optax_adama.release_step(
           staged, tx, has_aux=True, mesh=mesh if on_mesh else None,
@@ -335,7 +352,7 @@ def _release_worker(mesh):
         for batch in batches:
           params, state, metrics = step(params, state, batch)
       runs[stage] = (params, state, metrics)
-    return runs.pop("single"), runs
+    return runs.pop("single", None), runs
 
   # "auto"'s floor where it is factored (a stack of 128 x 128 kernels,
   # split over the devices along a side): each device's part of a row or
@@ -354,6 +371,7 @@ def _release_worker(mesh):
         "floor_spec": str(run[1].adama.nu_floor["body"]["stack"]["w"].rows.sharding.spec),
     }
 
+  on_device = {}  # estimator -> (tx, one device's run, the mesh's runs)
   for estimator, stages in RELEASE_CASES.items():
     tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                             nu_estimator=estimator)
@@ -361,6 +379,7 @@ def _release_worker(mesh):
     single, runs = release_runs(
         tx, stages, test_release.make_params,
         batches[1::-1] if estimator == "split" else batches)
+    on_device[estimator] = (tx, single, runs)
     for stage, run in runs.items():
       out[f"{estimator}/{stage}"] = {
           "max_diff": _max_diff(run[:2], single[:2]),
@@ -372,7 +391,9 @@ def _release_worker(mesh):
           "stack_moment_spec": str(run[1].adama.mu["body"]["stack"]["w"].sharding.spec),
           "param_spec": str(run[0]["body"]["stack"]["w"].sharding.spec),
       }
-  _eight_bit_release_runs(release_runs, batches, out)
+  eight_bit = _eight_bit_release_runs(release_runs, batches, out)
+  _offloaded_release_runs(mesh, release_runs, batches, on_device["mean"], eight_bit, out)
+  out["offload_collectives/zero2"] = _offloaded_collectives(mesh, on_device["mean"][0])
   out["memory"] = _release_memory(mesh)
   return out
 
@@ -386,7 +407,10 @@ EIGHT_BIT = optax_adama.BlockQuantization(block_size=256, min_size=256, layer_al
 
 def _eight_bit_release_runs(release_runs, batches, out):
   """8-bit moments under every stage against one device, rounded to nearest
-  and stochastically (each device its own noise: another draw)."""
+  and stochastically (each device its own noise: another draw).
+
+  Returns ``(tx, one device's run, the mesh's runs)`` rounded to nearest.
+  """
   import test_release  # pylint: disable=g-import-not-at-top
 
   def tx(stochastic_rounding):
@@ -398,6 +422,7 @@ def _eight_bit_release_runs(release_runs, batches, out):
   # update by a fraction of the rate, and the gradients after it differ.
   nearest, runs = release_runs(tx(False), RELEASE_STAGES, test_release.make_params,
                                batches[1:2])
+  one_step = (tx(False), nearest, runs)
   for stage, run in runs.items():
     mu = run[1].adama.mu
     out[f"8bit/{stage}"] = {
@@ -416,6 +441,79 @@ def _eight_bit_release_runs(release_runs, batches, out):
       "rms_rounding": _rms_diff(stochastic[0], nearest[0]),
       "rms_movement": _rms_diff(stochastic[0], test_release.make_params()),
   }
+  return one_step
+
+
+# Offloaded state leaves (at least this many elements): the stack's kernels
+# and biases and w_in (m and v, or their 8-bit codes) go to host memory,
+# b_out's moments, the 8-bit scales and the counters stay on the device.
+OFFLOAD_MIN_SIZE = 256
+
+
+def _offloaded_release_runs(mesh, release_runs, batches, dense, eight_bit, out):
+  """Offloaded moments under every stage against one device's on-device
+  moments and the mesh's: float32 (the three steps of "mean/...") and 8-bit
+  rounded to nearest (the one step of "8bit/...")."""
+  import test_release  # pylint: disable=g-import-not-at-top
+
+  for name, (tx, single, on_mesh), steps in (("float32", dense, batches),
+                                             ("8bit", eight_bit, batches[1:2])):
+    _, runs = release_runs(optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE),
+                           RELEASE_STAGES, test_release.make_params, steps,
+                           reference=False)
+    if name == "float32":
+      # A state fresh from init (host leaves committed to one device) and
+      # params not yet on the mesh: the step places them.
+      offloaded = optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
+      step = optax_adama.release_step(test_release.staged_loss(has_aux=True), offloaded,
+                                      has_aux=True, mesh=mesh, shard_states="zero2")
+      params = test_release.make_params()
+      _, state, _ = step(params, offloaded.init(params), steps[0])
+      out["offload_fresh/zero2"] = {
+          "state_memory": _memory_kinds(state),
+          "stack_moment_spec": str(state.adama.mu["body"]["stack"]["w"].sharding.spec)}
+    for stage, run in runs.items():
+      memory = _memory_kinds(run[1])
+      # Host arrays are read back first: jnp ops refuse mixing memory kinds.
+      run = jax.device_get(run)
+      out[f"offload_{name}/{stage}"] = {
+          "param_diff": _max_diff(run[0], single[0]),
+          "max_diff": _max_diff(run[:2], single[:2]) if name == "float32" else None,
+          "fraction_codes_differ": _fraction_codes_differ(run[1].adama, single[1].adama)
+                                   if name == "8bit" else None,
+          # (One 8-bit step has only the dropped micro-batch: its loss is NaN.)
+          "metrics_diff": _max_diff(run[2], single[2]) if name == "float32" else None,
+          "to_on_device_mesh": _max_diff(run[:2], on_mesh[stage][:2]),
+          "num_dropped": int(run[1].adama.num_dropped),
+          "state_memory": memory,
+          "param_memory": sorted({x.sharding.memory_kind for x in jax.tree.leaves(runs[stage][0])}),
+          "stack_moment_spec": str(jax.tree.leaves(
+              runs[stage][1].adama.mu["body"]["stack"]["w"])[0].sharding.spec),
+      }
+
+
+def _offloaded_collectives(mesh, tx, stage="zero2"):
+  """Compile only: the collectives of release_step with offloaded moments."""
+  import test_release  # pylint: disable=g-import-not-at-top
+
+  tx = optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
+  staged = test_release.staged_loss(has_aux=True)
+  params = test_release.make_params()
+  state = tx.init(params)
+  shardings = optax_adama.sharding.release_shardings(
+      staged, params, state, mesh, shard_states=stage)
+  placed = lambda tree, shardings: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+  step = optax_adama.release_step(staged, tx, has_aux=True, mesh=mesh, shard_states=stage)
+  compiled = step.lower(placed(params, shardings.params), placed(state, shardings.opt_state),
+                        test_release.make_batch(0, size=64)).compile()
+  return _collectives(compiled.as_text())
+
+
+def _memory_kinds(tree):
+  """{leaf path: [its memory kind, its (whole) size]}."""
+  return {jax.tree_util.keystr(path): [leaf.sharding.memory_kind, leaf.size]
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _fraction_codes_differ(state, reference):
@@ -694,6 +792,58 @@ def test_release_step_with_eight_bit_moments_on_a_mesh_equals_one_device(eight_d
   assert run["param_spec"] == (split if stage == "fsdp" else str(PartitionSpec())), run
 
 
+@pytest.mark.parametrize("moments", ["float32", "8bit"])
+@pytest.mark.parametrize("stage", RELEASE_STAGES)
+def test_release_step_with_offloaded_moments_on_a_mesh_equals_one_device(
+    eight_devices, stage, moments):
+  run = eight_devices["release"][f"offload_{moments}/{stage}"]
+  # Against one device with the moments on it: the tolerances of the
+  # on-device checks above (float32: three steps; 8-bit: one step), for the
+  # same reason (cross-device sums in another order).
+  if moments == "float32":
+    assert run["max_diff"] < 1e-6, run
+    assert run["metrics_diff"] < 1e-6, run
+  else:
+    assert run["fraction_codes_differ"] < 1e-3, run
+    assert run["param_diff"] < 1e-6, run
+  assert run["num_dropped"] == 1, run
+  # Against the mesh with the moments on the devices: the same fold of the
+  # same slices, brought in and sent back (copies), so the same bits but
+  # for the update, whose direction each device computes a layer at a time
+  # from its slices (on the device, GSPMD computes it whole): the same
+  # elementwise arithmetic, fused otherwise. Measured:
+  # equal bit for bit but ZeRO-1/2 float32, 3e-8 (under an ulp of the params).
+  assert run["to_on_device_mesh"] < 1e-7, run
+  # Each device keeps its slice of every layer's moments, in host memory.
+  expected = PartitionSpec() if stage is None else PartitionSpec(None, "data")
+  assert run["stack_moment_spec"] == str(expected), run
+  kinds = run["state_memory"]
+  host = {path for path, (_, size) in kinds.items() if size >= OFFLOAD_MIN_SIZE}
+  assert host and len(host) < len(kinds), kinds  # some of each
+  assert all(kinds[path][0] == "pinned_host" for path in host), kinds
+  assert all(kind == "device" for path, (kind, _) in kinds.items() if path not in host), kinds
+  assert run["param_memory"] == ["device"], run
+
+
+def test_release_step_places_a_fresh_offloaded_state_on_the_mesh(eight_devices):
+  run = eight_devices["release"]["offload_fresh/zero2"]
+  assert run["stack_moment_spec"] == str(PartitionSpec(None, "data")), run
+  kinds = run["state_memory"]
+  assert kinds[".adama.mu['body']['stack']['w']"][0] == "pinned_host", kinds
+  assert kinds[".adama.mu['b_out']"][0] == "device", kinds
+
+
+def test_release_step_with_offloaded_moments_moves_one_layer_at_a_time(eight_devices):
+  collectives = eight_devices["release"]["offload_collectives/zero2"]
+  # ZeRO-2: each layer's gradient reduce-scattered, each layer's updated
+  # params gathered as the update reaches it (a [1, 64, 64] slice); nothing
+  # the size of the stack (left to GSPMD, the update gathered all 8 layers).
+  layer = 64 * 64  # one layer of the stack's kernels (test_release.make_params)
+  assert set(collectives) >= {"reduce-scatter", "all-gather"}, collectives
+  for operands in collectives.values():
+    assert _largest_operand(operands) <= layer, collectives
+
+
 def test_release_step_with_stochastic_eight_bit_moments_on_a_mesh_trains_like_one_device(
     eight_devices):
   run = eight_devices["release"]["8bit_stochastic/fsdp"]
@@ -742,6 +892,12 @@ def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devic
         blocks["error"]), blocks
     assert "layer_aligned=True" in blocks["error"] and "min_size" in blocks["error"], blocks
     assert not blocks["donated"]
+    memory = bad["memory/release_step"]
+    assert ("opt_state.adama.mu['body']['stack']['b'] is placed as P(None, 'data') in "
+            "device memory but this step keeps it as P(None, 'data') in pinned_host "
+            "memory") in memory["error"], memory
+    assert "under offload_moments, from the state its init returns" in memory["error"], memory
+    assert not memory["donated"]
 
 
 def test_fsdp_on_a_staged_loss_gathers_one_layer_at_a_time(eight_devices):
