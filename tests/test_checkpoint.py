@@ -176,8 +176,11 @@ def test_keep_holds_the_newest_checkpoints(tmp_path):
   assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [5, 6]
 
 
-# Long enough that a signal sent after the first checkpoints lands mid-run.
-KILLED_RUN = {**RUN, "steps": 120}
+# Long enough that a signal sent after the first checkpoints lands mid-run:
+# the signal follows the step-4 checkpoint within a 50 ms poll, and the 36
+# steps and 9 saves left take seconds. Every step here is trained twice (the
+# uninterrupted run, and the stopped and resumed processes), so no longer.
+KILLED_RUN = {**RUN, "steps": 40}
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +194,7 @@ def uninterrupted_long(tmp_path_factory):
     if eight_bit not in runs:
       directory = tmp_path_factory.mktemp(f"uninterrupted_long_{eight_bit}")
       with jax.numpy_dtype_promotion("standard"):
-        runs[eight_bit] = directory, _train(directory, every=40, steps=KILLED_RUN["steps"],
+        runs[eight_bit] = directory, _train(directory, every=20, steps=KILLED_RUN["steps"],
                                             quantize_moments=eight_bit)
     return runs[eight_bit]
 
