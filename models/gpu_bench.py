@@ -24,6 +24,14 @@ compilation cache with the timing processes, so each step compiles once.
 Results go to `<out-dir>/raw/gpu_<device>.json` and a markdown table,
 `<out-dir>/gpu_<device>.md`; on the CPU backend there is no live peak (the
 column says so) and the run only checks that the pipeline works.
+
+    make bench-gpu-capacity         # python -m models.gpu_bench --capacity
+
+is the live capacity search, a call of its own: per method of
+``CAPACITY_METHODS`` the largest GPT-2-shaped model whose step compiles
+under the device's memory, then that model trained for three steps, one
+scale smaller at a time while it runs out of memory
+(`<out-dir>/gpu_<device>_capacity.md` and its raw JSON).
 """
 
 from __future__ import annotations
