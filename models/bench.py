@@ -70,6 +70,7 @@ from tqdm import tqdm
 import models
 import optax_adama
 from models import harness
+from models.harness import gpt_family  # the capacity family, shared with models.gpu_bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,26 +124,6 @@ def measure_memory(
         models.param_count(config), report.to_dict(), floor,
         time.perf_counter() - start))
   return rows
-
-
-def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
-               hidden: int | None = None, scan_layers: bool = False,
-               dtype: Any = None) -> models.GPTConfig:
-  """A GPT-2-shaped model grown in depth and width together.
-
-  ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
-  128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
-  of width 1536), or ``hidden`` (a multiple of 64: heads of 64) when given.
-  ``dtype``: the compute dtype (``None``: the config's default, float32);
-  params stay float32.
-  """
-  if hidden is None:
-    hidden = max(128, int(round(64 * scale / 128)) * 128)
-  elif hidden % 64:
-    raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
-  config = models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64,
-                            remat=remat, vocab_size=vocab_size, scan_layers=scan_layers)
-  return config if dtype is None else dataclasses.replace(config, dtype=jnp.dtype(dtype))
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
@@ -520,6 +501,8 @@ def _parse_args(argv):
   cap.add_argument("--refine-width", action="store_true",
                    help="then grow the answer's width in steps of 64 at the same depth")
   cap.add_argument("--vocab-size", type=int, default=50257)
+  cap.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=None,
+                   help="compute dtype of every model (params float32); default: float32")
   cap.add_argument("--scan-layers", action="store_true",
                    help="every method on the scanned model (blocks stacked under one "
                         "lax.scan, where remat holds on any backend); allows the release "
@@ -587,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
         refine_width=args.refine_width, scan_layers=args.scan_layers,
-        progress=progress,
+        dtype=None if args.dtype is None else jnp.dtype(args.dtype), progress=progress,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
         on_result=lambda so_far: _write_outputs(
             args, {**result, "capacity": so_far}, capacity_table(so_far)))

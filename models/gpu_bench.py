@@ -175,25 +175,35 @@ class CapacityCase:
   vocab_size: int = 50257
 
 
-def search_capacity(case: CapacityCase, method: str) -> dict[str, Any]:
-  """The largest gpt_family scale whose compiled step fits the budget (compile only).
+def search_command(case: CapacityCase, method: str, out: Path) -> list[str]:
+  """`models.bench capacity` for one method: the largest gpt_family scale whose
+  compiled step fits the budget (compile only), written as JSON to ``out``.
 
   Every method runs the scanned stack (the release methods need it; the same
   layout for all). Compiled on this device, so its autotuned workspaces count.
   """
-  from models import bench
-  [result] = bench.measure_capacity(
-      [case.budget_gb], [method], num_micro_batches=case.num_micro_batches,
-      micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, remat=case.remat,
-      max_scale=case.max_scale, vocab_size=case.vocab_size, scan_layers=True,
-      dtype=jnp.dtype(case.dtype), progress=False)
-  return result
+  return [sys.executable, "-m", "models.bench", "capacity", "--budgets-gb",
+          str(case.budget_gb), "--methods", method, "--scan-layers",
+          "--num-micro-batches", str(case.num_micro_batches),
+          "--micro-batch-size", str(case.micro_batch_size), "--seq-len", str(case.seq_len),
+          "--remat", case.remat, "--dtype", case.dtype, "--max-scale", str(case.max_scale),
+          "--vocab-size", str(case.vocab_size), "--json", str(out), "--no-progress"]
+
+
+def search_capacity(case: CapacityCase, method: str, env: dict[str, str]) -> dict[str, Any]:
+  """Runs :func:`search_command` in a process of its own; {"error": ...} if it fails."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "capacity.json"
+    done = subprocess.run(search_command(case, method, out), capture_output=True, text=True,
+                          env=env, check=False)
+    if done.returncode or not out.exists():
+      return {"error": done.stderr.strip()[-2000:] or f"exit status {done.returncode}"}
+    return json.loads(out.read_text())["capacity"][0]
 
 
 def train_at_scale(case: CapacityCase, method: str, scale: int, steps: int = 3) -> dict[str, Any]:
   """Trains ``steps`` steps of gpt_family(scale) with ``method``; raises when it does not fit."""
-  from models import bench
-  config = bench.gpt_family(scale, remat=case.remat, vocab_size=case.vocab_size,
+  config = harness.gpt_family(scale, remat=case.remat, vocab_size=case.vocab_size,
                             scan_layers=True, dtype=jnp.dtype(case.dtype))
   model = models.create(config, rngs=nnx.Rngs(0))
   loss_fn, params = models.staged_loss(model)
@@ -219,8 +229,6 @@ def case_from_dict(fields: dict[str, Any]) -> Case:
 
 
 def _worker(task: dict[str, Any]) -> dict[str, Any]:
-  if task["kind"] == "capacity_search":
-    return search_capacity(CapacityCase(**task["case"]), task["method"])
   if task["kind"] == "capacity_train":
     return train_at_scale(CapacityCase(**task["case"]), task["method"], task["scale"])
   case = case_from_dict(task["case"])
@@ -340,7 +348,8 @@ def run_capacity(case: CapacityCase, methods: Sequence[str], *, cache_dir: str,
   searches = [{"kind": "capacity_search", "case": dataclasses.asdict(case), "method": m}
               for m in methods]
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    found = list(pool.map(lambda t: run_in_process(t, env), searches))
+    found = list(pool.map(lambda t: search_capacity(CapacityCase(**t["case"]), t["method"], env),
+                          searches))
   rows = []
   for task, search in zip(searches, found):
     log_result(log, task, search)

@@ -754,6 +754,26 @@ def _optax_microbatching_step(loss_fn, tx, num_micro_batches):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
+def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
+               hidden: int | None = None, scan_layers: bool = False,
+               dtype: Any = None) -> models.GPTConfig:
+  """A GPT-2-shaped model grown in depth and width together.
+
+  ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
+  128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
+  of width 1536), or ``hidden`` (a multiple of 64: heads of 64) when given.
+  ``dtype``: the compute dtype (``None``: the config's default, float32);
+  params stay float32.
+  """
+  if hidden is None:
+    hidden = max(128, int(round(64 * scale / 128)) * 128)
+  elif hidden % 64:
+    raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
+  config = models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64,
+                            remat=remat, vocab_size=vocab_size, scan_layers=scan_layers)
+  return config if dtype is None else dataclasses.replace(config, dtype=jnp.dtype(dtype))
+
+
 def split_model(config: models.Config) -> tuple[Callable, Any]:
   """(pure loss_fn, abstract params) of a config, nothing allocated.
 

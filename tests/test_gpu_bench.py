@@ -129,14 +129,14 @@ def test_a_failed_row_shows_the_exception_not_the_traceback_footer():
 def test_capacity_trains_the_compiled_answer_and_steps_down_when_it_does_not_fit(monkeypatch):
   # The compile-only search says 5 layers; 5 runs out of memory live, 4 trains.
   def fake_run(task, env):
-    if task["kind"] == "capacity_search":
-      return {"scale": 5, "total_bytes": 10}
     if task["scale"] == 5:
       return {"error": "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
     return {"scale": task["scale"], "param_count": 400 if task["method"] != "scan_accumulation"
             else 100, "peak_bytes_in_use": 9, "losses": [5.0, 4.9, 4.8]}
 
   monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
+  monkeypatch.setattr(gpu_bench, "search_capacity",
+                      lambda case, method, env: {"scale": 5, "total_bytes": 10})
   case = gpu_bench.CapacityCase(budget_gb=1.0)
   rows = gpu_bench.run_capacity(case, ("scan_accumulation", "adama_release_8bit_offload"),
                                 cache_dir="", tries=3)
@@ -146,10 +146,21 @@ def test_capacity_trains_the_compiled_answer_and_steps_down_when_it_does_not_fit
   assert "| 5 layers | 4 layers |" in text and "| 4.00x |" in text and "5 fails, 4 trains" in text
 
 
+def test_capacity_search_is_models_bench_capacity_with_the_case_s_settings(tmp_path):
+  case = gpu_bench.CapacityCase(budget_gb=2.5, num_micro_batches=2, seq_len=16,
+                                dtype="bfloat16", max_scale=3, vocab_size=128)
+  command = gpu_bench.search_command(case, "scan_accumulation", tmp_path / "c.json")
+  assert command[1:4] == ["-m", "models.bench", "capacity"] and "--scan-layers" in command
+  flags = dict(zip(command[4::1], command[5::1]))
+  assert flags["--budgets-gb"] == "2.5" and flags["--dtype"] == "bfloat16"
+  assert flags["--max-scale"] == "3" and flags["--vocab-size"] == "128"
+
+
 def test_capacity_records_a_method_that_fits_nowhere(monkeypatch):
-  monkeypatch.setattr(gpu_bench, "run_in_process", lambda task, env: (
-      {"scale": 2, "total_bytes": 1} if task["kind"] == "capacity_search"
-      else {"error": "RESOURCE_EXHAUSTED"}))
+  monkeypatch.setattr(gpu_bench, "search_capacity",
+                      lambda case, method, env: {"scale": 2, "total_bytes": 1})
+  monkeypatch.setattr(gpu_bench, "run_in_process",
+                      lambda task, env: {"error": "RESOURCE_EXHAUSTED"})
   [row] = gpu_bench.run_capacity(gpu_bench.CapacityCase(budget_gb=1.0), ("scan_accumulation",),
                                  cache_dir="", tries=3)
   assert row["trained_scale"] is None and [a["scale"] for a in row["attempts"]] == [2, 1]
