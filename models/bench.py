@@ -461,7 +461,8 @@ def _parse_args(argv):
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--methods", nargs="+",
-                      choices=(harness.METHODS + harness.SHARDED_METHODS
+                      choices=(harness.METHODS + ("scan_accumulation_bf16",)
+                               + harness.ESTIMATOR_METHODS + harness.SHARDED_METHODS
                                + harness.RELEASE_METHODS + harness.STATE_METHODS
                                + harness.FSDP_METHODS),
                       default=list(harness.METHODS))

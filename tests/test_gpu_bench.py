@@ -154,6 +154,10 @@ def test_capacity_search_is_models_bench_capacity_with_the_case_s_settings(tmp_p
   flags = dict(zip(command[4::1], command[5::1]))
   assert flags["--budgets-gb"] == "2.5" and flags["--dtype"] == "bfloat16"
   assert flags["--max-scale"] == "3" and flags["--vocab-size"] == "128"
+  from models import bench
+  for method in gpu_bench.CAPACITY_METHODS:  # each one a method models.bench takes
+    args = bench._parse_args(gpu_bench.search_command(case, method, tmp_path / "c.json")[3:])
+    assert args.methods == [method] and args.dtype == "bfloat16"
 
 
 def test_capacity_records_a_method_that_fits_nowhere(monkeypatch):
