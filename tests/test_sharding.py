@@ -238,14 +238,16 @@ def _bad_input_worker(mesh):
   tx = optax_adama.adamaw(1e-2, num_micro_batches=NUM_MICRO)
   out = {}
 
-  def attempt(name, make_step, params, batch):
-    state = tx.init(params)
+  def refused(name, make_step, params, state, batch):
     try:
       make_step()(params, state, batch)
       out[name] = {"error": None}
     except ValueError as e:
       out[name] = {"error": str(e)}
     out[name]["donated"] = any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+
+  def attempt(name, make_step, params, batch):
+    refused(name, make_step, params, tx.init(params), batch)
 
   rows_12 = test_release.make_batch(0, size=12)  # N = 4 x 8 devices needs 32 rows
   for name, make_step in {
@@ -265,14 +267,9 @@ def _bad_input_worker(mesh):
   shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states="zero2")
   params = jax.device_put(params, shardings.params)
   state = jax.device_put(state, shardings.opt_state)
-  try:
-    optax_adama.release_step(staged, tx, mesh=mesh, shard_states="zero2")(
-        params, state, test_release.make_batch(0, 64))
-    out["placement/release_step"] = {"error": None}
-  except ValueError as e:
-    out["placement/release_step"] = {"error": str(e)}
-  out["placement/release_step"]["donated"] = any(
-      x.is_deleted() for x in jax.tree.leaves((params, state)))
+  refused("placement/release_step",
+          lambda: optax_adama.release_step(staged, tx, mesh=mesh, shard_states="zero2"),
+          params, state, test_release.make_batch(0, 64))
   # 8-bit moments whose blocks do not split whole over the devices: a layer
   # of [3, 1024], split along its 1024, is 16 blocks of 192, each across 3 rows.
   eight_bit = optax_adama.adamaw(1e-2, num_micro_batches=NUM_MICRO, quantization=EIGHT_BIT)
@@ -281,14 +278,9 @@ def _bad_input_worker(mesh):
       head=lambda outer, x, b: jnp.mean(x ** 2), layers="stack")
   params = {"stack": {"w": jnp.ones((test_release.NUM_LAYERS, 3, 1024))}}
   state = eight_bit.init(params)
-  try:
-    optax_adama.release_step(scaled, eight_bit, mesh=mesh, shard_states="fsdp")(
-        params, state, {"x": jnp.ones((64, 4))})
-    out["blocks/release_step"] = {"error": None}
-  except ValueError as e:
-    out["blocks/release_step"] = {"error": str(e)}
-  out["blocks/release_step"]["donated"] = any(
-      x.is_deleted() for x in jax.tree.leaves((params, state)))
+  refused("blocks/release_step",
+          lambda: optax_adama.release_step(scaled, eight_bit, mesh=mesh, shard_states="fsdp"),
+          params, state, {"x": jnp.ones((64, 4))})
   # Offloaded moments placed in device memory (shardings taken from the
   # state of the transformation without offload_moments).
   offloaded = optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
@@ -297,14 +289,9 @@ def _bad_input_worker(mesh):
       staged, params, tx.init(params), mesh, shard_states="zero2")
   state = jax.device_put(offloaded.init(params), shardings.opt_state)
   params = jax.device_put(params, shardings.params)
-  try:
-    optax_adama.release_step(staged, offloaded, mesh=mesh, shard_states="zero2")(
-        params, state, test_release.make_batch(0, 64))
-    out["memory/release_step"] = {"error": None}
-  except ValueError as e:
-    out["memory/release_step"] = {"error": str(e)}
-  out["memory/release_step"]["donated"] = any(
-      x.is_deleted() for x in jax.tree.leaves((params, state)))
+  refused("memory/release_step",
+          lambda: optax_adama.release_step(staged, offloaded, mesh=mesh, shard_states="zero2"),
+          params, state, test_release.make_batch(0, 64))
   for name, make in {"axis/microbatch_step": optax_adama.microbatch_step,
                      "axis/release_step": optax_adama.release_step}.items():
     try:
