@@ -192,6 +192,7 @@ def microbatch_step(
   else:
     placement = _mesh_placement(
         value_and_grad, has_aux, _sharding.auto_mesh(mesh), shard_states, data_axis)
+  placement = _with_offloaded_state(placement, tx)
   step = _scan_step(tx, placement, num_micro_batches, update_every_micro_batch,
                     has_aux, accumulation_dtype)
   if mesh is None:
@@ -222,6 +223,16 @@ class _Placement(NamedTuple):
   apply_updates: Callable[[Any, Any, jax.Array], Any]
   # How many devices share each micro-batch's rows.
   num_devices: int = 1
+
+
+def _with_offloaded_state(placement: _Placement, tx) -> _Placement:
+  """``placement`` keeping in host memory the state leaves that AdamA under
+  :func:`offload_moments` offloads (its fold returns them to the host)."""
+  parts = _adama.folding_parts(tx)
+  if parts is None or parts.offload_min_size is None:
+    return placement
+  return placement._replace(shardings=lambda params, opt_state: _offload.keep_offloaded(
+      placement.shardings(params, opt_state), opt_state, parts.offload_min_size))
 
 
 def _single_device_placement(value_and_grad, has_aux) -> _Placement:

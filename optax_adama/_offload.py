@@ -39,6 +39,37 @@ def offloaded_leaves(tree: Any, min_size: Optional[int]) -> Any:
   return jax.tree.map(lambda x: min_size is not None and _offloads(x, min_size), tree)
 
 
+def host_leaves(tree: Any) -> Any:
+  """Per leaf of ``tree``: whether it is in host memory (arrays,
+  ``jax.ShapeDtypeStruct`` with a sharding, or tracers of either)."""
+  def in_host(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      return getattr(sharding, "memory_kind", None) == HOST_MEMORY_KIND
+    if isinstance(leaf, jax.core.Tracer):  # inside jit the type says where
+      return jax.typeof(leaf).memory_space == jax.memory.Space.Host
+    return False
+  return jax.tree.map(in_host, tree)
+
+
+def in_host_memory(shardings: Any, in_host: Any) -> Any:
+  """``shardings`` with those flagged in ``in_host`` in host memory."""
+  return jax.tree.map(
+      lambda s, host: s.with_memory_kind(HOST_MEMORY_KIND) if host else s,
+      shardings, in_host)
+
+
+def keep_offloaded(shardings: Any, opt_state: Any, min_size: Optional[int]) -> Any:
+  """A step's ``StepShardings`` with the state leaves that
+  :func:`offload_moments` (``min_size``; ``None``: none) offloads in host
+  memory: decided by each whole leaf's size, as its ``init`` places them, not
+  by where they are, so a state placed in device memory is refused."""
+  if min_size is None or shardings is None or opt_state is None:
+    return shardings
+  return shardings._replace(opt_state=in_host_memory(
+      shardings.opt_state, offloaded_leaves(opt_state, min_size)))
+
+
 def _move(tree: Any, offloaded: Any, space: Any) -> Any:
   return jax.tree.map(
       lambda x, off: jax.device_put(x, space) if off else x, tree, offloaded)

@@ -313,18 +313,8 @@ def release_step(
                                 data_axis)
     return shardings.params, shardings.opt_state
 
-  @functools.wraps(jitted)
-  def placed(params, opt_state, batch):
-    # Leaves not yet on the mesh (fresh from tx.init) are placed here: jit
-    # would place them too, but not offload_moments' host leaves, which its
-    # init commits to one device.
-    params, opt_state = _steps.place_off_mesh(
-        (params, opt_state), expected_shardings(params, opt_state))
-    return jitted(params, opt_state, batch)
-
-  placed.lower = jitted.lower
   return _steps.with_distinct_buffers(
-      placed, _sharding.num_devices(mesh, data_axis), data_axis,
+      jitted, _sharding.num_devices(mesh, data_axis), data_axis,
       expected_shardings=expected_shardings)
 
 
@@ -335,26 +325,7 @@ def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_a
   _check_moments(staged, params, _adama.adama_of(opt_state))
   shardings = _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
                                align_blocks=True)
-  if parts.offload_min_size is None:
-    return shardings
-  return shardings._replace(opt_state=_in_host_memory(
-      shardings.opt_state, _offload.offloaded_leaves(opt_state, parts.offload_min_size)))
-
-
-def _in_host_memory(shardings, in_host):
-  """``shardings`` with those flagged in ``in_host`` in host memory."""
-  return jax.tree.map(
-      lambda s, host: s.with_memory_kind(_offload.HOST_MEMORY_KIND) if host else s,
-      shardings, in_host)
-
-
-def _memory_kinds_of(opt_state):
-  """Per state leaf: whether it is in host memory (arrays, or
-  ``jax.ShapeDtypeStruct`` with a sharding)."""
-  def in_host(leaf):
-    sharding = getattr(leaf, "sharding", None)
-    return getattr(sharding, "memory_kind", None) == _offload.HOST_MEMORY_KIND
-  return jax.tree.map(in_host, opt_state)
+  return _offload.keep_offloaded(shardings, opt_state, parts.offload_min_size)
 
 
 def _check_is_state_of_tx(opt_state, inner) -> None:
@@ -497,8 +468,8 @@ def release_shardings(
   shardings = _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
                                align_blocks=True)
   # Offloaded leaves (offload_moments' init puts them in host memory) stay there.
-  return shardings._replace(opt_state=_in_host_memory(
-      shardings.opt_state, _memory_kinds_of(opt_state)))
+  return shardings._replace(opt_state=_offload.in_host_memory(
+      shardings.opt_state, _offload.host_leaves(opt_state)))
 
 
 def stack_shardings(

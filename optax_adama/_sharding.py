@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _offload
 
 __all__ = [
     "SHARD_STATES",
@@ -183,6 +184,10 @@ def step_shardings(
       ``"fsdp"``; see the module docstring.
     data_axis: the mesh axis (or axes) the batch is split over.
 
+  A state leaf in host memory (:func:`offload_moments`' ``init`` puts its
+  large leaves there) keeps its memory kind: each device holds its slice of
+  it in host memory.
+
   Returns:
     A :class:`StepShardings`.
 
@@ -203,10 +208,12 @@ def step_shardings(
   mesh = auto_mesh(mesh)
   sharded = lambda tree: sharded_tree_shardings(tree, mesh, data_axis=data_axis)
   replicated = lambda tree: replicated_shardings(tree, mesh)
+  opt_state_shardings = (replicated(opt_state) if shard_states is None
+                         else _replicated_floors(sharded(opt_state), mesh))
   return StepShardings(
       params=sharded(params) if shard_states == "fsdp" else replicated(params),
-      opt_state=(replicated(opt_state) if shard_states is None
-                 else _replicated_floors(sharded(opt_state), mesh)),
+      # Offloaded leaves (offload_moments' init puts them in host memory) stay there.
+      opt_state=_offload.in_host_memory(opt_state_shardings, _offload.host_leaves(opt_state)),
       grads=(sharded(params) if shard_states in ("zero2", "fsdp")
              else replicated(params)),
   )

@@ -178,7 +178,10 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
   places the batch (whose own error names neither the step nor the fix), and
   ``expected_shardings(params, opt_state) -> (param shardings, state
   shardings)`` against the leaves already placed on the mesh (a leaf placed
-  otherwise would be copied into place, and its donation lost).
+  otherwise would be copied into place, and its donation lost). Leaves not
+  yet on the mesh (fresh from ``tx.init``) are placed here: ``jit`` would
+  place them too, but not ``offload_moments``' host leaves, which its
+  ``init`` commits to one device.
   """
 
   @functools.wraps(jitted)
@@ -189,7 +192,9 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
     if num_devices > 1:
       check_rows_per_device(batch, opt_state, num_devices, data_axis, num_micro_batches)
     if expected_shardings is not None:
-      check_placement(params, opt_state, *expected_shardings(params, opt_state))
+      expected = expected_shardings(params, opt_state)
+      check_placement(params, opt_state, *expected)
+      params, opt_state = place_off_mesh((params, opt_state), expected)
     return jitted(params, opt_state, batch)
 
   step.lower = jitted.lower

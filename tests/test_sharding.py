@@ -93,8 +93,9 @@ def _max_relative_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _worker():
-  """Runs in the 8-device subprocess; returns what the tests check."""
+def _worker(full):
+  """Runs in the 8-device subprocess; returns what the tests check (with
+  ``full``, the release's 8-bit and offloaded checks at every stage)."""
   assert jax.device_count() == NUM_DEVICES, jax.devices()
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
   out = {"param_bytes": optax_adama.memory.tree_bytes(_params()),
@@ -174,9 +175,41 @@ def _worker():
     _run(split, _params(), steps=1, mesh=mesh, batch_size=32)
   except ValueError as e:
     out["zero2_split"]["too_few_rows"] = str(e)
-  out["release"] = _release_worker(mesh)
+  out["offloaded"] = _offloaded_worker(mesh, tx, ref)
+  out["release"] = _release_worker(mesh, full)
   out["bad_input"] = _bad_input_worker(mesh)
   out["fsdp_staged"] = _fsdp_staged_worker(mesh)
+  return out
+
+
+def _offloaded_worker(mesh, tx, ref):
+  """microbatch_step with host-offloaded moments on the mesh, from a fresh
+  state (offload_moments' init commits its host leaves to one device: the
+  step places them), against ``ref``: ``tx`` on one device, moments on it."""
+  offloaded = optax_adama.offload_moments(tx, min_size=256)
+  out = {}
+  for stage in ("zero2", "fsdp"):
+    step = optax_adama.microbatch_step(
+        loss_fn, offloaded, num_micro_batches=NUM_MICRO, mesh=mesh, shard_states=stage)
+    params, state = _params(), offloaded.init(_params())
+    for seed in range(3):
+      params, state, _ = step(params, state, _batch(seed))
+    mu = optax_adama.find_adama_state(state).mu["layer0"]["w"]
+    out[stage] = {"max_diff": _max_diff(jax.device_get((params, state)), ref[:2]),
+                  "memory_kind": mu.sharding.memory_kind, "spec": str(mu.sharding.spec)}
+  # The same state placed in device memory: refused before donation.
+  step = optax_adama.microbatch_step(
+      loss_fn, offloaded, num_micro_batches=NUM_MICRO, mesh=mesh, shard_states="zero2")
+  params, state = _params(), offloaded.init(_params())
+  shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states="zero2")
+  on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
+  params = jax.device_put(params, shardings.params)
+  state = jax.device_put(state, on_device)
+  try:
+    step(params, state, _batch(0))
+  except ValueError as e:
+    out["device_placed"] = {
+        "error": str(e), "intact": not any(x.is_deleted() for x in jax.tree.leaves(state))}
   return out
 
 
@@ -305,10 +338,27 @@ def _bad_input_worker(mesh):
 RELEASE_STAGES = (None, "zero1", "zero2", "fsdp")
 # The estimator's term is elementwise, the same code under every stage: one
 # stage checks it.
+# The release's 8-bit and offloaded checks at every stage cost about 40 s of
+# the subprocess on 2 cores: the default run (-m "not slow") checks one
+# stage of each, a run with the slow tests every stage.
+SMOKE_STAGES = {"8bit": "fsdp", "offload_float32": "zero2", "offload_8bit": "fsdp"}
+
+
+def _release_stages(kind, full):
+  return RELEASE_STAGES if full else (SMOKE_STAGES[kind],)
+
+
+def _stage_params(kind, *values):
+  """``RELEASE_STAGES`` as test parameters (each followed by ``values``): the
+  smoke stage of ``kind`` in the default run, the others slow."""
+  return [pytest.param(stage, *values, marks=() if stage == SMOKE_STAGES[kind]
+                       else pytest.mark.slow) for stage in RELEASE_STAGES]
+
+
 RELEASE_CASES = {"mean": RELEASE_STAGES, "momentum": ("zero2",), "split": ("zero2",)}
 
 
-def _release_worker(mesh):
+def _release_worker(mesh, full):
   """release_step on the mesh against itself on one device, and its memory."""
   import warnings  # pylint: disable=g-import-not-at-top
   import test_release  # the scanned MLP with a tied outer leaf
@@ -378,8 +428,9 @@ def _release_worker(mesh):
           "stack_moment_spec": str(run[1].adama.mu["body"]["stack"]["w"].sharding.spec),
           "param_spec": str(run[0]["body"]["stack"]["w"].sharding.spec),
       }
-  eight_bit = _eight_bit_release_runs(release_runs, batches, out)
-  _offloaded_release_runs(mesh, release_runs, batches, on_device["mean"], eight_bit, out)
+  eight_bit = _eight_bit_release_runs(release_runs, batches, out, full)
+  _offloaded_release_runs(mesh, release_runs, batches, on_device["mean"], eight_bit, out,
+                          full)
   out["offload_collectives/zero2"] = _offloaded_collectives(mesh, on_device["mean"][0])
   out["memory"] = _release_memory(mesh)
   return out
@@ -392,7 +443,7 @@ def _release_worker(mesh):
 EIGHT_BIT = optax_adama.BlockQuantization(block_size=256, min_size=256, layer_aligned=True)
 
 
-def _eight_bit_release_runs(release_runs, batches, out):
+def _eight_bit_release_runs(release_runs, batches, out, full):
   """8-bit moments under every stage against one device, rounded to nearest
   and stochastically (each device its own noise: another draw).
 
@@ -407,8 +458,8 @@ def _eight_bit_release_runs(release_runs, batches, out):
   # One step (the one with a dropped micro-batch): past it, a code that an
   # ulp of the cross-device sum rounds the other way moves its element's
   # update by a fraction of the rate, and the gradients after it differ.
-  nearest, runs = release_runs(tx(False), RELEASE_STAGES, test_release.make_params,
-                               batches[1:2])
+  nearest, runs = release_runs(tx(False), _release_stages("8bit", full),
+                               test_release.make_params, batches[1:2])
   one_step = (tx(False), nearest, runs)
   for stage, run in runs.items():
     mu = run[1].adama.mu
@@ -421,6 +472,8 @@ def _eight_bit_release_runs(release_runs, batches, out):
         "bias_codes_spec": str(mu["body"]["stack"]["b"].codes.sharding.spec),
         "param_spec": str(run[0]["body"]["stack"]["w"].sharding.spec),
     }
+  if not full:
+    return one_step
   nearest, _ = release_runs(tx(False), (), test_release.make_params, batches)
   stochastic, runs = release_runs(tx(True), ("fsdp",), test_release.make_params, batches)
   out["8bit_stochastic/fsdp"] = {
@@ -437,7 +490,7 @@ def _eight_bit_release_runs(release_runs, batches, out):
 OFFLOAD_MIN_SIZE = 256
 
 
-def _offloaded_release_runs(mesh, release_runs, batches, dense, eight_bit, out):
+def _offloaded_release_runs(mesh, release_runs, batches, dense, eight_bit, out, full):
   """Offloaded moments under every stage against one device's on-device
   moments and the mesh's: float32 (the three steps of "mean/...") and 8-bit
   rounded to nearest (the one step of "8bit/...")."""
@@ -446,8 +499,8 @@ def _offloaded_release_runs(mesh, release_runs, batches, dense, eight_bit, out):
   for name, (tx, single, on_mesh), steps in (("float32", dense, batches),
                                              ("8bit", eight_bit, batches[1:2])):
     _, runs = release_runs(optax_adama.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE),
-                           RELEASE_STAGES, test_release.make_params, steps,
-                           reference=False)
+                           _release_stages(f"offload_{name}", full),
+                           test_release.make_params, steps, reference=False)
     if name == "float32":
       # A state fresh from init (host leaves committed to one device) and
       # params not yet on the mesh: the step places them.
@@ -563,7 +616,7 @@ def _release_memory(mesh):
   return out
 
 
-def _run_on_eight_devices():
+def _run_on_eight_devices(full):
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       f" --xla_force_host_platform_device_count={NUM_DEVICES}")
@@ -571,14 +624,14 @@ def _run_on_eight_devices():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   result = subprocess.run(
-      [sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+      [sys.executable, os.path.abspath(__file__)] + ["full"] * full, env=env, cwd=root,
       capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
-def eight_devices(tmp_path_factory, worker_id):
+def eight_devices(request, tmp_path_factory, worker_id):
   """The subprocess's results, computed once per test run.
 
   Under pytest-xdist each worker has its own session. `--dist loadgroup`
@@ -587,14 +640,16 @@ def eight_devices(tmp_path_factory, worker_id):
   wait on a file lock and read its result from the run's shared temporary
   directory.
   """
+  # Slow tests selected (no -m "not slow"): the full run, a superset.
+  full = "not slow" not in (request.config.option.markexpr or "")
   if worker_id == "master":  # not under xdist
-    return _run_on_eight_devices()
+    return _run_on_eight_devices(full)
   import fcntl  # POSIX; the suite runs on Linux and macOS
   shared = tmp_path_factory.getbasetemp().parent / "eight_devices.json"
   with open(shared.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not shared.exists():
-      shared.write_text(json.dumps(_run_on_eight_devices()))
+      shared.write_text(json.dumps(_run_on_eight_devices(full)))
   return json.loads(shared.read_text())
 
 
@@ -758,7 +813,7 @@ def test_release_step_on_a_mesh_equals_one_device(eight_devices, stage, estimato
   assert run["param_spec"] == str(expected if stage == "fsdp" else PartitionSpec()), run
 
 
-@pytest.mark.parametrize("stage", RELEASE_STAGES)
+@pytest.mark.parametrize("stage", _stage_params("8bit"))
 def test_release_step_with_eight_bit_moments_on_a_mesh_equals_one_device(eight_devices, stage):
   run = eight_devices["release"][f"8bit/{stage}"]
   # Rounded to nearest, each device folds the whole blocks of its slice as
@@ -779,8 +834,8 @@ def test_release_step_with_eight_bit_moments_on_a_mesh_equals_one_device(eight_d
   assert run["param_spec"] == (split if stage == "fsdp" else str(PartitionSpec())), run
 
 
-@pytest.mark.parametrize("moments", ["float32", "8bit"])
-@pytest.mark.parametrize("stage", RELEASE_STAGES)
+@pytest.mark.parametrize("stage, moments", _stage_params("offload_float32", "float32")
+                         + _stage_params("offload_8bit", "8bit"))
 def test_release_step_with_offloaded_moments_on_a_mesh_equals_one_device(
     eight_devices, stage, moments):
   run = eight_devices["release"][f"offload_{moments}/{stage}"]
@@ -812,6 +867,24 @@ def test_release_step_with_offloaded_moments_on_a_mesh_equals_one_device(
   assert run["param_memory"] == ["device"], run
 
 
+@pytest.mark.parametrize("stage", ["zero2", "fsdp"])
+def test_microbatch_step_with_offloaded_moments_on_a_mesh_equals_one_device(
+    eight_devices, stage):
+  # A fresh offload_moments state, placed by the step, trains as tx on one
+  # device with its moments on the device: the same math, only the order of
+  # the cross-device sums differs (float32), as in the on-device mesh steps.
+  result = eight_devices["offloaded"][stage]
+  assert result["max_diff"] < 1e-6, result
+  assert result["memory_kind"] == "pinned_host", result
+  assert "data" in result["spec"], result
+
+
+def test_microbatch_step_refuses_offloaded_moments_placed_in_device_memory(eight_devices):
+  result = eight_devices["offloaded"]["device_placed"]
+  assert "pinned_host" in result["error"] and "offload_moments" in result["error"], result
+  assert result["intact"], result
+
+
 def test_release_step_places_a_fresh_offloaded_state_on_the_mesh(eight_devices):
   run = eight_devices["release"]["offload_fresh/zero2"]
   assert run["stack_moment_spec"] == str(PartitionSpec(None, "data")), run
@@ -831,6 +904,7 @@ def test_release_step_with_offloaded_moments_moves_one_layer_at_a_time(eight_dev
     assert _largest_operand(operands) <= layer, collectives
 
 
+@pytest.mark.slow  # each device's own rounding noise: the full run only
 def test_release_step_with_stochastic_eight_bit_moments_on_a_mesh_trains_like_one_device(
     eight_devices):
   run = eight_devices["release"]["8bit_stochastic/fsdp"]
@@ -961,7 +1035,7 @@ def test_release_step_rejects_what_it_does_not_support():
 
 
 if __name__ == "__main__":
-  print(json.dumps(_worker()))
+  print(json.dumps(_worker(full=sys.argv[1:] == ["full"])))
 
 
 def test_zero2_gradient_accumulation_keeps_a_sharded_accumulator(eight_devices):
