@@ -25,8 +25,11 @@ def _losses(output):
 
 
 def _env():
-  # A clean device count: the example sets XLA_FLAGS itself.
-  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # A clean device count (the example adds its own to XLA_FLAGS); the other
+  # flags (the suite's fast compiles, tests/conftest.py) are kept.
+  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+           if not flag.startswith("--xla_force_host_platform_device_count")]
+  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 
 
 def test_one_process_of_eight_devices_trains_with_release_and_fsdp():

@@ -118,7 +118,9 @@ def test_gradient_error_is_what_the_design_states(bits, approximate):
 def test_forward_is_exact_and_shapes_and_dtypes_are_kept_under_jit(dtype, shape):
   x = jax.random.normal(jax.random.key(0), shape).astype(dtype)
   forward = jax.jit(savers.few_bit_gelu, static_argnums=(1, 2))
-  np.testing.assert_array_equal(forward(x, 2, True), jax.nn.gelu(x, approximate=True))
+  # Against GELU compiled alike: op by op, XLA may round tanh otherwise (1 ulp).
+  gelu = jax.jit(jax.nn.gelu, static_argnames="approximate")
+  np.testing.assert_array_equal(forward(x, 2, True), gelu(x, approximate=True))
   grad = jax.jit(jax.grad(lambda x: savers.few_bit_gelu(x, 3).astype(jnp.float32).sum()))(x)
   assert grad.shape == x.shape and grad.dtype == x.dtype
   code = savers.gelu_derivative_code(3)
