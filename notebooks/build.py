@@ -304,9 +304,9 @@ import models, optax_adama
 from models import data
 
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
-NUM_MICRO_BATCHES, BATCH_SIZE, SEQ_LEN = 4, 64, 64
+NUM_MICRO_BATCHES, BATCH_SIZE, SEQ_LEN = 4, 64, 32 if SMOKE else 64
 STEPS = 5 if SMOKE else 50
-model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
+model = models.create("gpt_test" if SMOKE else "gpt_tiny", rngs=nnx.Rngs(0))
 loss_fn, params0 = models.split_loss_fn(model)
 text = data.load_stdlib_text(max_bytes=1_000_000)
 batches = [next(data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=s)) for s in range(STEPS)]
