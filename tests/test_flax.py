@@ -108,8 +108,8 @@ class _MLP(linen.Module):
 
 
 def test_linen_train_state_matches_microbatch_step():
-  # One update per micro-batch has no halves: the fused step's default reads
-  # them ("split"), so both sides name the estimator they share.
+  # Both sides name the estimator they share ("mean": one update per
+  # micro-batch, no halves and no per-mini-batch term).
   tx = optax_adama.adama(1e-2, num_micro_batches=NUM_MICRO, nu_estimator="mean")
   module = _MLP()
   x = np.linspace(-1, 1, 4 * BATCH, dtype=np.float32).reshape(-1, 4)

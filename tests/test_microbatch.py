@@ -44,8 +44,8 @@ def _per_micro_batch_reference(tx, params, state, batch, num_micro_batches):
 
 @pytest.mark.parametrize("num_micro_batches", [1, 3, 4])
 def test_fused_step_equals_per_micro_batch_path(num_micro_batches):
-  # The reference passes no half difference: both sides run "mean" (the
-  # default "auto" is "split" in the fused step; test_defaults.py).
+  # Both sides run "mean": the reference passes no half difference, and
+  # "auto" would read "split" in the fused step (test_defaults.py).
   tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches,
                           nu_estimator="mean")
   params = _params()
@@ -139,7 +139,7 @@ def test_bare_adama_scan_carries_the_state_not_the_params():
   params, batch = model.abstract_params(), model.abstract_batch(32)
   carries, totals = {}, {}
   # "mean" on both: the chained path takes one update per micro-batch, where
-  # the default reads "mean"; the bare fold would read "split".
+  # "auto" reads "mean"; the bare fold would read "split".
   make = lambda: optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator="mean")
   for name, tx in {"bare": make(), "chained": optax.chain(make())}.items():
     step = optax_adama.microbatch_step(model.loss, tx)
