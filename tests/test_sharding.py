@@ -964,7 +964,11 @@ def test_bad_input_on_a_mesh_is_refused_before_any_buffer_is_donated(eight_devic
 def test_fsdp_on_a_staged_loss_gathers_one_layer_at_a_time(eight_devices):
   run = eight_devices["fsdp_staged"]
   assert run["param_spec"] == str(PartitionSpec(None, "data")), run  # every layer split
-  _assert_split_close(run)  # the default estimator reads "split" here
+  # The default estimator: the same math as one device but for the order of
+  # the cross-device sums (measured: params 6e-8, moments 3.5e-7 of their
+  # largest entry), as the other mesh steps.
+  assert run["param_diff"] < 1e-6, run
+  assert run["moment_relative_diff"] < 1e-5, run
   assert run["loss_diff"] < 1e-6, run
   # Per device, 8 layers: gathering every leaf for each micro-batch holds the
   # whole model's params (and its gradient); gathered layer by layer the step
