@@ -73,6 +73,19 @@ def mlp():
   return MLP()
 
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(num_devices=None) -> str:
+  """XLA_FLAGS for a test's subprocess: this run's flags (the fast compiles
+  above) without any CPU device count, and ``num_devices`` devices if given."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith(_DEVICE_COUNT_FLAG)]
+  if num_devices is not None:
+    flags.append(f"{_DEVICE_COUNT_FLAG}={num_devices}")
+  return " ".join(flags)
+
+
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 

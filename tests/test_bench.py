@@ -7,6 +7,7 @@ import pytest
 
 from models import bench, harness
 import optax_adama
+from conftest import xla_flags
 
 
 @pytest.fixture(autouse=True)
@@ -128,8 +129,7 @@ def test_capacity_on_eight_devices_zero2_fits_more(tmp_path):
   import subprocess
   import sys
   out = tmp_path / "capacity.json"
-  env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-         + " --xla_force_host_platform_device_count=8"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
   subprocess.run(
       [sys.executable, "-m", "models.bench", "capacity", "--devices", "8",
        "--budgets-gb", "0.02", "--methods", "dp_scan_accumulation",

@@ -23,6 +23,7 @@ import pytest
 
 from models import checkpoint as checkpointing
 from models import harness
+from conftest import xla_flags
 
 # One xdist worker runs this file (make test: --dist loadgroup), so the
 # module's uninterrupted runs are trained once, not once per worker.
@@ -312,7 +313,7 @@ for stage in ("zero2", "fsdp"):
 
 def test_a_sharded_checkpoint_restores_onto_another_mesh_size_and_one_device(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT),
-         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
+         "XLA_FLAGS": xla_flags(8)}
   done = subprocess.run([sys.executable, "-W", "error", "-c", _SHARDED_ROUND_TRIP, str(tmp_path)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]

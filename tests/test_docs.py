@@ -73,10 +73,12 @@ def test_python_blocks_run(path):
   if match is None:
     run_page(path)
     return
-  flags = f"--xla_force_host_platform_device_count={match.group(1)}"
+  # Imported here: run as a script (the page's subprocess) this file must not
+  # load conftest's strict promotion settings.
+  from conftest import xla_flags  # pylint: disable=import-outside-toplevel
   python_path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+         "XLA_FLAGS": xla_flags(int(match.group(1))),
          "PYTHONPATH": os.pathsep.join(filter(None, python_path))}
   result = subprocess.run(
       [sys.executable, "-W", "error", __file__, str(path)],

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multihost_train.py"
 RELEASE_FSDP = ["--release", "--shard-states", "fsdp"]  # and 8-bit moments, the default
@@ -25,11 +27,8 @@ def _losses(output):
 
 
 def _env():
-  # A clean device count (the example adds its own to XLA_FLAGS); the other
-  # flags (the suite's fast compiles, tests/conftest.py) are kept.
-  flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-           if not flag.startswith("--xla_force_host_platform_device_count")]
-  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+  # A clean device count: the example adds its own to XLA_FLAGS.
+  return {**os.environ, "XLA_FLAGS": xla_flags()}
 
 
 def test_one_process_of_eight_devices_trains_with_release_and_fsdp():

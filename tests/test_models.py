@@ -584,7 +584,8 @@ def test_scan_layers_preset_param_counts():
 def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
   config = smoke_config(kind, num_layers=2)
   batches = [make_batch(config, seed=seed) for seed in range(2)]
-  tx = optax_adama.adamaw(1e-3, weight_decay=0.1, num_micro_batches=2)
+  learning_rate = 1e-3
+  tx = optax_adama.adamaw(learning_rate, weight_decay=0.1, num_micro_batches=2)
   staged, params = models.staged_loss(models.create(config, scan_layers=True, rngs=nnx.Rngs(0)))
   loss_fn, ref_params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
   np.testing.assert_allclose(
@@ -601,7 +602,7 @@ def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
   # mostly rounding that direction differs between the layouts' summation
   # orders by ~1e-4 of its bound 1 (seen: 1.1e-7 on one of the ViT's 49,152
   # weights after 2 steps at 1e-3), so their floor is 1e-4 of lr * steps.
-  params_atol = 1e-4 * 1e-3 * len(batches)
+  params_atol = 1e-4 * learning_rate * len(batches)
   for tree, ref_tree, atol in ((params, ref_params, params_atol),
                                (state.adama.mu, ref_state.adama.mu, 1e-7),
                                (state.adama.nu, ref_state.adama.nu, 1e-7)):

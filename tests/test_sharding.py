@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 import optax_adama
 from optax_adama import _steps
-from conftest import MLP
+from conftest import MLP, xla_flags
 
 # Keeps this file on one xdist worker (make test: --dist loadgroup; under
 # pytest 9 through tests/conftest.py's hook); the `eight_devices` fixture also
@@ -618,8 +618,7 @@ def _release_memory(mesh):
 
 def _run_on_eight_devices(full):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={NUM_DEVICES}")
+  env["XLA_FLAGS"] = xla_flags(NUM_DEVICES)
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
