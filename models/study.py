@@ -318,21 +318,26 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
   import matplotlib.pyplot as plt
 
   rows = [r for r in rows if r["arm"] != "adam" and not np.isnan(r["gap_to_adam"])]
-  kinds = list(dict.fromkeys(r["model"] for r in rows))
+  # A panel per model and run length: gaps after 100 and 300 steps of the
+  # same cell are different measurements and would overlay at one x.
+  kinds = list(dict.fromkeys((r["model"], r["steps"]) for r in sorted(
+      rows, key=lambda r: (r["model"], r["steps"]))))
+  lengths = {model: sum(m == model for m, _ in kinds) for model, _ in kinds}
   fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds) + 1.7, 4.2),
                            squeeze=False)
   tokens = [r["tokens_per_micro_batch"] for r in rows] or [256]
   # Powers of two spanning every model's cells, so the panels share one axis.
   ticks = [2 ** k for k in range(int(np.floor(np.log2(min(tokens)))),
                                  int(np.ceil(np.log2(max(tokens)))) + 1)]
-  for ax, kind in zip(axes[0], kinds):
+  for ax, (kind, steps) in zip(axes[0], kinds):
     ax.axhspan(-1, 1, color="tab:green", alpha=0.08, linewidth=0)
     ax.axhline(0.0, color="black", linewidth=0.8)
     for row in rows:
-      if row["model"] == kind:
+      if (row["model"], row["steps"]) == (kind, steps):
         _draw_gap(ax, row)
     _gap_axis(ax, ticks)
-    ax.set_title(f"{kind}: held-out loss vs Adam, best lr vs best")
+    length = f", {steps} steps" if lengths[kind] > 1 else ""
+    ax.set_title(f"{kind}{length}: held-out loss vs Adam, best lr vs best", fontsize=10)
   fig.legend(handles=_gap_legend(rows), loc="center right", fontsize=8, frameon=False)
   harness.save_figure(fig, path, rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
 

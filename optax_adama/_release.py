@@ -524,7 +524,9 @@ def _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
 
   The release folds each device's slice of a leaf inside ``shard_map``, so an
   8-bit moment must be split where its param is, whole blocks on each device
-  (:func:`_quantized_sharding`); GSPMD (``microbatch_step``) takes any split.
+  (:func:`_sharding.quantized_sharding`); GSPMD (``microbatch_step``) takes
+  the alignment of :func:`_sharding.step_shardings`, where a leaf that cannot
+  split into whole blocks keeps its own split.
   """
   base = _sharding.step_shardings(
       params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
@@ -541,6 +543,9 @@ def _stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
       moments = split
     state_shardings = _adama.adama_of(base.opt_state)._replace(
         mu=moments(state.mu), nu=moments(state.nu))
+    if not align_blocks:
+      state_shardings = _sharding.block_aligned_moments(
+          state_shardings, state, params, slices, mesh, data_axis)
     opt_state_shardings = _adama.with_adama(
         base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
   else:
@@ -563,41 +568,6 @@ def _moment_slices(staged, params, opt_state, mesh, shard_states, data_axis):
   return _block_aligned_slices(staged, slices, params, state.mu, mesh, data_axis)
 
 
-def _quantized_sharding(moment: _quantize.QuantizedArray, shape, sharding):
-  """The sharding of an 8-bit moment whose param is split as ``sharding``:
-  each device holds the codes of its own slice; ``None`` if none does.
-
-  A leaf's codes are its elements in row-major order, blocked along the last
-  axis: ``[num_blocks, block_len]``, or ``[shape[0], blocks, block_len]``
-  layer-aligned. A param split along an axis the codes keep (a layer-aligned
-  leaf's first) splits them there; one split where each index before the
-  split holds whole blocks splits the blocks' axis (a slice of every layer:
-  whole blocks on each device); one split where each index before it is one
-  block splits the blocks themselves (each device a part of every block, its
-  scale put together across the devices: :func:`_splits_blocks`).
-  """
-  spec = sharding.spec
-  dim = _sharding.split_dim(spec)
-  codes_shape = moment.codes.shape
-  kept = len(codes_shape) - 2  # leading axes of the leaf the codes keep
-  codes_dim = None
-  if dim is not None:
-    if math.prod(codes_shape) != math.prod(shape):  # padded blocks
-      return None
-    num_devices = _sharding.num_devices(sharding.mesh, spec[dim])
-    before = math.prod(shape[kept:dim])
-    candidates = ([dim] if dim < kept else
-                  [axis for axis, fits in ((kept, before == 1),
-                                           (kept + 1, before == codes_shape[kept])) if fits])
-    codes_dim = next((a for a in candidates if codes_shape[a] % num_devices == 0), None)
-    if codes_dim is None:
-      return None
-  named = lambda ndim: NamedSharding(sharding.mesh, PartitionSpec(
-      *(spec[dim] if i == codes_dim else None for i in range(ndim))))
-  return _quantize.QuantizedArray(codes=named(len(codes_shape)),
-                                  scale=named(len(codes_shape) - 1))
-
-
 def _splits_blocks(codes_spec: PartitionSpec) -> bool:
   """Whether the devices each hold a part of every block (the codes' last axis)."""
   dim = _sharding.split_dim(codes_spec)
@@ -615,7 +585,7 @@ def _block_aligned_slices(staged, slices, params, mu, mesh, data_axis):
     if not _is_quantized(moment):
       return sharding
     shape = jnp.shape(param)
-    if _quantized_sharding(moment, shape, sharding) is not None:
+    if _sharding.quantized_sharding(moment, shape, sharding) is not None:
       return sharding
     blocks = moment.codes.shape[-2]
     if blocks < num_devices:
@@ -636,7 +606,7 @@ def _moment_shardings(slices, params, moment):
   """A moment's shardings from its params' (``slices``, block-aligned)."""
   def place(sharding, param, leaf):
     if _is_quantized(leaf):
-      return _quantized_sharding(leaf, jnp.shape(param), sharding)
+      return _sharding.quantized_sharding(leaf, jnp.shape(param), sharding)
     return sharding
   return jax.tree.map(place, slices, params, moment, is_leaf=_is_quantized)
 

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from optax_adama import _adama
 from optax_adama import _offload
+from optax_adama import _quantize
 
 __all__ = [
     "SHARD_STATES",
@@ -210,6 +211,9 @@ def step_shardings(
   replicated = lambda tree: replicated_shardings(tree, mesh)
   opt_state_shardings = (replicated(opt_state) if shard_states is None
                          else _replicated_floors(sharded(opt_state), mesh))
+  if shard_states is not None:
+    opt_state_shardings = block_aligned_moments(
+        opt_state_shardings, opt_state, params, sharded(params), mesh, data_axis)
   return StepShardings(
       params=sharded(params) if shard_states == "fsdp" else replicated(params),
       # Offloaded leaves (offload_moments' init puts them in host memory) stay there.
@@ -217,6 +221,87 @@ def step_shardings(
       grads=(sharded(params) if shard_states in ("zero2", "fsdp")
              else replicated(params)),
   )
+
+
+def block_aligned_moments(opt_state_shardings: Any, opt_state: Any, params: Any,
+                          param_slices: Any, mesh: Mesh, data_axis: AxisName) -> Any:
+  """``opt_state_shardings`` with AdamA's 8-bit moments split where their
+  gradients are (``param_slices``): each device then quantizes the blocks of
+  its own slice of a gradient, with no resharding inside the step.
+
+  Where a leaf's slices are not whole blocks (:func:`quantized_sharding` is
+  ``None``) and it has fewer blocks than devices, the leaf is a few blocks,
+  kept whole on every device; otherwise it keeps its own split, and GSPMD
+  reshards between the two (a warning of "involuntary full rematerialization"
+  names such a leaf).
+  """
+  is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+  devices = num_devices(mesh, data_axis)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def align(param_slice, param, moment, moment_sharding):
+    if not is_quantized(moment):
+      return moment_sharding
+    aligned = quantized_sharding(moment, jnp.shape(param), param_slice)
+    if aligned is not None:
+      return aligned
+    if moment.codes.shape[-2] < devices:
+      return _quantize.QuantizedArray(codes=replicated, scale=replicated)
+    return moment_sharding
+
+  def per_state(state_shardings, state):
+    if not isinstance(state, _adama.ScaleByAdamAState):
+      return state_shardings
+    moments = {}
+    for name in ("mu", "nu"):
+      moment = getattr(state, name)
+      # Low-rank moments have their own tree (projected leaves): left as they are.
+      if (jax.tree.structure(moment, is_leaf=is_quantized) != jax.tree.structure(params)
+          or not any(map(is_quantized, jax.tree.leaves(moment, is_leaf=is_quantized)))):
+        continue
+      moments[name] = jax.tree.map(align, param_slices, params, moment,
+                                   getattr(state_shardings, name), is_leaf=is_quantized)
+    return state_shardings._replace(**moments)
+
+  is_adama = lambda x: isinstance(x, _adama.ScaleByAdamAState)
+  return jax.tree.map(per_state, opt_state_shardings, opt_state, is_leaf=is_adama)
+
+
+def quantized_sharding(moment: _quantize.QuantizedArray, shape: Sequence[int],
+                       sharding: NamedSharding) -> Optional[_quantize.QuantizedArray]:
+  """The sharding of an 8-bit moment whose param is split as ``sharding``:
+  each device holds the codes of its own slice; ``None`` if none does.
+
+  A leaf's codes are its elements in row-major order, blocked along the last
+  axis: ``[num_blocks, block_len]``, or ``[shape[0], blocks, block_len]``
+  layer-aligned. A param split along an axis the codes keep (a layer-aligned
+  leaf's first) splits them there; one split where each index before the
+  split holds whole blocks splits the blocks' axis (a slice of every layer:
+  whole blocks on each device); one split where each index before it is one
+  block splits the blocks themselves (each device a part of every block, its
+  scale put together across the devices).
+  """
+  spec = sharding.spec
+  dim = split_dim(spec)
+  codes_shape = moment.codes.shape
+  kept = len(codes_shape) - 2  # leading axes of the leaf the codes keep
+  codes_dim = None
+  if dim is not None:
+    if math.prod(codes_shape) != math.prod(shape):  # padded blocks
+      return None
+    devices = num_devices(sharding.mesh, spec[dim])
+    before = math.prod(shape[kept:dim])
+    candidates = ([dim] if dim < kept else
+                  [axis for axis, fits in ((kept, before == 1),
+                                           (kept + 1, before == codes_shape[kept])) if fits])
+    codes_dim = next((a for a in candidates if codes_shape[a] % devices == 0), None)
+    if codes_dim is None:
+      return None
+  named = lambda ndim: NamedSharding(sharding.mesh, PartitionSpec(
+      *(spec[dim] if i == codes_dim else None for i in range(ndim))))
+  return _quantize.QuantizedArray(codes=named(len(codes_shape)),
+                                  scale=named(len(codes_shape) - 1))
+
 
 
 def _replicated_floors(opt_state_shardings: Any, mesh: Mesh) -> Any:

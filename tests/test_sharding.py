@@ -740,6 +740,44 @@ def test_step_shardings_per_stage():
   assert shard_leaf_spec((3, 5), 8) == PartitionSpec()
 
 
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "fsdp"])
+def test_eight_bit_moments_are_split_where_their_gradients_are(stage):
+  # Each device quantizes the blocks of its own gradient slice. Codes split
+  # any other way made GSPMD reshard them in every micro-batch ("Involuntary
+  # full rematerialization" of a 4,096-element leaf with 2 blocks on 8 devices).
+  mesh = jax.sharding.AbstractMesh((8,), ("data",))  # specs only: no devices needed
+  params = {
+      "kernel": jnp.zeros((512, 256)),  # rows split: 8 whole blocks per device
+      "few_blocks": jnp.zeros((4096,)),  # 2 blocks of 2,048: fewer than devices
+      "straddling": jnp.zeros((3, 8 * 2048)),  # split along columns: 24 blocks, none whole
+  }
+  tx = optax_adama.adamaw(1e-3, num_micro_batches=2,
+                          quantization=optax_adama.BlockQuantization())
+  state = jax.eval_shape(tx.init, params)
+  shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states=stage)
+  adama = optax_adama.find_adama_state(shardings.opt_state)
+  split_dim = optax_adama._sharding.split_dim
+  for moment in (adama.mu, adama.nu):
+    # The blocks' axis (a spec may or may not spell out trailing Nones).
+    assert split_dim(moment["kernel"].codes.spec) == 0
+    assert split_dim(moment["kernel"].scale.spec) == 0
+    # A few blocks: kept whole on every device (8 KiB of codes at most).
+    assert moment["few_blocks"].codes.spec == PartitionSpec()
+    # No split gives each device whole blocks of its slice: the leaf keeps
+    # the split of its own codes, 3 blocks per device.
+    assert split_dim(moment["straddling"].codes.spec) == 0
+  assert shardings.grads["straddling"].spec == (
+      PartitionSpec() if stage == "zero1" else PartitionSpec(None, "data"))
+  # Layer-aligned blocks (each row its own) split with the row's columns.
+  aligned = optax_adama.adamaw(1e-3, num_micro_batches=2, quantization=(
+      optax_adama.BlockQuantization(layer_aligned=True)))
+  embedding = {"embedding": jnp.zeros((1001, 64))}  # rows not divisible by 8
+  shardings = optax_adama.sharding.step_shardings(
+      embedding, jax.eval_shape(aligned.init, embedding), mesh, shard_states=stage)
+  codes = optax_adama.find_adama_state(shardings.opt_state).mu["embedding"].codes
+  assert codes.spec == PartitionSpec(None, None, "data")  # codes [1001, 1, 64]
+
 @pytest.mark.parametrize("stage", ["zero2", "fsdp"])
 def test_one_device_mesh_equals_plain_step(stage):
   mesh = jax.make_mesh((1,), ("data",))
