@@ -323,13 +323,17 @@ def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
   kinds = list(dict.fromkeys((r["model"], r["steps"]) for r in sorted(
       rows, key=lambda r: (r["model"], r["steps"]))))
   lengths = {model: sum(m == model for m, _ in kinds) for model, _ in kinds}
-  fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds) + 1.7, 4.2),
-                           squeeze=False)
+  columns = min(3, len(kinds))
+  rows_of_panels = -(-len(kinds) // columns)
+  fig, axes = plt.subplots(rows_of_panels, columns,
+                           figsize=(5 * columns + 1.7, 4.2 * rows_of_panels), squeeze=False)
+  for ax in axes.flat[len(kinds):]:
+    ax.set_visible(False)
   tokens = [r["tokens_per_micro_batch"] for r in rows] or [256]
   # Powers of two spanning every model's cells, so the panels share one axis.
   ticks = [2 ** k for k in range(int(np.floor(np.log2(min(tokens)))),
                                  int(np.ceil(np.log2(max(tokens)))) + 1)]
-  for ax, (kind, steps) in zip(axes[0], kinds):
+  for ax, (kind, steps) in zip(axes.flat, kinds):
     ax.axhspan(-1, 1, color="tab:green", alpha=0.08, linewidth=0)
     ax.axhline(0.0, color="black", linewidth=0.8)
     for row in rows:
