@@ -63,11 +63,12 @@ def _assert_same_model(model, want, batches, atol=1e-6):
   chex.assert_trees_all_close(model(tokens), fused_model(tokens), rtol=1e-4, atol=1e-5)
 
 
-# "split" in the default suite: it hands nnx.Optimizer.update the extra
-# half_difference argument. "mean" (one update per micro-batch, no extra
-# argument) through nnx.Optimizer is also in tests/test_nnx_entry.py on an MLP;
-# on gpt_test it runs with the slow tests.
-@pytest.mark.parametrize("nu_estimator", [pytest.param("mean", marks=pytest.mark.slow), "split"])
+# The default estimator in the default suite: what an nnx.Optimizer user gets.
+# "mean" and "split" (whose halves' half_difference nnx.Optimizer.update hands
+# on) run with the slow tests here, and on an MLP in tests/test_nnx_entry.py.
+@pytest.mark.parametrize("nu_estimator", [
+    "momentum", pytest.param("mean", marks=pytest.mark.slow),
+    pytest.param("split", marks=pytest.mark.slow)])
 def test_nnx_optimizer_matches_microbatch_step(nu_estimator):
   tx = optax_adama.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                           nu_estimator=nu_estimator)

@@ -90,14 +90,28 @@ def test_matches_microbatch_step_on_nnx_split(nu_estimator):
   chex.assert_trees_all_equal(metrics, want)
 
 
-def test_mean_estimator_matches_nnx_optimizer_per_micro_batch():
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=N, nu_estimator="mean")
+@pytest.mark.parametrize("nu_estimator", ["mean", "momentum", "split"])
+def test_matches_nnx_optimizer_per_micro_batch(nu_estimator):
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=N,
+                          nu_estimator=nu_estimator)
   batches = [_batch(seed) for seed in range(2)]
   model = MLP(rngs=nnx.Rngs(0))
   reference = _copy(model)
   per_update = nnx.Optimizer(reference, tx, wrt=nnx.Param)
-  train_micro_batch = nnx.jit(
-      lambda model, opt, micro_batch: opt.update(model, nnx.grad(loss_fn)(model, micro_batch)))
+
+  @nnx.jit
+  def train_micro_batch(model, opt, micro_batch):
+    if nu_estimator != "split":
+      opt.update(model, nnx.grad(loss_fn)(model, micro_batch))
+      return
+    # "split": the gradients of the micro-batch's two halves, as the fused
+    # step takes them, and their half difference as update's extra argument.
+    half = len(micro_batch["x"]) // 2
+    g_a, g_b = (nnx.grad(loss_fn)(model, jax.tree.map(lambda x: x[rows], micro_batch))
+                for rows in (slice(None, half), slice(half, None)))
+    opt.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
+               half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
+
   for batch in batches:
     for i in range(N):
       train_micro_batch(reference, per_update, _micro(batch, i))

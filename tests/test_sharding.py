@@ -356,6 +356,11 @@ def _stage_params(kind, *values):
 
 
 RELEASE_CASES = {"mean": RELEASE_STAGES, "momentum": ("zero2",), "split": ("zero2",)}
+# The default run checks "mean" at the stages that split the gradient (the
+# others share their fold, less a reduction), and the floor at one stage;
+# a run with the slow tests every case.
+SMOKE_RELEASE_CASES = {"mean": ("zero2", "fsdp"), "momentum": ("zero2",), "split": ("zero2",)}
+FLOOR_STAGES, SMOKE_FLOOR_STAGES = ("zero1", "zero2"), ("zero2",)
 
 
 def _release_worker(mesh, full):
@@ -397,7 +402,8 @@ def _release_worker(mesh, full):
   tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                           nu_estimator="auto")
   single, runs = release_runs(
-      tx, ("zero1", "zero2"), lambda: test_release.make_params(width=128),
+      tx, FLOOR_STAGES if full else SMOKE_FLOOR_STAGES,
+      lambda: test_release.make_params(width=128),
       [test_release.make_batch(seed, size=64, width=128) for seed in range(2)])
   for stage, run in runs.items():
     out[f"floor/{stage}"] = {
@@ -409,7 +415,7 @@ def _release_worker(mesh, full):
     }
 
   on_device = {}  # estimator -> (tx, one device's run, the mesh's runs)
-  for estimator, stages in RELEASE_CASES.items():
+  for estimator, stages in (RELEASE_CASES if full else SMOKE_RELEASE_CASES).items():
     tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                             nu_estimator=estimator)
     # "split": two steps (see _assert_split_close), the dropped one first.
@@ -832,7 +838,9 @@ def test_split_estimator_on_a_mesh_equals_one_device(eight_devices):
 
 
 @pytest.mark.parametrize("estimator,stage", [
-    (estimator, stage) for estimator, stages in RELEASE_CASES.items() for stage in stages])
+    pytest.param(estimator, stage, marks=() if stage in SMOKE_RELEASE_CASES[estimator]
+                 else pytest.mark.slow)
+    for estimator, stages in RELEASE_CASES.items() for stage in stages])
 def test_release_step_on_a_mesh_equals_one_device(eight_devices, stage, estimator):
   run = eight_devices["release"][f"{estimator}/{stage}"]
   # Same math, cross-device sums in another order (float32); a NaN row in
@@ -953,7 +961,9 @@ def test_release_step_with_stochastic_eight_bit_moments_on_a_mesh_trains_like_on
   assert run["rms_rounding"] < 0.2 * run["rms_movement"], run
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("stage", [
+    pytest.param(stage, marks=() if stage in SMOKE_FLOOR_STAGES else pytest.mark.slow)
+    for stage in FLOOR_STAGES])
 def test_release_floor_on_a_mesh_equals_one_device(eight_devices, stage):
   run = eight_devices["release"][f"floor/{stage}"]
   assert run["stack_floor_shapes"] == [[_num_release_layers(), 128]] * 2, run
