@@ -24,14 +24,17 @@ floor are").
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 DUMP = tempfile.mkdtemp(prefix="xla_dump_")
+atexit.register(shutil.rmtree, DUMP, ignore_errors=True)  # ~100 MB of HLO text a run
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)

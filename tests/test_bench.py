@@ -240,10 +240,13 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
   import sys
   out = tmp_path / "residuals.json"
   root = os.path.dirname(os.path.dirname(__file__))
+  scratch = tmp_path / "tmp"  # the script's dump directory goes here
+  scratch.mkdir()
   subprocess.run(
       [sys.executable, os.path.join("benchmarks", "unrolled_residuals.py"),
        "--presets", "bert_test", "--json", str(out)],
-      check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+      check=True, cwd=root, env={**os.environ, "PYTHONPATH": root, "TMPDIR": str(scratch)})
+  assert not list(scratch.iterdir())  # the dumps are removed when it exits
   (result,) = json.loads(out.read_text())
   for program in ("grad", "fold", "step"):
     live = sum(result[program]["live_at_peak_p"].values())
