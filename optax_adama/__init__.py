@@ -35,7 +35,7 @@ from optax_adama._memory import memory_report
 from optax_adama._microbatch import microbatch_step
 from optax_adama._offload import offload_moments
 from optax_adama._quantize import BlockQuantization
-from optax_adama._release import StagedLoss
+from optax_adama._staged import StagedLoss
 from optax_adama._release import release_step
 from optax_adama._schedules import inject_hyperparams
 from optax_adama._schedules import mini_batch_schedule

@@ -27,8 +27,8 @@ from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import check_num_micro_batches
 from optax_adama._adama import find_adama_state
-from optax_adama._release import StagedLoss
-from optax_adama._release import stack_shardings
+from optax_adama._staged import StagedLoss
+from optax_adama._release_mesh import stack_shardings
 
 __all__ = ["microbatch_step"]
 

@@ -7,8 +7,8 @@ place params and optimizer state before the first step (or to restore a
 checkpoint onto a mesh). See ``docs/scale_out.md``.
 """
 
-from optax_adama._release import release_shardings
-from optax_adama._release import stack_shardings
+from optax_adama._release_mesh import release_shardings
+from optax_adama._release_mesh import stack_shardings
 from optax_adama._sharding import StepShardings
 from optax_adama._sharding import batch_sharding
 from optax_adama._sharding import step_shardings

@@ -1,0 +1,349 @@
+"""One micro-batch of the release: the reverse layer scan and its folds.
+
+From each layer's saved input, the `jax.vjp` of that layer; its parameter
+cotangent folded into the layer's slice of m and v (`_adama.fold_leaf`, 8-bit
+and offloaded moments too), its input cotangent passed on. On one device as
+it is; on a mesh inside `shard_map`, each device on its rows, with the
+collectives of its ZeRO stage handed in as :class:`Reductions`
+(:mod:`optax_adama._release_mesh`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_adama import _adama
+from optax_adama import _floor
+from optax_adama import _offload
+from optax_adama import _quantize
+from optax_adama import _staged
+from optax_adama import _steps
+from optax_adama._adama import ScaleByAdamAState
+
+
+is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+
+
+def check_moments(staged: _staged.StagedLoss, params, state: ScaleByAdamAState) -> None:
+  """Raises for 8-bit stacked moments whose blocks straddle layers (on a mesh,
+  :func:`release_shardings` checks that each device holds whole blocks)."""
+  _, stacked_params = staged.split(params)
+  for moment in (state.mu, state.nu):
+    _, stacked = staged.split(moment)
+    leaves = jax.tree.structure(stacked_params).flatten_up_to(stacked)
+    for param, leaf in zip(jax.tree.leaves(stacked_params), leaves):
+      if is_quantized(leaf) and not _layer_aligned(leaf, jnp.shape(param)):
+        raise NotImplementedError(
+            "release_step folds the stack's moments one layer slice at a time, "
+            f"and the 8-bit blocks of a stacked leaf of shape {jnp.shape(param)} "
+            "straddle layers. Lay the blocks out per layer with "
+            "BlockQuantization(layer_aligned=True), or keep the stack's moments "
+            "dense (mu_dtype / nu_dtype float32 or bfloat16).")
+
+
+def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
+  # BlockQuantization(layer_aligned=True)'s layout: [layers, blocks, block_len].
+  codes_shape = moment.codes.shape
+  return (len(codes_shape) == 3 and codes_shape[0] == shape[0]
+          and codes_shape[1] * codes_shape[2] == math.prod(shape[1:]))
+
+
+def layer_slice(moment, layer, num_layers, keepdims=False):
+  """Layer ``layer``'s slice of a stacked moment (its blocks if 8-bit)."""
+  del num_layers
+  if isinstance(moment, _quantize.QuantizedArray):
+    return jax.tree.map(
+        lambda x: _as_stored(jax.lax.dynamic_index_in_dim(_as_bytes(x), layer, keepdims=False),
+                             x.dtype), moment)
+  return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=keepdims)
+
+
+def _as_bytes(x):
+  # Sliced as raw bytes: the CPU backend widens float8 to float16 before any
+  # op on it, and for moments read-only in a loop (the update by layer) it
+  # hoists that widening out of the loop: the whole stack's codes in float16
+  # (measured: +0.47 P on an 8-layer MLP). A bitcast leaves nothing to widen.
+  return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
+
+
+def _as_stored(x, dtype):
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _with_layer_slice(moment, value, layer):
+  """``moment`` with layer ``layer``'s slice replaced by ``value``, in place."""
+  if isinstance(moment, _quantize.QuantizedArray):
+    return jax.tree.map(
+        lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, layer, 0), moment, value)
+  return jax.lax.dynamic_update_index_in_dim(moment, value, layer, 0)
+
+
+class Reductions(NamedTuple):
+  """How one device's share of a micro-batch becomes the whole micro-batch's.
+
+  The identity on one device; under ``shard_map`` the collectives of the
+  ZeRO stage (:func:`_data_parallel_reductions`).
+  """
+
+  loss: Callable[[jax.Array], jax.Array]
+  aux: Callable[[Any], Any]
+  # Flat lists of gradient leaves (outer leaves, or one layer's slices) in
+  # the order of `specs`: each reduced and placed like its moment.
+  outer_grads: Callable[[list[jax.Array]], list[jax.Array]]
+  layer_grads: Callable[[list[jax.Array]], list[jax.Array]]
+  all_finite: Callable[[jax.Array], jax.Array]
+  # ("outer" or "layer", leaf index) -> the fold's whole_block_absmax for it
+  # (see _adama.fold_leaf): a pmax where the mesh splits the leaf's blocks.
+  whole_block_absmax: Callable[[str, int], Callable[[jax.Array], jax.Array]]
+  # Lists of (m, v) seed pairs, one per leaf (the stack's, or the stack's
+  # then the outer leaves'): each device's own where it holds a slice.
+  layer_seeds: Callable[[list], list]
+  outer_seeds: Callable[[list], list]
+  # Flat lists of "split"'s floor increments (FactoredSquares) from the
+  # reduced gradient leaves above, each made whole; with the leaves' shapes.
+  outer_floors: Callable[[list, list[int]], list]
+  layer_floors: Callable[[list, list[int]], list]
+  # FSDP: this device's slices of the outer params, or of one layer's, made
+  # whole (gathered); the identity where params are whole on every device.
+  outer_params: Callable[[Any], Any]
+  layer_params: Callable[[Any], Any]
+
+
+identity = lambda x: x
+
+
+_increments = lambda increments, leaf_shapes: increments
+
+
+ONE_DEVICE = Reductions(identity, identity, identity, identity, identity,
+                        lambda kind, i: identity, identity, identity,
+                        _increments, _increments, identity, identity)
+
+
+def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offloaded,
+                        reductions: Reductions = ONE_DEVICE):
+  """One micro-batch: forward, then a backward that folds layer by layer.
+
+  ``offloaded``: which leaves of m, v and the floor live in host memory
+  (:func:`offloaded_state`, taken from the whole leaves: under
+  ``shard_map`` ``state`` holds this device's slices).
+
+  For AdamA's "split" estimator ``micro_batch`` comes as its two halves
+  (``[2, B / 2, ...]`` leaves) and each stage runs on both (vmapped, the
+  same FLOPs): activations and cotangents carry the leading axis of two, and
+  each gradient leaf is taken per half, folded as their mean and half
+  difference and dropped.
+  """
+  halves = _adama.takes_halves(state)
+  per_half = lambda fn, in_axes: jax.vmap(fn, in_axes) if halves else fn
+  outer, stacked = staged.split(params)
+  outer = reductions.outer_params(outer)  # FSDP: gathered for the micro-batch
+  x = per_half(staged.embed, (None, 0))(outer, micro_batch)
+  block = per_half(staged.block, (None, 0, 0))
+  # FSDP: each layer gathered as the scan reaches it, and again in the release.
+  x, layer_inputs = jax.lax.scan(
+      lambda x, layer_params: (block(reductions.layer_params(layer_params), x, micro_batch), x),
+      x, stacked)
+  head = functools.partial(_head_loss_and_grads, staged.head, has_aux)
+  loss, aux, (outer_grads, x_grad) = per_half(head, (None, 0, 0))(outer, x, micro_batch)
+  if halves:
+    loss, aux = _steps.combine_halves((loss, aux))
+  # The gradients below are of this device's mean loss; each is reduced to
+  # the micro-batch's before it is folded, so the guard reads the global loss.
+  loss = reductions.loss(loss)
+  aux = None if aux is None else reductions.aux(aux)
+
+  mu_outer, mu_stacked = staged.split(state.mu)
+  nu_outer, nu_stacked = staged.split(state.nu)
+  (mu_off_outer, mu_off_stacked), (nu_off_outer, nu_off_stacked) = map(
+      staged.split, offloaded[:2])
+  # "split"'s floor: decayed once here, then each gradient adds its part
+  # (on the device throughout: offloaded, it comes in whole).
+  floor_offloaded = offloaded[2]
+  floor_outer, floor_stacked = (None, None) if not _adama.floors_split(state) else staged.split(
+      _adama.decayed_floor(state._replace(
+          nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
+  layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
+  x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
+      parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,
+      mu_stacked, nu_stacked, floor_stacked, (mu_off_stacked, nu_off_stacked),
+      reductions, layer_pullback, halves)
+  embed_pullback = per_half(functools.partial(_pullback, staged.embed),
+                            ((None,), 0, 0))
+  (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
+  outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
+  stacked_def = jax.tree.structure(stacked)
+  mu_outer, nu_outer, floor_outer, outer_finite = _fold_outer(
+      parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
+      [jnp.shape(p) for p in jax.tree.leaves(outer)],
+      stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
+      (mu_off_outer, nu_off_outer), reductions, halves)
+  all_finite = reductions.all_finite(outer_finite & stack_finite)
+  mu = _staged.like(state.mu, staged.merge(mu_outer, mu_stacked))
+  nu = _staged.like(state.nu, staged.merge(nu_outer, nu_stacked))
+  floor = None if floor_outer is None else _offload.to_host(
+      _staged.like(state.nu_floor, staged.merge(floor_outer, floor_stacked)), floor_offloaded)
+  return _adama.advance_counters(state, mu, nu, all_finite, floor), loss, aux
+
+
+def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
+  """``(loss, aux, (outer cotangent, x cotangent))`` of the head stage."""
+  if has_aux:
+    loss, head_vjp, aux = jax.vjp(lambda o, x: head(o, x, micro_batch), outer, x,
+                                  has_aux=True)
+  else:
+    (loss, head_vjp), aux = jax.vjp(lambda o, x: head(o, x, micro_batch), outer, x), None
+  return loss, aux, head_vjp(jnp.ones_like(loss))
+
+
+def _pullback(stage, primals, micro_batch, cotangent):
+  """Cotangents of ``stage(*primals, micro_batch)`` for ``cotangent``.
+
+  The stage's forward is recomputed from ``primals``: only they were kept.
+  """
+  _, stage_vjp = jax.vjp(lambda *p: stage(*p, micro_batch), *primals)
+  return stage_vjp(cotangent)
+
+
+def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, list]:
+  """Flat gradient leaves as folded: ``(g, d)``, both reduced by ``reduce``.
+
+  With ``halves`` each leaf is ``[2, ...]``, one gradient per half; ``g`` is
+  their mean and ``d`` their half difference (reductions are linear, so on a
+  mesh ``d`` is the half difference of the whole micro-batch's halves).
+  Otherwise ``d`` is ``None`` per leaf.
+  """
+  if not halves:
+    return reduce(grads), [None] * len(grads)
+  return reduce(_steps.mean_of_halves(grads)), reduce(_steps.half_difference(grads))
+
+
+def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
+                   x_grad, mu_stacked, nu_stacked, floor_stacked, offloaded, reductions,
+                   layer_pullback, halves):
+  """The backward through the stack as a reverse scan over its layers.
+
+  Each step takes one layer's vjp from its saved input, folds that layer's
+  gradient into its slice of m and v (in place in the carry) and passes the
+  input cotangent down; one layer's gradient is alive at a time.
+  ``layer_pullback((layer_params, layer_input), micro_batch, x_grad)`` gives
+  ``(layer cotangent, input cotangent)``, per half with ``halves``.
+  ``offloaded``: the stack's ``(m, v)`` host-memory flags.
+
+  Returns:
+    The cotangent of the stack's input, the new stacked m, v and floor
+    (``None`` without halves), and whether every layer's gradient was finite.
+  """
+  stacked_def = jax.tree.structure(stacked)
+  mu_leaves = stacked_def.flatten_up_to(mu_stacked)
+  nu_leaves = stacked_def.flatten_up_to(nu_stacked)
+  floor_leaves = None if floor_stacked is None else stacked_def.flatten_up_to(floor_stacked)
+  # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
+  # mixes in its index so no two layers share rounding noise.
+  seeds = reductions.layer_seeds(_adama.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  offloaded = list(zip(*map(stacked_def.flatten_up_to, offloaded)))
+
+  def release_layer(carry, xs):
+    x_grad, mus, nus, floors = carry
+    layer, layer_params, layer_input = xs
+    layer_params = reductions.layer_params(layer_params)
+    # The whole leaves' shapes (under FSDP `stacked` holds this device's slices).
+    leaf_shapes = [(num_layers,) + jnp.shape(x) for x in jax.tree.leaves(layer_params)]
+    layer_grads, x_grad = layer_pullback((layer_params, layer_input), micro_batch, x_grad)
+    layer_grads, differences = _gradient_and_difference(
+        stacked_def.flatten_up_to(_steps.poison_if_loss_nonfinite(loss, layer_grads)), halves,
+        reductions.layer_grads)
+    new_mus, new_nus, finite = [], [], []
+    for i, (grad, d, mu, nu, (mu_off, nu_off), leaf_seeds) in enumerate(zip(
+        layer_grads, differences, mus, nus, offloaded, seeds)):
+      layer_seeds = tuple(
+          None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
+      # Offloaded moments: only this layer's slice comes to the device.
+      m, v, leaf_finite = _adama.fold_leaf(
+          grad, _offload.to_device(layer_slice(mu, layer, num_layers), mu_off),
+          _offload.to_device(layer_slice(nu, layer, num_layers), nu_off),
+          state, parts.config, layer_seeds, d,
+          whole_block_absmax=reductions.whole_block_absmax("layer", i))
+      new_mus.append(_with_layer_slice(mu, _offload.to_host(m, mu_off), layer))
+      new_nus.append(_with_layer_slice(nu, _offload.to_host(v, nu_off), layer))
+      finite.append(leaf_finite)
+    if floors is not None:
+      increments = reductions.layer_floors(
+          [_adama.floor_increment(g, d, state, parts.config, n)
+           for g, d, n in zip(layer_grads, differences, leaf_shapes)], leaf_shapes)
+      floors = [_floor.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
+    # The flags leave as scan outputs, not carry: under shard_map they vary
+    # over devices, a carry that starts as a constant does not.
+    return (x_grad, new_mus, new_nus, floors), functools.reduce(operator.and_, finite)
+
+  (x_grad, mu_leaves, nu_leaves, floor_leaves), layer_finite = jax.lax.scan(
+      release_layer, (x_grad, mu_leaves, nu_leaves, floor_leaves),
+      (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
+  floor_stacked = None if floor_leaves is None else stacked_def.unflatten(floor_leaves)
+  return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
+          floor_stacked, jnp.all(layer_finite))
+
+
+def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
+                leaf_shapes, stacked_mus, stacked_nus, offloaded, reductions, halves):
+  """Folds the unstacked leaves' gradients (embedding, head) whole.
+
+  ``leaf_shapes``: the outer params' (whole) shapes, which decide how the
+  floor is factored (on a mesh a gradient here may be a device's slice).
+  ``stacked_mus`` / ``stacked_nus``: the stack's moment leaves, whose seeds
+  come first. ``offloaded``: the outer ``(m, v)`` host-memory flags.
+  Returns the new outer m, v and floor (``None`` without
+  halves) and whether every gradient was finite.
+  """
+  outer_grads = _steps.poison_if_loss_nonfinite(loss, outer_grads)
+  grads, outer_def = jax.tree.flatten(outer_grads)
+  grads, differences = _gradient_and_difference(grads, halves, reductions.outer_grads)
+  mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
+  flags = list(zip(*map(outer_def.flatten_up_to, offloaded)))
+  # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
+  num_stacked = len(stacked_mus)
+  outer_seeds = reductions.outer_seeds(_adama.leaf_seeds(
+      parts.config, state, stacked_mus + mus, stacked_nus + nus))
+  folded = [
+      _fold_offloaded_leaf(g, m, v, flag, state, parts, leaf_seeds, d,
+                           reductions.whole_block_absmax("outer", i))
+      for i, (g, d, m, v, flag, leaf_seeds) in enumerate(zip(
+          grads, differences, mus, nus, flags, outer_seeds[num_stacked:]))]
+  new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
+  if floor_outer is not None:
+    increments = reductions.outer_floors(
+        [_adama.floor_increment(g, d, state, parts.config, n)
+         for g, d, n in zip(grads, differences, leaf_shapes)], leaf_shapes)
+    floor_outer = outer_def.unflatten([
+        _floor.add_floor(f, inc)
+        for f, inc in zip(outer_def.flatten_up_to(floor_outer), increments)])
+  return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus), floor_outer,
+          functools.reduce(operator.and_, finite, jnp.array(True)))
+
+
+def offloaded_state(state, parts):
+  """``(m's, v's, the floor's)`` flags of :func:`_offload.offloaded_leaves`:
+  per leaf, whether it lives in host memory. Taken from the whole leaves of
+  ``state`` (under ``shard_map`` a device sees slices, smaller than
+  ``min_size`` where the whole leaf is not)."""
+  return _offload.offloaded_leaves((state.mu, state.nu, state.nu_floor),
+                                   parts.offload_min_size)
+
+
+def _fold_offloaded_leaf(grad, mu, nu, offloaded, state, parts, seeds, half_difference=None,
+                         whole_block_absmax=identity):
+  """:func:`_adama.fold_leaf` of a whole leaf (or this device's slice of it),
+  its moments brought in and sent back where ``offloaded = (m's, v's flags)``
+  says they live in host memory."""
+  mu_off, nu_off = offloaded
+  m, v, finite = _adama.fold_leaf(
+      grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
+      parts.config, seeds, half_difference, whole_block_absmax)
+  return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite
