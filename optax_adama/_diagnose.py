@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_adama._adama import DEFAULT_NU_ESTIMATOR
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import check_num_micro_batches
 from optax_adama import _floor
@@ -41,6 +42,9 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 # The step ratio's upper tail: a requirement on "no coordinate runs away from
 # Adam" is stated at the 99th and 99.9th percentile of coordinates.
 STEP_QUANTILES = (0.5, 0.99, 0.999)
+# Below this median rho the default's steps run over 1.05x Adam's: the summary
+# says what to do (docs/estimators.md: "mean", or the rate scaled by sqrt(rho)).
+DEFAULT_RHO_FLOOR = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +141,13 @@ class SecondMomentDiagnosis:
           f"{factor:.2f}{rate} to match them, or expect training like Adam's at a "
           "learning rate that much smaller. rho drifts during training; measure "
           "again later in the run.")
+    default = DEFAULT_NU_ESTIMATOR
+    if default in self.rho and self.median(default) < DEFAULT_RHO_FLOOR:
+      rho = self.median(default)
+      lines.append(
+          f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps run "
+          f"{1 / np.sqrt(rho):.2f}x Adam's: pass nu_estimator='mean' (steps never "
+          f"larger than Adam's) or scale the learning rate by {np.sqrt(rho):.2f}.")
     return "\n".join(lines)
 
 

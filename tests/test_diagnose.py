@@ -108,3 +108,27 @@ def test_follow_rejects_what_it_cannot_follow():
   with pytest.raises(ValueError, match="even number of rows"):
     optax_adama.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, odd,
                                        num_micro_batches=NUM_MICRO, follow="split")
+
+
+def test_summary_says_what_to_do_where_the_default_steps_too_far():
+  # No noise (identical micro-batches), but a mean gradient that flips sign
+  # every step: Adam's v is its square, while m, an average over about 10
+  # steps, nearly cancels, so "momentum" keeps v near 1/N of Adam's.
+  batches = _batches(40, identical_micro_batches=True)
+  batches = [{"x": b["x"], "y": b["y"] * (-1) ** step} for step, b in enumerate(batches)]
+  diagnosis = optax_adama.diagnose_second_moment(
+      loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO,
+      learning_rate=1e-4)
+  rho = diagnosis.median("momentum")
+  assert rho < 0.5, rho  # 1/N = 0.25 plus m_hat^2's remainder
+  np.testing.assert_allclose(diagnosis.median("mean"), 1.0, rtol=1e-4)
+  text = diagnosis.summary()
+  assert f"The default ('momentum') keeps v at {rho:.2f}x Adam's" in text
+  assert f"scale the learning rate by {np.sqrt(rho):.2f}" in text
+  # Where the default tracks Adam (one batch every step: the mean gradient
+  # holds still at this rate) the summary adds nothing.
+  steady = optax_adama.diagnose_second_moment(
+      loss_fn, {"w": jnp.zeros(DIM)}, batches[:1] * 40, num_micro_batches=NUM_MICRO,
+      learning_rate=1e-4)
+  assert steady.median("momentum") > 0.9
+  assert "The default" not in steady.summary()
