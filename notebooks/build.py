@@ -136,13 +136,15 @@ nothing but each micro-batch's gradient, so both paths fold the same second mome
 
 AdamA's first moment is exactly Adam's; its v cannot see the mean gradient. The
 default, `nu_estimator="momentum"`, folds each micro-batch's g_i^2 / N^2 and adds
-(1 - 1/N) m_hat^2 once per mini-batch: about Adam's own second moment, at no memory
-beyond m and v (docs/estimators.md: +0.29% against Adam + accumulation on GPT-2 small
-over 2,000 steps). The paper's estimator, `"mean"`, folds the mean of the squared
-micro-batch gradients: larger than the square of their mean by their variance, so its
-steps are smaller, like a lower learning rate, more so for larger N and smaller
-micro-batches (below about 1,000 tokens per micro-batch that caution is what you want,
-docs/estimators.md). To see them side by side, name them:"""),
+(1 - 1/N) m_hat^2 once per mini-batch, at no memory beyond m and v: Adam's own second
+moment where the mean gradient holds steady over m's horizon (docs/estimators.md: +0.29%
+against Adam + accumulation on GPT-2 small over 2,000 steps); where it moves faster, v
+runs short and the steps long (`optax_adama.diagnose_second_moment` measures it on your
+model). The paper's estimator, `"mean"`, folds the mean of the squared micro-batch
+gradients: larger than the square of their mean by their variance, so its steps are
+smaller, never larger than Adam's, like a lower learning rate, more so for larger N and
+smaller micro-batches (where the default's v runs short that caution is what you want).
+To see them side by side, name them:"""),
     ("code", '''\
 mean_losses, mean_held_out = train_fused(optax_adama.adamaw(
     schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES, nu_estimator="mean"))
