@@ -240,7 +240,8 @@ def block_aligned_moments(opt_state_shardings: Any, opt_state: Any, params: Any,
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def align(param_slice, param, moment, moment_sharding):
-    if not is_quantized(moment):
+    # A gradient kept whole on every device: any split of its moment is a local slice.
+    if not is_quantized(moment) or split_dim(param_slice.spec) is None:
       return moment_sharding
     aligned = quantized_sharding(moment, jnp.shape(param), param_slice)
     if aligned is not None:
@@ -301,7 +302,6 @@ def quantized_sharding(moment: _quantize.QuantizedArray, shape: Sequence[int],
       *(spec[dim] if i == codes_dim else None for i in range(ndim))))
   return _quantize.QuantizedArray(codes=named(len(codes_shape)),
                                   scale=named(len(codes_shape) - 1))
-
 
 
 def _replicated_floors(opt_state_shardings: Any, mesh: Mesh) -> Any:

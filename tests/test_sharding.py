@@ -757,6 +757,7 @@ def test_eight_bit_moments_are_split_where_their_gradients_are(stage):
       "kernel": jnp.zeros((512, 256)),  # rows split: 8 whole blocks per device
       "few_blocks": jnp.zeros((4096,)),  # 2 blocks of 2,048: fewer than devices
       "straddling": jnp.zeros((3, 8 * 2048)),  # split along columns: 24 blocks, none whole
+      "odd": jnp.zeros((3, 5 * 2048 + 2)),  # no dimension divides by 8: the param is whole
   }
   tx = optax_adama.adamaw(1e-3, num_micro_batches=2,
                           quantization=optax_adama.BlockQuantization())
@@ -773,8 +774,12 @@ def test_eight_bit_moments_are_split_where_their_gradients_are(stage):
     # No split gives each device whole blocks of its slice: the leaf keeps
     # the split of its own codes, 3 blocks per device.
     assert split_dim(moment["straddling"].codes.spec) == 0
+    # A gradient whole on every device: its moment keeps its own split (16
+    # blocks, 2 per device), each device slicing what it folds.
+    assert split_dim(moment["odd"].codes.spec) == 0
   assert shardings.grads["straddling"].spec == (
       PartitionSpec() if stage == "zero1" else PartitionSpec(None, "data"))
+  assert shardings.grads["odd"].spec == PartitionSpec()
   # Layer-aligned blocks (each row its own) split with the row's columns.
   aligned = optax_adama.adamaw(1e-3, num_micro_batches=2, quantization=(
       optax_adama.BlockQuantization(layer_aligned=True)))
