@@ -76,6 +76,18 @@ def mlp():
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+def update_with_halves(optimizer, model, grad_fn, micro_batch):
+  """``optimizer.update`` with what ``nu_estimator="split"`` folds: the mean of
+  the micro-batch's two halves' gradients (``grad_fn(model, rows)``) and their
+  half difference as the extra ``half_difference`` argument, as the fused
+  step takes them."""
+  half = len(jax.tree.leaves(micro_batch)[0]) // 2
+  g_a, g_b = (grad_fn(model, jax.tree.map(lambda x: x[rows], micro_batch))
+              for rows in (slice(None, half), slice(half, None)))
+  optimizer.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
+                   half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
+
+
 def xla_flags(num_devices=None) -> str:
   """XLA_FLAGS for a test's subprocess: this run's flags (the fast compiles
   above) without any CPU device count, and ``num_devices`` devices if given."""

@@ -15,6 +15,7 @@ from flax.training import train_state
 
 import models
 import optax_adama
+from conftest import update_with_halves
 from models import data
 
 NUM_MICRO, BATCH, SEQ = 2, 8, 16
@@ -84,13 +85,7 @@ def test_nnx_optimizer_matches_microbatch_step(nu_estimator):
     if nu_estimator != "split":
       optimizer.update(model, grad(model, micro_batch))
       return
-    # "split" takes the gradients of the micro-batch's halves, as
-    # microbatch_step does, and their half difference as an extra argument.
-    half = len(micro_batch["tokens"]) // 2
-    g_a, g_b = (grad(model, jax.tree.map(lambda x: x[rows], micro_batch))
-                for rows in (slice(None, half), slice(half, None)))
-    optimizer.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
-                     half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
+    update_with_halves(optimizer, model, grad, micro_batch)
 
   for batch in batches:
     for i in range(NUM_MICRO):

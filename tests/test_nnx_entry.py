@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import optax_adama
+from conftest import update_with_halves
 from optax_adama import nnx as adama_nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -104,13 +105,7 @@ def test_matches_nnx_optimizer_per_micro_batch(nu_estimator):
     if nu_estimator != "split":
       opt.update(model, nnx.grad(loss_fn)(model, micro_batch))
       return
-    # "split": the gradients of the micro-batch's two halves, as the fused
-    # step takes them, and their half difference as update's extra argument.
-    half = len(micro_batch["x"]) // 2
-    g_a, g_b = (nnx.grad(loss_fn)(model, jax.tree.map(lambda x: x[rows], micro_batch))
-                for rows in (slice(None, half), slice(half, None)))
-    opt.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
-               half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
+    update_with_halves(opt, model, nnx.grad(loss_fn), micro_batch)
 
   for batch in batches:
     for i in range(N):
