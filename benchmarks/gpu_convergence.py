@@ -1,19 +1,25 @@
 """At scale, on a GPU: GPT-2 small trained with AdamA against Adam + accumulation.
 
-    # on the GPU machine (two runs at a time share it; their speeds are not compared):
-    A="--model gpt --preset gpt2_small --dtype bfloat16 --num-micro-batches 4 \
-       --batch-size 32 --seq-len 256 --steps 2000 --learning-rate 6e-4 \
-       --warmup-steps 100 --max-bytes 100000000 --eval-batches 32"
-    python -m models.train $A --optimizer adam  --metrics-out gpu_gpt2_small_adam.json
-    python -m models.train $A --optimizer adama --metrics-out gpu_gpt2_small_adama.json
-    python -m models.train $A --optimizer adama --nu-estimator mean \
-        --metrics-out gpu_gpt2_small_adama_mean.json   # and momentum
+    # on the GPU machine, one run at a time (two processes each preallocate
+    # 75% of the card and the second runs out of memory while autotuning):
+    A="--model gpt --preset gpt2_small --dtype bfloat16 --batch-size 32 \
+       --seq-len 256 --steps 2000 --learning-rate 6e-4 --warmup-steps 100 \
+       --max-bytes 100000000 --eval-batches 32 --no-progress"
+    python -m models.train $A --num-micro-batches 4 --optimizer adam \
+        --metrics-out gpu_gpt2_small_adam.json
+    python -m models.train $A --num-micro-batches 4 --optimizer adama \
+        --nu-estimator mean --metrics-out gpu_gpt2_small_adama_mean.json
+    #   ... and momentum, auto; at N = 8 the same with --num-micro-batches 8 and
+    #   the files gpu_gpt2_small_n8_{adam,adama,adama_mean}.json
     # here: the table and the curves from the raw runs
     PYTHONPATH=. python benchmarks/gpu_convergence.py
 
 GPT-2 small (124M) on the offline corpus (Python's standard library, bytes),
-bf16 compute with float32 params and moments, N = 4 micro-batches of 8
-sequences x 256 tokens, 2,000 steps, warm-up + cosine from 6e-4, seed 0.
+bf16 compute with float32 params and moments, 32 sequences x 256 tokens per
+step (8,192 tokens) in N = 4 or 8 micro-batches, 2,000 steps, warm-up +
+cosine from 6e-4, seed 0. Adam + accumulation is the same mini-batch step at
+either N (up to the order of the micro-batch sums), so its two runs measure
+how far one run of the same math moves by rounding alone.
 """
 
 import argparse
@@ -23,51 +29,77 @@ from pathlib import Path
 
 from models import harness
 
-RUNS = ("adam", "adama", "adama_mean", "adama_momentum")
+# (N, file stem, the plot's file name): Adam + accumulation first in each cell.
+CELLS = (
+    (4, ("adam", "adama", "adama_mean", "adama_momentum"), "gpu_convergence.png"),
+    (8, ("n8_adam", "n8_adama", "n8_adama_mean"), "gpu_convergence_n8.png"),
+)
+
+
 def label(run) -> str:
   config = run["config"]
   if config["optimizer"] != "adama":
     return "Adam + accumulation"
   if config["nu_estimator"] == "auto":
-    return "AdamA 'auto' ('split' + floor; the default then)"
+    return "AdamA 'auto' ('split' + floor; the default before 'momentum')"
   return f"AdamA nu_estimator={config['nu_estimator']!r}"
 
 
-def markdown(runs, plot_path: Path) -> str:
-  adam = runs[0]
+def device(run) -> str:
+  return run["machine"]["device"]
+
+
+def markdown(cells) -> str:
+  """The table (one row per run, gaps against the cell's Adam) and the plots."""
+  first = cells[0][1][0]
   lines = [
       "# At scale on a GPU: GPT-2 small, AdamA against Adam + accumulation",
       "",
-      f"`{adam['preset']}` ({adam['param_count']:,} parameters) on the offline corpus, "
-      "bf16 compute with float32 params and moments, N = 4 micro-batches of 8 sequences "
-      "x 256 tokens (8,192 tokens per step), 2,000 steps, warm-up (100) + cosine from "
-      f"6e-4, seed 0, one run each, on {adam['machine']['device']}. Two runs shared the "
-      "GPU at a time, so the step times are not comparable. Made by the commands in "
-      "`benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_gpt2_small_*.json`).",
+      f"`{first['preset']}` ({first['param_count']:,} parameters) on the offline corpus, "
+      "bf16 compute with float32 params and moments, 32 sequences x 256 tokens per step "
+      "(8,192 tokens) in N micro-batches, 2,000 steps, warm-up (100) + cosine from 6e-4, "
+      "seed 0, one run each, at Adam's learning rate for every arm. Made by the commands "
+      "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_gpt2_small_*.json`). Step "
+      "times are not compared here (runs shared the card or ran on different ones); "
+      "`make bench-gpu` times the steps.",
       "",
-      "| run | held-out loss | vs Adam | final training loss (last 5%) | compiled step |",
-      "|---|---|---|---|---|",
+      "| N | tokens / micro-batch | run | device | held-out loss | vs Adam | final training "
+      "loss (last 5%) | compiled step |",
+      "|---|---|---|---|---|---|---|---|",
   ]
-  for run in runs:
-    gap = 100 * (run["eval_loss"] / adam["eval_loss"] - 1)
-    memory = run["memory"]["total_bytes"] / run["memory"]["param_bytes"]
-    lines.append(f"| {label(run)} | {run['eval_loss']:.4f} | {gap:+.2f}% "
-                 f"| {run['final_train_loss']:.4f} | {memory:.2f} P |")
-  lines += ["", f"![training curves]({plot_path.name})", ""]
-  return "\n".join(lines)
+  for n, runs, _ in cells:
+    adam = runs[0]
+    tokens = adam["config"]["batch_size"] * adam["config"]["seq_len"] // n
+    for run in runs:
+      gap = 100 * (run["eval_loss"] / adam["eval_loss"] - 1)
+      memory = run["memory"]["total_bytes"] / run["memory"]["param_bytes"]
+      lines.append(f"| {n} | {tokens:,} | {label(run)} | {device(run)} "
+                   f"| {run['eval_loss']:.4f} | {gap:+.2f}% "
+                   f"| {run['final_train_loss']:.4f} | {memory:.2f} P |")
+  adams = [runs[0] for _, runs, _ in cells]
+  floor = 100 * (adams[1]["eval_loss"] / adams[0]["eval_loss"] - 1)
+  lines += ["", f"Adam + accumulation at N = {cells[1][0]} against N = {cells[0][0]} (the same "
+            f"math summed in another order, on {device(adams[1])} against "
+            f"{device(adams[0])}): {floor:+.2f}%.", ""]
+  lines += [f"![training curves, N = {n}]({plot})" for n, _, plot in cells]
+  return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--raw", type=Path, default=Path("benchmarks/raw"))
-  parser.add_argument("--plot", type=Path, default=Path("benchmarks/gpu_convergence.png"))
-  parser.add_argument("--markdown", type=Path, default=Path("benchmarks/gpu_convergence.md"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"),
+                      help="where gpu_convergence.md and its plots are written")
   args = parser.parse_args(argv)
-  runs = [json.loads((args.raw / f"gpu_gpt2_small_{name}.json").read_text()) for name in RUNS]
-  harness.plot_loss_curves(runs, label, args.plot, log=True,
-                           title="GPT-2 small, bf16 compute, N = 4 x 2,048 tokens")
-  args.markdown.write_text(markdown(runs, args.plot))
-  print(args.markdown.read_text())
+  cells = [(n, [json.loads((args.raw / f"gpu_gpt2_small_{stem}.json").read_text())
+                for stem in stems], plot) for n, stems, plot in CELLS]
+  for n, runs, plot in cells:
+    tokens = runs[0]["config"]["batch_size"] * runs[0]["config"]["seq_len"] // n
+    harness.plot_loss_curves(runs, label, args.out_dir / plot, log=True,
+                             title=f"GPT-2 small, bf16 compute, N = {n} x {tokens:,} tokens")
+  markdown_path = args.out_dir / "gpu_convergence.md"
+  markdown_path.write_text(markdown(cells))
+  print(markdown_path.read_text())
 
 
 if __name__ == "__main__":
