@@ -12,7 +12,7 @@ both halves:
 
 1. Training: the tiny GPT on the offline corpus, N = 4 micro-batches of 32
    sequences x 64 tokens (2,048 tokens each), 300 mini-batch steps, AdamA
-   (with its default second-moment estimator, `"momentum"`: docs/estimators.md)
+   (with its default second-moment estimator, `"mean"`: docs/estimators.md)
    against Adam with a float32
    gradient accumulator, at the same learning rate; held-out loss of both
    and their gap. Both run the scanned model with the LM-head loss in 8
@@ -54,7 +54,7 @@ class DemoConfig:
   micro_batch_size: int = 32  # sequences of 64 tokens: 2,048 tokens.
   learning_rate: float = 2e-3
   seed: int = 0
-  # The library's default estimator ("momentum").
+  # The library's default estimator ("mean").
   nu_estimator: str = harness.DEFAULT_NU_ESTIMATOR
   memory_preset: str = "gpt2_small"
   memory_seq_len: int = 1024

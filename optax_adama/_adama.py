@@ -80,7 +80,7 @@ class ScaleByAdamAState(NamedTuple):
   mini_batch_accepted: chex.Array  # int32 []: micro-batches of the current (or just completed) mini-batch with an all-finite gradient.
   num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
   num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
-  nu_estimator: str = "momentum"  # static: the estimator of v ("auto" or one of NU_ESTIMATORS).
+  nu_estimator: str = "mean"  # static: the estimator of v ("auto" or one of NU_ESTIMATORS).
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -427,11 +427,14 @@ def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
 # micro-batch's half difference and "mean" where it cannot.
 NU_ESTIMATORS = ("mean", "sum", "momentum", "split")
 NU_ESTIMATOR_NAMES = ("auto",) + NU_ESTIMATORS
-# The default: Adam's v in expectation on every path and shape, at no memory
-# beyond m and v; GPT-2 small on a GPU, 2,000 steps: +0.29% held-out against
-# Adam + accumulation, where "auto" ("split" + floor) was +12.89%
-# (benchmarks/gpu_convergence.md).
-DEFAULT_NU_ESTIMATOR = "momentum"
+# The default: runs on every path and shape at no memory beyond m and v, and
+# its v is never below Adam's in expectation (E = mu**2 + sigma**2), so no
+# coordinate steps further than Adam's would. At Adam's learning rate it is
+# the estimator nearest Adam almost everywhere it was measured: GPT-2 small on
+# a GPU, 2,000 steps, -0.61% (N = 4) and +0.40% (N = 8) held-out against
+# Adam + accumulation, where "momentum" was +0.29% and +4.44%
+# (benchmarks/gpu_convergence.md; docs/estimators.md has the tiny models).
+DEFAULT_NU_ESTIMATOR = "mean"
 
 
 def _nu_weight(b2, num_micro_batches: int, nu_estimator: str):
@@ -727,19 +730,21 @@ def scale_by_adama(
       P on GPT-2 small) in ``state.nu_floor``; it needs ``update(g_i, state, half_difference=d_i)`` with
       ``g_i = (g_a + g_b)/2``, which :func:`microbatch_step` and
       :func:`release_step` pass (one vmapped backward over the halves).
-      ``"mean"`` folds :math:`g_i^2 / N` (:math:`E = \mu^2 + \sigma^2`:
-      steps never larger than Adam's); ``"sum"`` folds :math:`g_i^2 / N^2`
+      ``"mean"`` (the default) folds :math:`g_i^2 / N` (:math:`E = \mu^2 +
+      \sigma^2`: steps never larger than Adam's), on every path (fused,
+      release, one ``update`` per micro-batch) and every micro-batch shape,
+      at no memory beyond m and v; ``"sum"`` folds :math:`g_i^2 / N^2`
       (:math:`E = (\mu^2 + \sigma^2)/N`, a PyTorch loop dividing each
-      micro-batch loss by N); ``"momentum"`` (the default) is ``"sum"`` plus
+      micro-batch loss by N); ``"momentum"`` is ``"sum"`` plus
       :math:`(1-1/N)\hat m^2` once per mini-batch (:math:`E \approx \mu^2 +
-      \sigma^2/N`, Adam's, where the mean gradient is steady), on every
-      path (fused, release, one ``update`` per micro-batch) and every
-      micro-batch shape, at no memory beyond m and v. ``"auto"`` is
+      \sigma^2/N`, Adam's, where the mean gradient is steady over m's ~10
+      steps; where it is not, v falls short and steps run long). ``"auto"`` is
       ``"split"`` wherever a half difference comes with the gradient (the
       fused steps, micro-batches of an even number of rows) and ``"mean"``
       wherever none does; docs/estimators.md has the measurements behind
-      the choice (on GPT-2 small at 2,000 steps ``"momentum"`` ended +0.29%
-      from Adam + accumulation, ``"auto"`` +12.89%).
+      the choice (GPT-2 small, 2,000 steps at Adam's rate, against Adam +
+      accumulation: ``"mean"`` -0.61% at N = 4 and +0.40% at N = 8,
+      ``"momentum"`` +0.29% and +4.44%, ``"auto"`` +12.89% at N = 4).
     split_floor: ``"split"`` (and so ``"auto"`` where it reads ``"split"``)
       keeps its floor in the state and reads v_hat as at least it (the
       default: no coordinate's step then runs away from Adam's). ``False``
@@ -962,7 +967,7 @@ class MiniBatchChainState(NamedTuple):
     >>> isinstance(state, optax_adama.MiniBatchChainState)
     True
     >>> int(state.adama.micro_step), state.adama.nu_estimator
-    (0, 'momentum')
+    (0, 'mean')
   """
 
   adama: ScaleByAdamAState  # state of the scale_by_adama head.
@@ -1102,7 +1107,7 @@ def adama(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"momentum"`` (the default), ``"mean"``, ``"sum"``,
+    nu_estimator: ``"mean"`` (the default), ``"momentum"``, ``"sum"``,
       ``"split"`` or ``"auto"``; see :func:`scale_by_adama`.
     split_floor: whether ``"split"`` keeps and reads its floor; see
       :func:`scale_by_adama`.
@@ -1129,10 +1134,9 @@ def adama(
     ...   u, state = tx.update(jax.grad(loss)(params, x), state)
     ...   params = optax.apply_updates(params, u)
     >>> # Adam on the mean gradient (-3) would step 0.1; AdamA's v (the default,
-    >>> # "momentum") is (4 + 16) / 2**2 + (1 - 1/2) * 3**2 = 9.5, not 9, so its
-    >>> # step is 0.1 * 3 / sqrt(9.5).
+    >>> # "mean") is (4 + 16) / 2 = 10, not 9, so its step is 0.1 * 3 / sqrt(10).
     >>> print(round(float(params["w"]), 4))
-    0.0973
+    0.0949
 
   References:
     Zhang et al., `Adam Accumulation to Reduce Memory Footprints of both
@@ -1191,7 +1195,7 @@ def adamaw(
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
-    nu_estimator: ``"momentum"`` (the default), ``"mean"``, ``"sum"``,
+    nu_estimator: ``"mean"`` (the default), ``"momentum"``, ``"sum"``,
       ``"split"`` or ``"auto"``; see :func:`scale_by_adama`.
     split_floor: whether ``"split"`` keeps and reads its floor; see
       :func:`scale_by_adama`.

@@ -42,9 +42,15 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 # The step ratio's upper tail: a requirement on "no coordinate runs away from
 # Adam" is stated at the 99th and 99.9th percentile of coordinates.
 STEP_QUANTILES = (0.5, 0.99, 0.999)
-# Below this median rho the default's steps run over 1.05x Adam's: the summary
-# says what to do (docs/estimators.md: "mean", or the rate scaled by sqrt(rho)).
+# Outside these median rhos the default's steps differ from Adam's by over
+# 5%: the summary says so and what it means (docs/estimators.md). Below the
+# floor they run longer than Adam's (the rate scaled by sqrt(rho) matches
+# them); above the ceiling shorter, which "mean" (the default) can only be.
 DEFAULT_RHO_FLOOR = 0.9
+DEFAULT_RHO_CEILING = 1.1
+# The estimators that need each micro-batch's halves, which only the fused
+# steps (microbatch_step, release_step) take.
+FUSED_ONLY = ("split",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +139,9 @@ class SecondMomentDiagnosis:
             f"(99th percentile), {p999:.2f}x (99.9th) of coordinates")
     best = self.suggested_estimator()
     factor = np.sqrt(self.median(best))
-    lines.append(f"Suggested: nu_estimator={best!r}.")
+    where = (" (in microbatch_step or release_step, which take each micro-batch's "
+             "halves)") if best in FUSED_ONLY else ""
+    lines.append(f"Suggested: nu_estimator={best!r}{where}.")
     if abs(np.log(factor)) > np.log(1.05):
       rate = "" if learning_rate is None else f" ({learning_rate * factor:.3g})"
       lines.append(
@@ -141,14 +149,27 @@ class SecondMomentDiagnosis:
           f"{factor:.2f}{rate} to match them, or expect training like Adam's at a "
           "learning rate that much smaller. rho drifts during training; measure "
           "again later in the run.")
+    default_line = self._default_line()
+    return "\n".join(lines + ([default_line] if default_line else []))
+
+  def _default_line(self) -> str | None:
+    """What the default's rho means, where its steps differ from Adam's by over 5%."""
     default = DEFAULT_NU_ESTIMATOR
-    if default in self.rho and self.median(default) < DEFAULT_RHO_FLOOR:
-      rho = self.median(default)
-      lines.append(
-          f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps run "
-          f"{1 / np.sqrt(rho):.2f}x Adam's: pass nu_estimator='mean' (steps never "
-          f"larger than Adam's) or scale the learning rate by {np.sqrt(rho):.2f}.")
-    return "\n".join(lines)
+    if default not in self.rho:
+      return None
+    rho = self.median(default)
+    if rho < DEFAULT_RHO_FLOOR:
+      return (f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps run "
+              f"{1 / np.sqrt(rho):.2f}x Adam's: scale the learning rate by "
+              f"{np.sqrt(rho):.2f}.")
+    if rho > DEFAULT_RHO_CEILING:
+      return (f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps are "
+              f"{1 / np.sqrt(rho):.2f}x Adam's at the median coordinate and no "
+              "coordinate's runs longer than Adam's would: at Adam's rate it trains as "
+              "Adam at a smaller rate. Where that trails Adam: the rate times "
+              f"{np.sqrt(rho):.2f} gives Adam's median step, and nu_estimator='split' "
+              "in microbatch_step or release_step tracks Adam's v (docs/estimators.md).")
+    return None
 
 
 def diagnose_second_moment(

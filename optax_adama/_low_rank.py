@@ -100,8 +100,8 @@ def low_rank(
   :func:`microbatch_step` passes) and hands ``inner`` :math:`P^\top d`,
   projected with the projector of :math:`g_i`, never refreshed from ``d``;
   unprojected leaves get ``d`` whole. Without it ``inner`` gets none
-  (``nu_estimator="auto"`` then folds ``"mean"``; the default ``"momentum"``
-  needs none).
+  (``nu_estimator="auto"`` then folds ``"mean"``, the default, which needs
+  none).
 
   ``inner`` sees no params (they have the full shape, the moments the
   projected one): use :func:`adama` or :func:`scale_by_adama`, not

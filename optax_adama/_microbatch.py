@@ -85,7 +85,7 @@ def microbatch_step(
     That path takes each call to start a mini-batch, as the previous call
     leaves it; do not interleave your own ``tx.update`` calls on the same
     state mid-mini-batch. With AdamA's ``nu_estimator="auto"`` or
-    ``"split"`` (not the default, ``"momentum"``) each micro-batch's gradient is taken as its two halves' (its
+    ``"split"`` (not the default, ``"mean"``) each micro-batch's gradient is taken as its two halves' (its
     first and second half of rows) in one vmapped backward, and their half
     difference goes to ``update`` as well; on a mesh each half's rows are
     split over the devices. ``"auto"`` does so where the rows halve (on a
@@ -171,9 +171,9 @@ def microbatch_step(
     >>> batch = {"x": jnp.arange(4.0), "y": 2.0 * jnp.arange(4.0)}
     >>> params, state, metrics = step(params, state, batch)
     >>> # Micro-batch gradients -8 and -20: Adam's first step would be the rate,
-    >>> # 0.1; AdamA's v is (8**2 + 20**2) / 2**2 + (1 - 1/2) * 14**2 = 214.
-    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))  # 0.1 * 14 / sqrt(214)
-    14.0 0.0957
+    >>> # 0.1; AdamA's v (the default, "mean") is (8**2 + 20**2) / 2 = 232, not 14**2.
+    >>> print(float(metrics["loss"]), round(float(params["w"]), 4))  # 0.1 * 14 / sqrt(232)
+    14.0 0.0919
 
   References:
     Zhang et al., `Adam Accumulation ... <https://arxiv.org/abs/2305.19982>`_.

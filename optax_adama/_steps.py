@@ -75,7 +75,7 @@ def check_halvable(micro_batches, num_devices: int = 1) -> None:
     raise ValueError(
         "nu_estimator='split' takes the gradients of each micro-batch's two halves: "
         f"the micro-batch size must be {rule}, got {size}. Leave nu_estimator "
-        "at its default ('momentum'), which needs no halves, or use 'auto', which "
+        "at its default ('mean'), which needs no halves, or use 'auto', which "
         "folds such micro-batches as 'mean'.")
 
 

@@ -73,8 +73,8 @@ def test_one_micro_batch_matches_optax(make, nu_estimator):
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
-# Identical micro-batches are Adam exactly under "mean" (and "split", whose
-# halves then agree); the default "momentum" reads the squared mean gradient
+# Identical micro-batches are Adam exactly under "mean" (the default; and
+# "split", whose halves then agree); "momentum" reads the squared mean gradient
 # from m_hat**2, exact at N = 1 only (test_one_micro_batch_matches_optax).
 def test_identical_micro_batches_match_optax_adam():
   params = _params()

@@ -1,9 +1,9 @@
-"""What a user gets without naming an estimator: "momentum", on every path and shape.
+"""What a user gets without naming an estimator: "mean", on every path and shape.
 
-"momentum" ("sum" plus (1 - 1/N) m_hat**2 once per mini-batch: Adam's v in
-expectation) needs nothing from the step but the gradient, so the fused,
-release and per-update paths all compute it, for micro-batches of any size,
-at no memory beyond m and v. "auto" stays selectable: "split" wherever the
+"mean" (each g_i**2 / N: v never below Adam's in expectation, so no step
+longer than Adam's) needs nothing from the step but the gradient, so the
+fused, release and per-update paths all compute it, for micro-batches of any
+size, at no memory beyond m and v. "auto" stays selectable: "split" wherever the
 step hands over each micro-batch's half difference, "mean" wherever it
 cannot. These tests pin each case to the estimator it must equal, bitwise
 where the same program runs, and check that the state keeps its name.
@@ -39,26 +39,26 @@ def _adamaw(nu_estimator=None, **options):
   return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4, **kwargs, **options)
 
 
-def test_the_default_estimator_is_momentum_everywhere():
+def test_the_default_estimator_is_mean_everywhere():
   params = {"w": jnp.ones(3)}
   for make in (optax_adama.adama, optax_adama.adamaw):
     state = _adama.adama_of(make(1e-3, num_micro_batches=4).init(params))
-    assert state.nu_estimator == "momentum"
+    assert state.nu_estimator == "mean"
     assert state.nu_floor == ()  # no state beyond m and v
-  assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "momentum"
+  assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "mean"
 
 
 @pytest.mark.parametrize("batch_size", [16, 4, 12])  # 4, 1 and 3 rows per micro-batch
-def test_fused_default_is_momentum_for_every_micro_batch_size(batch_size):
+def test_fused_default_is_mean_for_every_micro_batch_size(batch_size):
   params, state = _run_fused(_adamaw(), batch_size)
-  ref_params, ref_state = _run_fused(_adamaw("momentum"), batch_size)
+  ref_params, ref_state = _run_fused(_adamaw("mean"), batch_size)
   chex.assert_trees_all_equal(params, ref_params)  # the same program: bitwise
   chex.assert_trees_all_equal(_adama.adama_of(state).nu, _adama.adama_of(ref_state).nu)
-  assert _adama.adama_of(state).nu_estimator == "momentum"
+  assert _adama.adama_of(state).nu_estimator == "mean"
 
 
-def test_fused_default_compiles_to_mean_memory():
-  """No halves, no floor: the default's step holds what "mean"'s holds."""
+def test_fused_estimators_without_halves_compile_to_the_default_s_memory():
+  """No halves, no floor: "momentum"'s step holds what the default's ("mean") holds."""
   mlp = MLP(num_layers=3, width=256)  # P = 0.79 MB: fixed temporaries are noise
   batch = mlp.batch(0, 16)
   params = mlp.params()
@@ -108,10 +108,10 @@ def test_explicit_split_refuses_one_example_micro_batches_and_names_the_default(
     _run_fused(_adamaw("split"), 4, steps=1)
 
 
-@pytest.mark.parametrize("name, same_as", [(None, "momentum"), ("auto", "mean")])
+@pytest.mark.parametrize("name, same_as", [(None, "mean"), ("auto", "mean")])
 def test_per_update_path_bitwise(name, same_as):
   """One ``tx.update`` per micro-batch (nnx.Optimizer, optax.chain): the default
-  is "momentum" there too; "auto", given no halves, is "mean"."""
+  is "mean" there too; "auto", given no halves, is "mean" as well."""
   params = MODEL.params()
   default, mean = _adamaw(name), _adamaw(same_as)
   s_default, s_mean = default.init(params), mean.init(params)
@@ -122,7 +122,7 @@ def test_per_update_path_bitwise(name, same_as):
     u_mean, s_mean = mean.update(grads, s_mean, p_mean)
     chex.assert_trees_all_equal(u_default, u_mean)
     p_default = p_mean = optax.apply_updates(p_default, u_default)
-  assert _adama.adama_of(s_default).nu_estimator == (name or "momentum")
+  assert _adama.adama_of(s_default).nu_estimator == (name or "mean")
 
 
 def test_per_update_auto_takes_a_half_difference_when_given():
@@ -139,7 +139,7 @@ def test_per_update_auto_takes_a_half_difference_when_given():
   chex.assert_trees_all_equal(s_default.nu, s_split.nu)
 
 
-@pytest.mark.parametrize("name, same_as", [(None, "momentum"), ("auto", "split")])
+@pytest.mark.parametrize("name, same_as", [(None, "mean"), ("auto", "split")])
 def test_release_bitwise(name, same_as):
   staged = test_release.staged_loss()
   params = test_release.make_params()
@@ -153,7 +153,7 @@ def test_release_bitwise(name, same_as):
       p, s, _ = step(p, s, test_release.make_batch(seed, size=8))
     runs[key] = (p, s)
   chex.assert_trees_all_equal(runs[name][0], runs[same_as][0])
-  assert _adama.adama_of(runs[name][1]).nu_estimator == (name or "momentum")
+  assert _adama.adama_of(runs[name][1]).nu_estimator == (name or "mean")
 
 
 def test_eight_bit_moments_take_split_and_keep_a_negative_v():
@@ -191,7 +191,7 @@ def test_eight_bit_default_trains_like_float32_default():
     for i in range(200):
       params, state, metrics = step(params, state, mlp.batch(i % 20, 8))
     losses[name] = float(metrics["loss"])
-  assert _adama.adama_of(state).nu_estimator == "momentum"
+  assert _adama.adama_of(state).nu_estimator == "mean"
   # 8-bit moments round m and sqrt(v) to 3 mantissa bits per block; over 200
   # steps on this MLP the loss lands within 10% of the float32 run's.
   assert abs(losses["8bit"] - losses["f32"]) <= 0.1 * losses["f32"], losses

@@ -21,8 +21,8 @@ def test_demo_reports_the_gap_and_the_saving_from_its_own_runs(tmp_path, capsys)
                       "--json", str(out), "--no-progress"])
   training, memory = result["training"], result["memory"]
   assert training["tokens_per_micro_batch"] == 4 * 64
-  assert training["nu_estimator"] == "momentum"  # the library's default
-  assert training["nu_estimator_reads_as"] == "momentum"  # on every path
+  assert training["nu_estimator"] == "mean"  # the library's default
+  assert training["nu_estimator_reads_as"] == "mean"  # on every path
   losses = training["eval_loss"]
   assert training["eval_gap"] == pytest.approx(losses["adama"] / losses["adam"] - 1)
   # The accumulator is one P of float32 gradients; AdamA's release step holds

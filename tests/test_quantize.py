@@ -284,7 +284,7 @@ def test_tiny_gpt_smoke_eight_bit_trains_like_float32():
 @pytest.mark.slow
 def test_tiny_gpt_eight_bit_final_loss_within_one_percent():
   # The issue's contract, on `make demo`'s run (gpt_tiny, 300 steps, N = 4),
-  # measured on "mean": 8-bit rounding alone. (Under the default "momentum"
+  # measured on "mean": 8-bit rounding alone. (Under "momentum", the default then,
   # the two runs part ways on GPT's plateau: 2.4349 against 2.5109, the
   # 8-bit run 3.0% lower.)
   kwargs = dict(preset="gpt_tiny", steps=300, batch_size=32, seq_len=64, eval_batches=16,

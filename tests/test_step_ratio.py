@@ -181,6 +181,7 @@ def test_rho_rows_are_written_once_per_cell_and_judged_against_the_targets(tmp_p
   assert not study.meets_tail_targets(by_n[2], "mean")["median_rho"]
   text = table.read_text()
   assert "    first" in text and "    second" in text
-  # The default's columns come first; these fake rows have none ("momentum").
-  assert "| gpt_tiny | 2 | 4 | 256 | 6 |  |  |  | 1.00 | 1.00 / 1.20 / 1.20 | yes |" in text
-  assert "| 1.00 | 1.00 / 3.00 / 3.00 | **no** (p99, p999) |" in text
+  # The default's ("mean") columns come first; these fake rows have no "momentum".
+  assert ("| gpt_tiny | 2 | 4 | 256 | 6 | 2.00 | 1.00 / 0.90 / 0.95 | **no** (median_rho) "
+          "| 1.00 | 1.00 / 1.20 / 1.20 | yes |  |  |  |") in text
+  assert "| 1.00 | 1.00 / 3.00 / 3.00 | **no** (p99, p999) |  |  |  |" in text

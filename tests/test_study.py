@@ -150,7 +150,7 @@ def test_curves_draw_each_arm_at_its_best_rate_and_refuse_a_malformed_cell(tmp_p
                                                                           monkeypatch):
   records = [_record("adam", lr, 2.0 + (lr > 1e-3), seed=s) for lr in (1e-3, 2e-3)
              for s in range(2)]
-  records += [_record("momentum", 2e-3, 2.1, seed=s) for s in range(2)]
+  records += [_record("mean", 2e-3, 2.1, seed=s) for s in range(2)]  # the default
   for r in records:
     r["train_loss"] = [5.0 - 0.01 * i for i in range(60)]
   drawn = []

@@ -48,11 +48,11 @@ def test_compare_runs_adama_and_accumulation_on_the_same_data(tmp_path, capsys):
       "--preset", "gpt_test", "--compare", "--num-micro-batches", "4",
       "--batch-size", "8", "--seq-len", "16", "--steps", "3",
       "--eval-batches", "2", "--max-bytes", "200000", "--metrics-out", str(out),
-      "--nu-estimator", "mean", "--accumulation-dtype", "bfloat16", "--no-progress",
+      "--nu-estimator", "momentum", "--accumulation-dtype", "bfloat16", "--no-progress",
   ])
   assert [r["config"]["optimizer"] for r in runs] == ["adama", "adam"]
   # Each side takes the options that are its own and keeps the other's defaults.
-  assert [r["config"]["nu_estimator"] for r in runs] == ["mean", "momentum"]
+  assert [r["config"]["nu_estimator"] for r in runs] == ["momentum", "mean"]
   assert [r["config"]["accumulation_dtype"] for r in runs] == [None, "bfloat16"]
   # Same init and data: the first step's loss is computed before any update.
   assert runs[0]["train_loss"][0] == pytest.approx(runs[1]["train_loss"][0], rel=1e-6)
@@ -62,8 +62,8 @@ def test_compare_runs_adama_and_accumulation_on_the_same_data(tmp_path, capsys):
 
 
 def test_an_adama_only_option_without_compare_is_still_an_error():
-  with pytest.raises(ValueError, match="nu_estimator='mean' needs optimizer='adama'"):
-    train.main(["--optimizer", "adam", "--nu-estimator", "mean", "--steps", "1"])
+  with pytest.raises(ValueError, match="nu_estimator='momentum' needs optimizer='adama'"):
+    train.main(["--optimizer", "adam", "--nu-estimator", "momentum", "--steps", "1"])
 
 
 def test_vit_mini_batch_larger_than_the_held_out_split_is_scored_on_all_of_it():
