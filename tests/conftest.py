@@ -8,8 +8,11 @@ correction computes ``float ** int32``).
 """
 
 import dataclasses
+import importlib.util
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
 # The tests check math and bytes, not speed: XLA compiles them without LLVM's
@@ -86,6 +89,22 @@ def update_with_halves(optimizer, model, grad_fn, micro_batch):
               for rows in (slice(None, half), slice(half, None)))
   optimizer.update(model, jax.tree.map(lambda a, b: (a + b) / 2, g_a, g_b),
                    half_difference=jax.tree.map(lambda a, b: (a - b) / 2, g_a, g_b))
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str):
+  """A script of the repository outside the packages (``benchmarks/x.py``,
+  ``notebooks/build.py``) imported as the module ``<folder>_<file>``, and
+  registered in ``sys.modules`` (dataclasses look their module up there)."""
+  path = REPO / relative_path
+  name = f"{path.parent.name}_{path.stem}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def xla_flags(num_devices=None) -> str:

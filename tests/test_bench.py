@@ -7,7 +7,7 @@ import pytest
 
 from models import bench, harness
 import optax_adama
-from conftest import xla_flags
+from conftest import load_script, xla_flags
 
 
 @pytest.fixture(autouse=True)
@@ -265,13 +265,7 @@ def test_estimator_memory_script_release_takes_split_at_means_memory(estimators)
   """benchmarks/estimator_memory.py on a 4-layer scanned gpt_test: in the fused
   step "split" holds the stack's gradient twice (one leaf, per half); the
   release step folds each layer's halves and drops them, at "mean"'s memory."""
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
-                      "estimator_memory.py")
-  spec = importlib.util.spec_from_file_location("estimator_memory", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = load_script("benchmarks/estimator_memory.py")
   totals = module.estimator_totals(
       "gpt_test", batch_size=4, num_micro_batches=2, scan_layers=True,
       estimators=estimators, num_layers=4)
@@ -287,14 +281,9 @@ def test_estimator_memory_script_release_takes_split_at_means_memory(estimators)
 def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
   """benchmarks/cpu_stand_in.py on a `models.train --compare` payload: the gap,
   the curves (smoothed as a running mean) and the table."""
-  import importlib.util
   import numpy as np
-  from pathlib import Path
 
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_stand_in.py"
-  spec = importlib.util.spec_from_file_location("cpu_stand_in", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = load_script("benchmarks/cpu_stand_in.py")
   np.testing.assert_allclose(harness.running_mean([4.0, 2.0, 0.0], window=2), [4.0, 3.0, 1.0])
 
   def run(optimizer, eval_loss):

@@ -1,22 +1,12 @@
 """benchmarks/gpu_convergence.py renders its table and plots from the committed runs."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_convergence.py"
-
-
-def _load():
-  spec = importlib.util.spec_from_file_location("gpu_convergence", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import REPO as ROOT, load_script
 
 
 def test_the_table_gaps_are_each_cell_s_runs_against_its_own_adam(tmp_path):
-  script = _load()
+  script = load_script("benchmarks/gpu_convergence.py")
   script.main(["--raw", str(ROOT / "benchmarks" / "raw"), "--out-dir", str(tmp_path)])
   for _, _, plot in script.CELLS:
     assert (tmp_path / plot).stat().st_size > 0

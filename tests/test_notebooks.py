@@ -1,16 +1,11 @@
 """Executes every notebook on its smallest setting, so none of them rots."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
-build = importlib.util.module_from_spec(spec)
-sys.modules["notebook_build"] = build
-spec.loader.exec_module(build)
+from conftest import REPO, load_script
+
+NOTEBOOKS = REPO / "notebooks"
+build = load_script("notebooks/build.py")
 
 
 # One notebook runs in the default suite (the shortest, 33 s on 2 cores); the

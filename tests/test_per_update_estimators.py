@@ -1,22 +1,13 @@
 """Smoke run of benchmarks/per_update_estimators.py: one seed, 10 mini-batches."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "per_update_estimators.py"
-
-
-def _load():
-  spec = importlib.util.spec_from_file_location("per_update_estimators", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import load_script
 
 
 def test_every_arm_runs_through_nnx_optimizer(tmp_path):
-  bench = _load()
+  bench = load_script("benchmarks/per_update_estimators.py")
   out, table = tmp_path / "raw.json", tmp_path / "table.md"
   result = bench.main(["--seeds", "0", "--steps", "10", "--learning-rates", "1e-2", "2e-2",
                        "--heldout-size", "256", "--json", str(out), "--markdown", str(table)])
