@@ -19,8 +19,10 @@ All take the model as a ``StagedLoss`` under ``shard_states="fsdp"``, so each
 layer's params are gathered inside the layer scan. Each row gives the
 compiled per-device bytes (``memory_analysis()``), in P (the bytes of the
 whole float32 params) and against the method's per-device floor: params and
-its optimizer state split D ways, one layer's params gathered and its
-gradient, and one micro-batch's activations on one device
+its optimizer state split D ways, one layer's params gathered and the
+gradient of its largest leaf (each leaf's gradient is reduce-scattered as it
+is made, as ``memory_floor`` counts the largest gradient leaf on one device),
+and one micro-batch's activations on one device
 (``memory_floor``); and the bytes its collectives move per step
 (``optax_adama.memory.collective_bytes``) against FSDP's ideal, the params
 gathered twice and the gradient reduce-scattered once per micro-batch
@@ -81,7 +83,10 @@ def measure(preset, args):
   batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
   P = optax_adama.memory.tree_bytes(params)
   _, stacked = staged.split(params)
-  layer = optax_adama.memory.tree_bytes(stacked) // jax.tree.leaves(stacked)[0].shape[0]
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  layer = optax_adama.memory.tree_bytes(stacked) // num_layers
+  largest_leaf = max(optax_adama.memory.tree_bytes(x) // num_layers
+                     for x in jax.tree.leaves(stacked))
   # One device's micro-batch activations, as XLA schedules its forward and
   # backward on one device (optax_adama.memory.memory_floor).
   one_device = optax.adam(1e-4)
@@ -94,7 +99,7 @@ def measure(preset, args):
     tx = _optimizer(method, n)
     state = jax.eval_shape(tx.init, params)
     state_bytes = optax_adama.memory.tree_bytes(state)
-    floor = (P + state_bytes) / args.devices + 2 * layer + activations
+    floor = (P + state_bytes) / args.devices + layer + largest_leaf + activations
     if "release" in method:
       step = optax_adama.release_step(staged, tx, mesh=mesh, shard_states="fsdp")
       shardings = optax_adama.sharding.release_shardings(
@@ -135,7 +140,8 @@ def markdown(rows, command):
            f"{rows[0]['num_micro_batches']}, {rows[0]['tokens_per_device_per_micro_batch']:,} "
            "tokens per device per micro-batch, the default estimator, float32 params. P: "
            "the bytes of the whole params. Floor: params and the method's optimizer state "
-           "split over the devices, one layer's params gathered and its gradient, and one "
+           "split over the devices, one layer's params gathered and its largest leaf's "
+           "gradient (each leaf's is reduce-scattered as it is made), and one "
            "device's micro-batch activations (`optax_adama.memory.memory_floor`). "
            "Collectives: the bytes all-gathered, reduce-scattered and all-reduced per step "
            "(`optax_adama.memory.collective_bytes`, each weighted by the trip counts of "

@@ -9,8 +9,11 @@
         --metrics-out gpu_gpt2_small_adam.json
     python -m models.train $A --num-micro-batches 4 --optimizer adama \
         --nu-estimator mean --metrics-out gpu_gpt2_small_adama_mean.json
-    #   ... and momentum, auto; at N = 8 the same with --num-micro-batches 8 and
-    #   the files gpu_gpt2_small_n8_{adam,adama,adama_mean}.json
+    #   ... and --nu-estimator momentum (gpu_gpt2_small_adama_momentum.json) and
+    #   --nu-estimator auto (gpu_gpt2_small_adama.json, the default then); at N = 8
+    #   the same with --num-micro-batches 8: gpu_gpt2_small_n8_adam.json,
+    #   n8_adama_mean.json (--nu-estimator mean) and n8_adama.json (--nu-estimator
+    #   momentum, the default then)
     # here: the table and the curves from the raw runs
     PYTHONPATH=. python benchmarks/gpu_convergence.py
 

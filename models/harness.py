@@ -616,9 +616,9 @@ RELEASE_METHODS = ("adama_release", "adama_release_8bit", "adama_release_8bit_of
 # Scan accumulation (optax.adam, a float32 accumulator split like the params)
 # against the release with float32 and with layer-aligned 8-bit moments.
 FSDP_METHODS = ("fsdp_scan_accumulation", "fsdp_adama_release", "fsdp_adama_release_8bit")
-# AdamA with another second-moment estimator than the default, for the price of
-# the default against it (step time, memory) in the same row group.
-ESTIMATOR_METHODS = ("adama_mean",)
+# AdamA with another second-moment estimator than the default ("mean"), for its
+# price against the default (step time, memory) in the same row group.
+ESTIMATOR_METHODS = ("adama_momentum",)
 Step = Callable[..., Any]
 
 

@@ -138,8 +138,8 @@ AdamA's first moment is exactly Adam's; its v cannot see the mean gradient. The
 default, the paper's `nu_estimator="mean"`, folds the mean of the squared micro-batch
 gradients: larger than the square of their mean by their variance, so its steps are
 smaller than Adam's, never larger, like a lower learning rate, more so for larger N and
-smaller micro-batches (docs/estimators.md: within 0.4% of Adam + accumulation on GPT-2
-small over 2,000 steps at N = 4 and 8). `"momentum"` folds each micro-batch's
+smaller micro-batches (docs/estimators.md: -0.61% and +0.40% against Adam +
+accumulation on GPT-2 small over 2,000 steps at N = 4 and 8). `"momentum"` folds each micro-batch's
 g_i^2 / N^2 and adds (1 - 1/N) m_hat^2 once per mini-batch, at no memory beyond m and v:
 Adam's own second moment where the mean gradient holds steady over m's horizon; where
 it moves faster, v runs short and the steps long (`optax_adama.diagnose_second_moment`
@@ -161,8 +161,8 @@ plt.show()'''),
 One seed of a tiny model decides little: in the study's cell closest to this one (the
 tiny GPT, N = 4 x 512 tokens, 300 steps, 3 seeds; docs/estimators.md) `"mean"` trailed
 Adam by a median 3.7% at Adam's rate and `"momentum"` by 4.1% at its best rate, half of
-Adam's; at scale (GPT-2 small, 2,000 steps) the default was within 0.4% of Adam at
-N = 4 and 8, and `"momentum"` 4.4% behind at N = 8.
+Adam's; at scale (GPT-2 small, 2,000 steps) the default was -0.61% and +0.40% against
+Adam at N = 4 and 8, and `"momentum"` 4.4% behind at N = 8.
 
 Before a long run on your own model, measure how far each estimator's v is from
 Adam's: `diagnose_second_moment` follows Adam for a few mini-batches, keeping the mean

@@ -162,14 +162,20 @@ class SecondMomentDiagnosis:
       return (f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps run "
               f"{1 / np.sqrt(rho):.2f}x Adam's: scale the learning rate by "
               f"{np.sqrt(rho):.2f}.")
-    if rho > DEFAULT_RHO_CEILING:
-      return (f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps are "
-              f"{1 / np.sqrt(rho):.2f}x Adam's at the median coordinate and no "
-              "coordinate's runs longer than Adam's would: at Adam's rate it trains as "
-              "Adam at a smaller rate. Where that trails Adam: the rate times "
-              f"{np.sqrt(rho):.2f} gives Adam's median step, and nu_estimator='split' "
-              "in microbatch_step or release_step tracks Adam's v (docs/estimators.md).")
-    return None
+    if rho <= DEFAULT_RHO_CEILING:
+      return None
+    line = (f"The default ({default!r}) keeps v at {rho:.2f}x Adam's, so its steps are "
+            f"{1 / np.sqrt(rho):.2f}x Adam's at the median coordinate and no "
+            "coordinate's runs longer than Adam's would: at Adam's rate it trains as Adam "
+            "at a smaller rate. Where that trails Adam: the rate times "
+            f"{np.sqrt(rho):.2f} gives Adam's median step")
+    # Named only where it was measured here and tracks Adam's v.
+    tracking = [name for name in FUSED_ONLY if name in self.rho
+                and DEFAULT_RHO_FLOOR <= self.median(name) <= DEFAULT_RHO_CEILING]
+    for name in tracking[:1]:
+      line += (f", and nu_estimator={name!r} in microbatch_step or release_step keeps v at "
+               f"{self.median(name):.2f}x Adam's here")
+    return line + " (docs/estimators.md)."
 
 
 def diagnose_second_moment(

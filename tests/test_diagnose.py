@@ -58,9 +58,10 @@ def test_noise_dominated_gradients_make_mean_about_n_times_adam():
   assert 0.7 < diagnosis.median("sum") < 1.3
   # "split" estimates Adam's v from each micro-batch's halves: rho ~ 1 too.
   assert 0.7 < diagnosis.median("split") < 1.3
-  assert diagnosis.suggested_estimator() in ("sum", "momentum", "split")
+  best = diagnosis.suggested_estimator()
+  assert best in ("sum", "momentum", "split")
   text = diagnosis.summary(learning_rate=1e-3)
-  assert "Suggested: nu_estimator=" in text and "mean" in text
+  assert f"Suggested: nu_estimator={best!r}" in text
 
 
 def test_split_is_left_out_where_micro_batches_do_not_halve():
@@ -150,3 +151,16 @@ def test_summary_says_where_a_suggested_estimator_runs():
   assert fused.suggested_estimator() == "split"
   assert ("Suggested: nu_estimator='split' (in microbatch_step or release_step"
           in fused.summary())
+  # The default's line names "split" only where it was measured and tracks Adam.
+  assert "nu_estimator='split' in microbatch_step or release_step keeps v at 1.01x" in (
+      fused.summary())
+  unmeasured = optax_adama.diagnostics.SecondMomentDiagnosis(
+      NUM_MICRO, {"mean": rho(3.0), "sum": rho(1.0)}, np.ones(4))
+  assert "The default ('mean') keeps v at 3.00x" in unmeasured.summary()
+  assert "split" not in unmeasured.summary()
+  # A default whose v ran short (not "mean" in exact arithmetic; any estimator
+  # the default might be): its steps run long, and the rate scaled down matches.
+  short = optax_adama.diagnostics.SecondMomentDiagnosis(
+      NUM_MICRO, {"mean": rho(0.64)}, np.ones(4))
+  assert ("The default ('mean') keeps v at 0.64x Adam's, so its steps run 1.25x Adam's: "
+          "scale the learning rate by 0.80.") in short.summary()
