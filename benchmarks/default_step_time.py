@@ -13,7 +13,6 @@ Writes ``--json`` and ``--markdown``.
 """
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -31,7 +30,7 @@ from models import harness
 
 # None: the library's default, as a user gets it (adama() without the argument).
 ESTIMATORS = (None, "momentum")
-DEFAULT = inspect.signature(optax_adama.adama).parameters["nu_estimator"].default
+DEFAULT = harness.DEFAULT_NU_ESTIMATOR
 OTHER = ESTIMATORS[1]
 
 
