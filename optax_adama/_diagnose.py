@@ -142,14 +142,17 @@ class SecondMomentDiagnosis:
     where = (" (in microbatch_step or release_step, which take each micro-batch's "
              "halves)") if best in FUSED_ONLY else ""
     lines.append(f"Suggested: nu_estimator={best!r}{where}.")
-    if abs(np.log(factor)) > np.log(1.05):
+    rescaled = abs(np.log(factor)) > np.log(1.05)
+    if rescaled:
       rate = "" if learning_rate is None else f" ({learning_rate * factor:.3g})"
       lines.append(
           f"Its steps are {1 / factor:.2f}x Adam's: scale Adam's learning rate by "
           f"{factor:.2f}{rate} to match them, or expect training like Adam's at a "
           "learning rate that much smaller. rho drifts during training; measure "
           "again later in the run.")
-    default_line = self._default_line()
+    # A suggested default whose rate was just scaled: the default's line would
+    # say the same again.
+    default_line = None if rescaled and best == DEFAULT_NU_ESTIMATOR else self._default_line()
     return "\n".join(lines + ([default_line] if default_line else []))
 
   def _default_line(self) -> str | None:

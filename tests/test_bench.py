@@ -303,6 +303,46 @@ def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
   assert (tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypatch):
+  """--retrain-default: AdamA trained again under the default estimator, the
+  earlier AdamA run kept as its own row, Adam's run unchanged; a stored Adam
+  run from another setting is refused."""
+  module = load_script("benchmarks/cpu_stand_in.py")
+
+  def run(optimizer, estimator, eval_loss, steps=3):
+    config = {"optimizer": optimizer, "nu_estimator": estimator, "num_micro_batches": 4,
+              "batch_size": 128, "seq_len": 64, "steps": steps, "learning_rate": 2e-3,
+              "seed": 0}
+    return {"config": config, "preset": "gpt_tiny", "param_count": 10, "eval_loss": eval_loss,
+            "train_loss": [3.0, 2.5, 2.0], "final_train_loss": 2.0, "median_step_s": 0.1,
+            "loop_s": 60.0, "machine": {"device": "cpu"}}
+
+  trained = []
+
+  def fake_train(argv):
+    trained.append(argv)
+    steps = int(argv[argv.index("--steps") + 1])
+    return [run("adama", harness.DEFAULT_NU_ESTIMATOR, 2.02, steps)]
+
+  monkeypatch.setattr(module.train, "main", fake_train)
+  metrics = tmp_path / "run.json"
+  metrics.write_text(json.dumps({"runs": [run("adama", "auto", 1.98), run("adam", "auto", 2.0)]}))
+  module.main(["--metrics", str(metrics), "--retrain-default", "--steps", "3",
+               "--plot", str(tmp_path / "curves.png"), "--markdown", str(tmp_path / "table.md")])
+  (argv,) = trained
+  assert "--compare" not in argv and argv[argv.index("--optimizer") + 1] == "adama"
+  runs = json.loads(metrics.read_text())["runs"]
+  assert [(r["config"]["optimizer"], r["config"]["nu_estimator"]) for r in runs] == [
+      ("adama", harness.DEFAULT_NU_ESTIMATOR), ("adama", "auto"), ("adam", "auto")]
+  table = (tmp_path / "table.md").read_text()
+  assert f"AdamA (default, nu_estimator={harness.DEFAULT_NU_ESTIMATOR!r}) against Adam: **+1.00%**" in table
+  assert "AdamA (nu_estimator='auto', an earlier default) against Adam: **-1.00%**" in table
+  # Adam's run made at another length than the retrained side: refused, file kept.
+  with pytest.raises(ValueError, match="another setting"):
+    module.main(["--metrics", str(metrics), "--retrain-default", "--steps", "4"])
+  assert len(json.loads(metrics.read_text())["runs"]) == 3
+
+
 @pytest.mark.slow
 def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
   """benchmarks/fsdp_memory.py on gpt_test (its own process: 8 fake devices)."""

@@ -161,6 +161,15 @@ def test_summary_says_where_a_suggested_estimator_runs():
   # A default whose v ran short (not "mean" in exact arithmetic; any estimator
   # the default might be): its steps run long, and the rate scaled down matches.
   short = optax_adama.diagnostics.SecondMomentDiagnosis(
-      NUM_MICRO, {"mean": rho(0.64)}, np.ones(4))
+      NUM_MICRO, {"mean": rho(0.64), "sum": rho(1.3)}, np.ones(4))
   assert ("The default ('mean') keeps v at 0.64x Adam's, so its steps run 1.25x Adam's: "
           "scale the learning rate by 0.80.") in short.summary()
+  # Where the default is also the suggestion, its rate factor is said once.
+  alone = optax_adama.diagnostics.SecondMomentDiagnosis(
+      NUM_MICRO, {"mean": rho(0.64)}, np.ones(4))
+  assert "Its steps are 1.25x Adam's: scale Adam's learning rate by 0.80" in alone.summary()
+  assert alone.summary().count("0.80") == 1 and "The default" not in alone.summary()
+  long_steps = optax_adama.diagnostics.SecondMomentDiagnosis(
+      NUM_MICRO, {"mean": rho(1.69), "sum": rho(0.25)}, np.ones(4))
+  assert long_steps.suggested_estimator() == "mean"
+  assert long_steps.summary().count("1.30") == 1, long_steps.summary()
