@@ -386,20 +386,24 @@ def _gap_legend(rows: Sequence[dict[str, Any]]) -> list[Any]:
              handle("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
 
 
-def parse_cell(text: str) -> tuple[str, int, int]:
-  """``"gpt:4:32"`` -> (model, N, examples per micro-batch), checked."""
+def parse_cell(text: str) -> tuple[str, int, int] | tuple[str, int, int, int]:
+  """``"gpt:4:32"`` -> (model, N, examples per micro-batch), checked;
+  ``"vit_mnist:4:64:100"`` adds the run length the cell is drawn at."""
   try:
-    model, n, size = text.split(":")
-    cell = (model, int(n), int(size))
+    model, *numbers = text.split(":")
+    if len(numbers) not in (2, 3):
+      raise ValueError(text)
+    cell = (model, *map(int, numbers))
   except ValueError:
     raise argparse.ArgumentTypeError(
-        f"a cell is MODEL:N:EXAMPLES_PER_MICRO_BATCH (e.g. gpt:4:32), got {text!r}") from None
+        "a cell is MODEL:N:EXAMPLES_PER_MICRO_BATCH[:STEPS] (e.g. gpt:4:32, "
+        f"vit_mnist:4:64:100), got {text!r}") from None
   if model not in STUDY_MODELS:
     raise argparse.ArgumentTypeError(f"model {model!r} is not one of {STUDY_MODELS}")
   return cell
 
 
-def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[str, int, int]],
+def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[int | str, ...]],
                 path: Path, *, steps: int = 300,
                 arms: Sequence[str] = ("adam", harness.DEFAULT_NU_ESTIMATOR)) -> None:
   """Training loss of Adam and the default, side by side, one panel per cell.
@@ -407,37 +411,45 @@ def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[str, i
   Each arm at its best rate in the cell; every seed it has there drawn thin,
   the median over seeds drawn thick, the held-out loss of each seed in the
   legend. Adam is its whole-batch run (the same math as Adam + accumulation).
+  A cell is ``(model, N, examples per micro-batch)``, drawn from its runs of
+  ``steps`` steps, or ``(model, N, examples, steps)`` with its own.
   """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["arm"]): r
-          for r in best_rows(results) if r["steps"] == steps}
+  best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["steps"], r["arm"]): r
+          for r in best_rows(results)}
   fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
-  for ax, (model, n, size) in zip(axes[0], cells):
+  for ax, (model, n, size, *cell_steps) in zip(axes[0], cells):
+    length = cell_steps[0] if cell_steps else steps
     for arm, color in zip(arms, ("tab:gray", "tab:blue")):
-      key = (model, 1, n * size, arm) if arm == "adam" else (model, n, size, arm)
+      key = ((model, 1, n * size, length, arm) if arm == "adam"
+             else (model, n, size, length, arm))
       row = best.get(key)
       if row is None:
         continue
       runs = [r for r in results.values()
-              if r["model"] == model and r["arm"] == arm and r["steps"] == steps
+              if r["model"] == model and r["arm"] == arm and r["steps"] == length
               and r["learning_rate"] == row["best_lr"]
               and r["num_micro_batches"] * r["micro_batch_size"] == n * size
               and (arm == "adam" or r["num_micro_batches"] == n)]
       curves = np.array([r["train_loss"] for r in runs])
-      x = np.arange(curves.shape[1]) * (steps / curves.shape[1])
+      x = np.arange(curves.shape[1]) * (length / curves.shape[1])
       ax.plot(x, curves.T, color=color, alpha=0.25, linewidth=0.8)
       held_out = " / ".join(f"{r['eval_loss']:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
       label = "Adam" if arm == "adam" else f"AdamA default ({arm!r})"
       ax.plot(x, np.median(curves, axis=0), color=color, linewidth=2,
               label=f"{label}, lr {row['best_lr']:g}\nheld-out {held_out}")
     ax.set_title(f"{model}, N = {n} x {size} ({n * size * _tokens_per_example(model):,} "
-                 "tokens per mini-batch)", fontsize=9)
+                 f"tokens per mini-batch), {length} steps", fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (median over seeds thick)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+    else:
+      ax.text(0.5, 0.5, f"no runs of {length} steps in this cell", ha="center",
+              transform=ax.transAxes)
   harness.save_figure(fig, path)
 
 
@@ -669,8 +681,9 @@ def main(argv: Sequence[str]) -> None:
                       "the tail targets, instead of rho.png and raw/rho.json")
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
   parser.add_argument("--cells", nargs="+", type=parse_cell, default=[],
-                      metavar="MODEL:N:SIZE",
-                      help="curves: the cells to draw from --results, e.g. gpt:4:32")
+                      metavar="MODEL:N:SIZE[:STEPS]",
+                      help="curves: the cells to draw from --results, e.g. gpt:4:32 "
+                           "vit_mnist:4:64:100 (without STEPS, --steps)")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   command = "python -m models.validate " + " ".join(argv)

@@ -166,7 +166,13 @@ def test_curves_draw_each_arm_at_its_best_rate_and_refuse_a_malformed_cell(tmp_p
   # Adam at 1e-3 (its best, two seeds), the default at 2e-3 (two seeds): 60 points each.
   assert (2, 60) in drawn and drawn.count((2, 60)) == 2
   assert (tmp_path / "c.png").stat().st_size > 10_000
+  # A cell drawn at its own run length: these runs are 300 steps, so 100 has none.
+  drawn.clear()
+  study.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8, 300), ("gpt", 4, 8, 100)],
+                    tmp_path / "c.png", steps=100)
+  assert drawn == [(2, 60), (2, 60)]
   assert study.parse_cell("vit_mnist:4:64") == ("vit_mnist", 4, 64)
-  for bad in ("gpt:4", "gpt:x:8", "resnet:4:8"):
+  assert study.parse_cell("vit_mnist:4:64:100") == ("vit_mnist", 4, 64, 100)
+  for bad in ("gpt:4", "gpt:x:8", "resnet:4:8", "gpt:4:8:100:1"):
     with pytest.raises(study.argparse.ArgumentTypeError):
       study.parse_cell(bad)
