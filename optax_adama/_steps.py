@@ -55,7 +55,9 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
   if batch_size % num_micro_batches:
     raise ValueError(
         f"batch size {batch_size} does not split into "
-        f"num_micro_batches={num_micro_batches} equal micro-batches.")
+        f"num_micro_batches={num_micro_batches} equal micro-batches: pass a batch of "
+        f"a multiple of {num_micro_batches} rows (e.g. "
+        f"{batch_size - batch_size % num_micro_batches or num_micro_batches}).")
   return optax.microbatching.reshape_batch_axis(
       batch, batch_size // num_micro_batches)
 
