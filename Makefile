@@ -13,7 +13,7 @@ VENV_MIN  := .venv-min
 STAMP_MIN := $(VENV_MIN)/.installed
 CONSTRAINTS_MIN := .ci/constraints-min.txt
 
-.PHONY: demo test test-all test-min validate notebooks bench-gpu bench-gpu-capacity clean
+.PHONY: demo test test-all test-min validate notebooks bench-gpu bench-gpu-capacity gpu-convergence clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,25 @@ bench-gpu:
 # The largest GPT each method trains on the device (a call of its own).
 bench-gpu-capacity:
 	$(PYTHON) -m models.gpu_bench --capacity $(BENCH_GPU_ARGS)
+
+# On a machine with a GPU: GPT-2 small, 2,000 steps, Adam + accumulation and then
+# the default AdamA on the same mini-batch (GPU_BATCH sequences of 256 tokens
+# in GPU_N micro-batches, seed GPU_SEED), one run at a time, raw runs into
+# GPU_OUT; `PYTHONPATH=. python benchmarks/gpu_convergence.py` tables them.
+GPU_N ?= 8
+GPU_BATCH ?= 32
+GPU_SEED ?= 1
+GPU_OUT ?= benchmarks/raw
+GPU_CONVERGENCE_ARGS = --model gpt --preset gpt2_small --dtype bfloat16 --seq-len 256 \
+  --steps 2000 --learning-rate 6e-4 --warmup-steps 100 --max-bytes 100000000 \
+  --eval-batches 32 --no-progress --num-micro-batches $(GPU_N) --batch-size $(GPU_BATCH) \
+  --seed $(GPU_SEED)
+gpu-convergence:
+	for optimizer in adam adama; do \
+	  $(PYTHON) -m models.train $(GPU_CONVERGENCE_ARGS) --optimizer $$optimizer \
+	    --metrics-out $(GPU_OUT)/gpu_gpt2_small_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer.json \
+	    || exit 1; \
+	done
 
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py

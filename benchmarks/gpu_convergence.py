@@ -17,6 +17,12 @@
     # here: the table and the curves from the raw runs
     PYTHONPATH=. python benchmarks/gpu_convergence.py
 
+    # more seeds and mini-batches: Adam + accumulation, then the default, one
+    # after the other (about 160 s each at 32 sequences on one H100)
+    make gpu-convergence PYTHON=python3 GPU_N=8 GPU_BATCH=64 GPU_SEED=1 GPU_OUT=$OUT
+    #   -> gpu_gpt2_small_n8_b64_seed1_adam.json and ..._adama.json, copied into
+    #   benchmarks/raw/: every such pair becomes a cell of its own here
+
 GPT-2 small (124M) on the offline corpus (Python's standard library, bytes),
 bf16 compute with float32 params and moments, 32 sequences x 256 tokens per
 step (8,192 tokens) in N = 4 or 8 micro-batches, 2,000 steps, warm-up +
@@ -27,6 +33,7 @@ how far one run of the same math moves by rounding alone.
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +44,25 @@ CELLS = (
     (4, ("adam", "adama", "adama_mean", "adama_momentum"), "gpu_convergence.png"),
     (8, ("n8_adam", "n8_adama", "n8_adama_mean"), "gpu_convergence_n8.png"),
 )
+
+
+# A pair `make gpu-convergence` writes: N, sequences per step, seed.
+EXTRA_RUN = re.compile(r"gpu_gpt2_small_n(\d+)_b(\d+)_seed(\d+)_adam\.json")
+
+
+def extra_cells(raw: Path):
+  """Every (Adam + accumulation, default AdamA) pair of `make gpu-convergence`
+  in ``raw``, as cells: ``(N, [adam, adama], plot name)``, by N, batch, seed."""
+  cells = []
+  for path in sorted(raw.glob("gpu_gpt2_small_n*_b*_seed*_adam.json"),
+                     key=lambda p: tuple(map(int, EXTRA_RUN.fullmatch(p.name).groups()))):
+    n, batch, seed = EXTRA_RUN.fullmatch(path.name).groups()
+    partner = path.with_name(path.name.replace("_adam.json", "_adama.json"))
+    if not partner.exists():
+      raise FileNotFoundError(f"{path.name} has no AdamA run beside it ({partner.name})")
+    cells.append((int(n), [json.loads(path.read_text()), json.loads(partner.read_text())],
+                  f"gpu_convergence_n{n}_b{batch}_seed{seed}.png"))
+  return cells
 
 
 def label(run) -> str:
@@ -59,16 +85,17 @@ def markdown(cells) -> str:
       "# At scale on a GPU: GPT-2 small, AdamA against Adam + accumulation",
       "",
       f"`{first['preset']}` ({first['param_count']:,} parameters) on the offline corpus, "
-      "bf16 compute with float32 params and moments, 32 sequences x 256 tokens per step "
-      "(8,192 tokens) in N micro-batches, 2,000 steps, warm-up (100) + cosine from 6e-4, "
-      "seed 0, one run each, at Adam's learning rate for every arm. Made by the commands "
+      "bf16 compute with float32 params and moments, sequences of 256 tokens, N micro-batches "
+      "of the row's tokens per step (32 sequences, 8,192 tokens, in the seed-0 runs), 2,000 steps, warm-up "
+      "(100) + cosine from 6e-4, one run each, at Adam's learning rate for every arm. "
+      "Made by the commands "
       "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_gpt2_small_*.json`). Step "
       "times are not compared here (runs shared the card or ran on different ones); "
       "`make bench-gpu` times the steps.",
       "",
-      "| N | tokens / micro-batch | run | device | held-out loss | vs Adam | final training "
-      "loss (last 5%) | compiled step |",
-      "|---|---|---|---|---|---|---|---|",
+      "| N | tokens / micro-batch | seed | run | device | held-out loss | vs Adam | final "
+      "training loss (last 5%) | compiled step |",
+      "|---|---|---|---|---|---|---|---|---|",
   ]
   for n, runs, _ in cells:
     adam = runs[0]
@@ -76,7 +103,7 @@ def markdown(cells) -> str:
     for run in runs:
       gap = 100 * (run["eval_loss"] / adam["eval_loss"] - 1)
       memory = run["memory"]["total_bytes"] / run["memory"]["param_bytes"]
-      lines.append(f"| {n} | {tokens:,} | {label(run)} | {device(run)} "
+      lines.append(f"| {n} | {tokens:,} | {run['config']['seed']} | {label(run)} | {device(run)} "
                    f"| {run['eval_loss']:.4f} | {gap:+.2f}% "
                    f"| {run['final_train_loss']:.4f} | {memory:.2f} P |")
   adams = [runs[0] for _, runs, _ in cells]
@@ -96,10 +123,12 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   cells = [(n, [json.loads((args.raw / f"gpu_gpt2_small_{stem}.json").read_text())
                 for stem in stems], plot) for n, stems, plot in CELLS]
+  cells += extra_cells(args.raw)
   for n, runs, plot in cells:
     tokens = runs[0]["config"]["batch_size"] * runs[0]["config"]["seq_len"] // n
     harness.plot_loss_curves(runs, label, args.out_dir / plot, log=True,
-                             title=f"GPT-2 small, bf16 compute, N = {n} x {tokens:,} tokens")
+                             title=f"GPT-2 small, bf16 compute, N = {n} x {tokens:,} tokens, "
+                                   f"seed {runs[0]['config']['seed']}")
   markdown_path = args.out_dir / "gpu_convergence.md"
   markdown_path.write_text(markdown(cells))
   print(markdown_path.read_text())
