@@ -60,7 +60,9 @@ class ScaleByAdamAState(NamedTuple):
   A ``NamedTuple``, as optax's states are, so ``optax.tree_utils.tree_get``
   and ``tree_set`` find its fields (``tree_get(state, "count")``).
   ``num_micro_batches`` and ``nu_estimator`` are static (registered as part of
-  the tree structure, not leaves), so a jitted step can read them while
+  the tree structure, not leaves, and not in ``_fields``: a state dict of
+  Flax's ``serialization`` does not hold them, so save and restore the state
+  with orbax, docs/checkpointing.md), so a jitted step can read them while
   tracing: :func:`microbatch_step` takes ``N`` from here, and whether to hand
   each update the difference of a micro-batch's halves (``"split"``), so a
   mismatch cannot happen.
@@ -81,6 +83,15 @@ class ScaleByAdamAState(NamedTuple):
   num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
   num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
   nu_estimator: str = "mean"  # static: the estimator of v ("auto" or one of NU_ESTIMATORS).
+
+
+# `_fields` names the pytree children only: optax's tree_get / tree_set walk a
+# NamedTuple state's `_fields` as its subtrees, and a static field there is a
+# leaf they count that jax's flattening does not (tree_set then failed on any
+# state holding this one: inject_hyperparams, chain). `_replace`, repr and
+# pickling keep every field.
+ScaleByAdamAState._fields = ("count", "micro_step", "mu", "nu", "nu_floor",
+                             "mini_batch_accepted", "num_dropped")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -200,7 +211,12 @@ def _check_hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
       continue
     if not low <= float(value) < high:
       bound = f"in [{low}, {high})" if high < math.inf else f">= {low}"
-      raise ValueError(f"{name} must be {bound}, got {value!r}.")
+      rounded = ""
+      if float(value) == high and jnp.dtype(_dtype_of(value)).itemsize < 4:
+        rounded = (f": a decay rate below 1 rounds to 1 in {_dtype_of(value)}, as "
+                   "inject_hyperparams casts hyperparameters to the params' dtype; "
+                   "pass inject_hyperparams(..., hyperparam_dtype=jnp.float32)")
+      raise ValueError(f"{name} must be {bound}, got {value!r}{rounded}.")
 
 
 def _check_storage_options(quantization: Any, nu_estimator: Any,
@@ -379,7 +395,7 @@ def _update_like(grad: jax.Array, mu: Moment, nu: Moment) -> jax.ShapeDtypeStruc
   Promoted as JAX's standard mode does, also where a caller runs strict
   promotion (AdamA's arithmetic casts explicitly).
   """
-  dtypes = [jnp.dtype(grad.dtype)] + [
+  dtypes = [_dtype_of(grad)] + [
       jnp.dtype(m.dtype) for m in (mu, nu) if not isinstance(m, QuantizedArray)]
   with jax.numpy_dtype_promotion("standard"):
     dtype = functools.reduce(jnp.promote_types, dtypes)
@@ -798,7 +814,9 @@ def scale_by_adama(
   def init_moment(param, dtype):
     if quantization is not None and quantization.quantizes(jnp.shape(param)):
       return quantization.zeros(jnp.shape(param))
-    return jnp.zeros(jnp.shape(param), dtype or _dtype_of(param))
+    # zeros_like keeps the param's placement (a sharded param, a sharded
+    # moment), as optax's moments do.
+    return jnp.zeros_like(param, dtype or _dtype_of(param))
 
   if not isinstance(split_floor, bool):
     raise TypeError(f"split_floor must be True or False, got {split_floor!r}.")
@@ -1228,9 +1246,29 @@ def adamaw(
           mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
           stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator,
           split_floor=split_floor),
-      optax.add_decayed_weights(weight_decay, mask),
+      _add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
+
+
+def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransformation:
+  """``optax.add_decayed_weights`` that adds each param in its update's dtype.
+
+  With float32 moments and bfloat16 params the update is float32; optax adds
+  ``weight_decay * param`` by implicit promotion (the same float32 sum under
+  JAX's standard promotion), which strict promotion refuses.
+  """
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("adamaw's weight decay needs the params: update(g, state, params).")
+    decayed = jax.tree.map(
+        lambda u, p: None if u is None else
+        u + jnp.asarray(weight_decay, u.dtype) * jnp.asarray(p).astype(u.dtype),
+        updates, params, is_leaf=lambda x: x is None)
+    return decayed, state
+
+  decay = optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return decay if mask is None else optax.masked(decay, mask)
 
 
 def has_updated(state: Any) -> jax.Array:

@@ -742,6 +742,37 @@ def test_optax_tree_utils_find_and_set_state_fields_as_in_optax_adam():
   assert optax_adama.find_adama_state(reset).num_micro_batches == 2
 
 
+def test_optax_tree_set_reaches_a_hyperparameter_beside_or_around_adama():
+  # optax's own use: tree_set(state, learning_rate=...) on inject_hyperparams,
+  # and on a chain whose other member holds the key. The static fields
+  # (num_micro_batches, nu_estimator) are tree structure, no leaves there.
+  params = jnp.ones(3)
+  injected = optax_adama.inject_hyperparams(optax_adama.adama)(
+      learning_rate=1.0, num_micro_batches=2)
+  state = optax.tree.set(injected.init(params), learning_rate=jnp.asarray(0.5))
+  assert float(optax.tree.get(state, "learning_rate")) == 0.5
+  for _ in range(2):
+    updates, state = injected.update(jnp.ones(3), state, params)
+  # A first Adam step is -lr * sign(g) (up to eps): the rate set above.
+  np.testing.assert_allclose(updates, -0.5 * np.ones(3), rtol=1e-6)
+  with jax.numpy_dtype_promotion("standard"):  # optax.inject_hyperparams(optax.scale)
+    chained = optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0),
+                          optax_adama.adama(1.0, num_micro_batches=2))
+    state = optax.tree.set(chained.init(params), step_size=jnp.asarray(2.0))
+  assert float(optax.tree.get(state, "step_size")) == 2.0
+  assert jax.tree.structure(state) == jax.tree.structure(chained.init(params))
+  assert optax_adama.find_adama_state(state).num_micro_batches == 2
+
+
+def test_flax_state_dicts_hold_the_leaves_and_not_the_static_fields():
+  serialization = pytest.importorskip("flax.serialization")
+  params = {"w": jnp.arange(3.0)}
+  state = optax_adama.adama(0.1, num_micro_batches=2).init(params)
+  state_dict = serialization.to_state_dict(state)["adama"]
+  assert set(state_dict) == set(optax_adama.ScaleByAdamAState._fields)
+  assert not {"num_micro_batches", "nu_estimator"} & set(state_dict)
+
+
 def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   params = _params()
@@ -841,3 +872,49 @@ def test_fused_step_update_dtype_matches_optax_for_params_dtype(param_dtype, mu_
   assert got["w"].dtype == jnp.dtype(param_dtype)
   np.testing.assert_allclose(np.asarray(got["w"], np.float32), np.asarray(want["w"], np.float32),
                              rtol=1e-6 if param_dtype == "float32" else 1e-2)
+
+
+def test_python_float_params_step_as_optax_adam():
+  tx = optax_adama.adama(0.1, num_micro_batches=1)
+  updates, _ = tx.update(0.3, tx.init(1.0), 1.0)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+    want, _ = optax.adam(0.1).update(0.3, optax.adam(0.1).init(1.0), 1.0)
+  np.testing.assert_allclose(updates, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mask", [None, {"w": True, "b": False}], ids=["all", "masked"])
+def test_adamaw_with_float32_moments_on_bfloat16_params_under_strict_promotion(mask):
+  # The mixed-precision setup of docs/usage.md: the float32 update plus the
+  # bf16 param's weight decay, added in float32 (optax's implicit promotion
+  # gives the same float32 sum; strict promotion has no implicit path).
+  params = {"w": jnp.linspace(-1, 1, 8).reshape(4, 2).astype(jnp.bfloat16),
+            "b": jnp.ones(2, jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: (0.3 * p + 0.1).astype(p.dtype), params)
+  tx = optax_adama.adamaw(0.1, weight_decay=0.5, mask=mask, num_micro_batches=1,
+                          mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  with jax.numpy_dtype_promotion("standard"):
+    ref = optax.adamw(0.1, weight_decay=0.5, mask=mask, mu_dtype=jnp.float32)
+    want, _ = ref.update(grads, ref.init(params), params)
+  for got, expected in zip(jax.tree.leaves(updates), jax.tree.leaves(want)):
+    assert got.dtype == expected.dtype == jnp.float32
+    # optax rounds weight_decay * param to bf16 before the float32 sum: at
+    # most half a bf16 ulp of 0.5 (2**-9) times the decay's 0.5 apart.
+    np.testing.assert_allclose(got, expected, atol=0.5 * 2**-9)
+
+
+def test_injected_decay_rates_that_round_to_one_name_the_fix():
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  injected = optax_adama.inject_hyperparams(optax_adama.adamaw)
+  with pytest.raises(ValueError, match=r"rounds to 1 in bfloat16.*hyperparam_dtype=jnp.float32"):
+    injected(learning_rate=1e-3, num_micro_batches=2).init(params)
+  tx = optax_adama.inject_hyperparams(optax_adama.adamaw, hyperparam_dtype=jnp.float32)(
+      learning_rate=1e-3, num_micro_batches=2)
+  state = tx.init(params)
+  # optax's scale_by_learning_rate multiplies the bf16 update by the float32
+  # rate by implicit promotion, as a user's (standard) promotion allows.
+  with jax.numpy_dtype_promotion("standard"):
+    for _ in range(2):
+      updates, state = tx.update({"w": jnp.full(3, 0.5, jnp.bfloat16)}, state, params)
+  # A first Adam step: -lr * sign(g), up to eps and bf16 rounding.
+  np.testing.assert_allclose(updates["w"].astype(jnp.float32), -1e-3, rtol=2**-7)

@@ -101,6 +101,26 @@ def _worker(full):
   out = {"param_bytes": optax_adama.memory.tree_bytes(_params()),
          "batch_bytes": optax_adama.memory.tree_bytes(_batch(0))}
 
+  # init places each moment as its param is placed, as optax's zeros_like
+  # does: a plain loop's jitted update then neither gathers the moments onto
+  # one device nor compiles more often than optax.adam's.
+  placed = jax.device_put(_params(), jax.sharding.NamedSharding(
+      mesh, PartitionSpec("data")))
+  out["init_placement"] = {}
+  for name, tx in (("adama", optax_adama.adama(1e-2, num_micro_batches=NUM_MICRO)),
+                   ("adam", optax.adam(1e-2))):
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+      update = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p))
+      states = [tx.init(placed)]
+      for _ in range(3):
+        states.append(update(placed, states[-1], placed)[1])
+    param = placed["layer0"]["w"].sharding
+    out["init_placement"][name] = {
+        "as_param": [optax.tree.get(st, moment)["layer0"]["w"].sharding.is_equivalent_to(param, 2)
+                     for st in states for moment in ("mu", "nu")],
+        "compiles": update._cache_size(),
+    }
+
   # The column-major micro-batch split keeps each device's rows local.
   batch = jax.device_put(_batch(0), optax_adama.sharding.batch_sharding(mesh))
   split = jax.jit(lambda b: _steps.split_micro_batches(b, NUM_MICRO))
@@ -669,6 +689,13 @@ def test_sharded_step_equals_single_device(eight_devices, stage):
   # Same math; only the order of the cross-device sums differs (float32).
   assert run["max_diff"] < 1e-6, run
   assert run["loss_diff"] < 1e-6, run
+
+
+def test_init_places_the_moments_as_the_params(eight_devices):
+  run = eight_devices["init_placement"]
+  # m and v split as the params are, after init and after each update.
+  assert all(run["adama"]["as_param"]) and len(run["adama"]["as_param"]) == 8, run
+  assert run["adama"]["compiles"] <= run["adam"]["compiles"], run
 
 
 def test_batch_split_keeps_rows_on_their_device(eight_devices):
