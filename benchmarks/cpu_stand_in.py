@@ -16,6 +16,7 @@ an earlier AdamA run under another estimator as a row of its own.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,11 +38,15 @@ def _label(run) -> str:
   return f"AdamA (nu_estimator={config['nu_estimator']!r}, an earlier default)"
 
 
-def _same_setting(a, b) -> bool:
-  """Whether two runs differ only in the optimizer and its estimator."""
+def _setting_differences(config: dict, stored: dict) -> dict:
+  """Where a config differs from a stored run's, beyond the optimizer and its
+  estimator. A field the stored run does not have (added to
+  ``harness.TrainConfig`` since) counts only if it is off its default."""
+  defaults = {f.name: f.default for f in dataclasses.fields(harness.TrainConfig)}
   ignored = {"optimizer", "nu_estimator"}
-  return ({k: v for k, v in a["config"].items() if k not in ignored}
-          == {k: v for k, v in b["config"].items() if k not in ignored})
+  return {key: (value, stored.get(key, defaults.get(key)))
+          for key, value in config.items()
+          if key not in ignored and value != stored.get(key, defaults.get(key))}
 
 
 def retrain_default(runs, steps: int | None = None):
@@ -54,15 +59,21 @@ def retrain_default(runs, steps: int | None = None):
   Returns:
     The new default run first, then every stored AdamA run under another
     estimator, then Adam's run, unchanged.
+
+  Raises:
+    ValueError: before any training, if the stored Adam run was made in
+      another setting than the one AdamA would be trained in now.
   """
   adam = runs[-1]
   train_args = [a for a in TRAIN_ARGS if a != "--compare"] + ["--optimizer", "adama"]
   if steps is not None:
     train_args[train_args.index("--steps") + 1] = str(steps)
+  config = dataclasses.asdict(train.train_config(train_args))
+  differences = _setting_differences(config, adam["config"])
+  if differences:
+    raise ValueError(f"the stored Adam run was made in another setting ({differences}, "
+                     "now against stored); train both again (move the metrics file away)")
   default = train.main(train_args)[0]
-  if not _same_setting(default, adam):
-    raise ValueError("the stored Adam run was made in another setting than TRAIN_ARGS; "
-                     "train both again (move the metrics file away)")
   earlier = [r for r in runs[:-1]
              if r["config"]["nu_estimator"] != default["config"]["nu_estimator"]]
   return [default, *earlier, adam]

@@ -174,6 +174,14 @@ def _planned(config: harness.TrainConfig, budget_gb: float, *,
   return chosen.choice.train_overrides()
 
 
+def train_config(argv: Sequence[str]) -> harness.TrainConfig:
+  """The run ``python -m models.train ARGV`` trains (one side, without
+  ``--plan``'s search), checked as the command line is, without training it."""
+  fields = {f.name for f in dataclasses.fields(harness.TrainConfig)}
+  return harness.TrainConfig(**{k: v for k, v in vars(_parse_args(argv)).items()
+                                if k in fields})
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse_args(argv)
   fields = {f.name for f in dataclasses.fields(harness.TrainConfig)}

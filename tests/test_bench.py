@@ -306,13 +306,18 @@ def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
 def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypatch):
   """--retrain-default: AdamA trained again under the default estimator, the
   earlier AdamA run kept as its own row, Adam's run unchanged; a stored Adam
-  run from another setting is refused."""
-  module = load_script("benchmarks/cpu_stand_in.py")
+  run from another setting is refused before any training."""
+  import dataclasses
 
-  def run(optimizer, estimator, eval_loss, steps=3):
-    config = {"optimizer": optimizer, "nu_estimator": estimator, "num_micro_batches": 4,
-              "batch_size": 128, "seq_len": 64, "steps": steps, "learning_rate": 2e-3,
-              "seed": 0}
+  module = load_script("benchmarks/cpu_stand_in.py")
+  adam_args = [a for a in module.TRAIN_ARGS if a != "--compare"] + ["--optimizer", "adam",
+                                                                      "--steps", "3"]
+
+  def run(optimizer, estimator, eval_loss):
+    config = dataclasses.asdict(module.train.train_config(adam_args))
+    config.update(optimizer=optimizer, nu_estimator=estimator)
+    # A run stored before TrainConfig had these fields: read as their defaults.
+    del config["dtype"], config["split_floor"]
     return {"config": config, "preset": "gpt_tiny", "param_count": 10, "eval_loss": eval_loss,
             "train_loss": [3.0, 2.5, 2.0], "final_train_loss": 2.0, "median_step_s": 0.1,
             "loop_s": 60.0, "machine": {"device": "cpu"}}
@@ -321,8 +326,9 @@ def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypa
 
   def fake_train(argv):
     trained.append(argv)
-    steps = int(argv[argv.index("--steps") + 1])
-    return [run("adama", harness.DEFAULT_NU_ESTIMATOR, 2.02, steps)]
+    new = run("adama", harness.DEFAULT_NU_ESTIMATOR, 2.02)
+    new["config"]["steps"] = int(argv[argv.index("--steps") + 1])
+    return [new]
 
   monkeypatch.setattr(module.train, "main", fake_train)
   metrics = tmp_path / "run.json"
@@ -335,12 +341,14 @@ def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypa
   assert [(r["config"]["optimizer"], r["config"]["nu_estimator"]) for r in runs] == [
       ("adama", harness.DEFAULT_NU_ESTIMATOR), ("adama", "auto"), ("adam", "auto")]
   table = (tmp_path / "table.md").read_text()
-  assert f"AdamA (default, nu_estimator={harness.DEFAULT_NU_ESTIMATOR!r}) against Adam: **+1.00%**" in table
+  assert (f"AdamA (default, nu_estimator={harness.DEFAULT_NU_ESTIMATOR!r}) against Adam: "
+          "**+1.00%**") in table
   assert "AdamA (nu_estimator='auto', an earlier default) against Adam: **-1.00%**" in table
-  # Adam's run made at another length than the retrained side: refused, file kept.
-  with pytest.raises(ValueError, match="another setting"):
+  # Adam's run made at another length than the retrained side would be:
+  # refused before training, the file kept.
+  with pytest.raises(ValueError, match=r"another setting \({'steps': \(4, 3\)}"):
     module.main(["--metrics", str(metrics), "--retrain-default", "--steps", "4"])
-  assert len(json.loads(metrics.read_text())["runs"]) == 3
+  assert len(trained) == 1 and len(json.loads(metrics.read_text())["runs"]) == 3
 
 
 @pytest.mark.slow

@@ -64,10 +64,12 @@ def test_make_gpu_convergence_passes_models_train_valid_arguments():
   start = words.index("models.train") + 1
   argv = words[start:words.index("--metrics-out", start) + 2]
   argv = [w.replace("$optimizer", "adama") for w in argv]
-  args = train._parse_args(argv)
-  assert (args.num_micro_batches, args.batch_size, args.seed, args.optimizer) == (8, 64, 2, "adama")
-  assert str(args.metrics_out) == "/out/gpu_gpt2_small_n8_b64_seed2_adama.json"
-  assert script_pattern_matches(args.metrics_out.name.replace("_adama", "_adam"))
+  config = train.train_config(argv)
+  assert (config.num_micro_batches, config.batch_size, config.seed, config.optimizer,
+          config.preset, config.dtype) == (8, 64, 2, "adama", "gpt2_small", "bfloat16")
+  out = argv[argv.index("--metrics-out") + 1]
+  assert out == "/out/gpu_gpt2_small_n8_b64_seed2_adama.json"
+  assert script_pattern_matches(out.rsplit("/", 1)[1].replace("_adama", "_adam"))
 
 
 def script_pattern_matches(name):
