@@ -5,7 +5,7 @@
     PYTHONPATH=. python benchmarks/cpu_stand_in.py --retrain-default   # AdamA's side, ~35 min
 
 Without a GPU the largest run this project makes is the tiny GPT on the offline
-corpus for about ten minutes a side on 2 CPU cores: `models.train --compare`
+corpus for about 35 minutes a side on 2 CPU cores: `models.train --compare`
 (the same data, init and schedule for both), N = 4 micro-batches of 32
 sequences x 64 tokens, 3,000 steps, warm-up + cosine from 2e-3. Writes the
 raw runs (``--metrics``), their training curves (``--plot``) and a table

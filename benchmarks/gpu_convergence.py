@@ -18,17 +18,20 @@
     PYTHONPATH=. python benchmarks/gpu_convergence.py
 
     # more seeds and mini-batches: Adam + accumulation, then the default, one
-    # after the other (about 160 s each at 32 sequences on one H100)
+    # after the other (the N = 8 runs above: 115-126 s of loop and 20-23 s of
+    # compile each, at 32 sequences on one H100)
     make gpu-convergence PYTHON=python3 GPU_N=8 GPU_BATCH=64 GPU_SEED=1 GPU_OUT=$OUT
     #   -> gpu_gpt2_small_n8_b64_seed1_adam.json and ..._adama.json, copied into
     #   benchmarks/raw/: every such pair becomes a cell of its own here
 
 GPT-2 small (124M) on the offline corpus (Python's standard library, bytes),
-bf16 compute with float32 params and moments, 32 sequences x 256 tokens per
-step (8,192 tokens) in N = 4 or 8 micro-batches, 2,000 steps, warm-up +
-cosine from 6e-4, seed 0. Adam + accumulation is the same mini-batch step at
-either N (up to the order of the micro-batch sums), so its two runs measure
-how far one run of the same math moves by rounding alone.
+bf16 compute with float32 params and moments, sequences of 256 tokens, 2,000
+steps, warm-up + cosine from 6e-4. The commands above: 32 sequences per step
+(8,192 tokens) in N = 4 or 8 micro-batches, seed 0; `make gpu-convergence`:
+GPU_BATCH sequences in GPU_N micro-batches, seed GPU_SEED. Adam +
+accumulation is the same mini-batch step at either N (up to the order of the
+micro-batch sums), so its two seed-0 runs measure how far one run of the
+same math moves by rounding alone.
 """
 
 import argparse
@@ -54,9 +57,10 @@ def extra_cells(raw: Path):
   """Every (Adam + accumulation, default AdamA) pair of `make gpu-convergence`
   in ``raw``, as cells: ``(N, [adam, adama], plot name)``, by N, batch, seed."""
   cells = []
-  for path in sorted(raw.glob("gpu_gpt2_small_n*_b*_seed*_adam.json"),
-                     key=lambda p: tuple(map(int, EXTRA_RUN.fullmatch(p.name).groups()))):
-    n, batch, seed = EXTRA_RUN.fullmatch(path.name).groups()
+  pairs = sorted((tuple(map(int, match.groups())), path)
+                 for path in raw.glob("gpu_gpt2_small_n*_b*_seed*_adam.json")
+                 if (match := EXTRA_RUN.fullmatch(path.name)))
+  for (n, batch, seed), path in pairs:
     partner = path.with_name(path.name.replace("_adam.json", "_adama.json"))
     if not partner.exists():
       raise FileNotFoundError(f"{path.name} has no AdamA run beside it ({partner.name})")
@@ -86,7 +90,7 @@ def markdown(cells) -> str:
       "",
       f"`{first['preset']}` ({first['param_count']:,} parameters) on the offline corpus, "
       "bf16 compute with float32 params and moments, sequences of 256 tokens, N micro-batches "
-      "of the row's tokens per step (32 sequences, 8,192 tokens, in the seed-0 runs), 2,000 steps, warm-up "
+      "of each row's tokens per step (N x tokens per micro-batch), 2,000 steps, warm-up "
       "(100) + cosine from 6e-4, one run each, at Adam's learning rate for every arm. "
       "Made by the commands "
       "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_gpt2_small_*.json`). Step "

@@ -58,12 +58,13 @@ class ScaleByAdamAState(NamedTuple):
   """State of :func:`scale_by_adama`.
 
   A ``NamedTuple``, as optax's states are, so ``optax.tree_utils.tree_get``
-  and ``tree_set`` find its fields (``tree_get(state, "count")``).
+  and ``tree_set`` find its leaves (``tree_get(state, "count")``).
   ``num_micro_batches`` and ``nu_estimator`` are static (registered as part of
-  the tree structure, not leaves, and not in ``_fields``: a state dict of
-  Flax's ``serialization`` does not hold them, so save and restore the state
-  with orbax, docs/checkpointing.md), so a jitted step can read them while
-  tracing: :func:`microbatch_step` takes ``N`` from here, and whether to hand
+  the tree structure, not leaves, and not in ``_fields``: ``tree_get`` does
+  not see them, read ``find_adama_state(state).num_micro_batches``, and a
+  state dict of Flax's ``serialization`` does not hold them, so save and
+  restore the state with orbax, docs/checkpointing.md), so a jitted step can
+  read them while tracing: :func:`microbatch_step` takes ``N`` from here, and whether to hand
   each update the difference of a micro-batch's halves (``"split"``), so a
   mismatch cannot happen.
 
@@ -815,7 +816,8 @@ def scale_by_adama(
     if quantization is not None and quantization.quantizes(jnp.shape(param)):
       return quantization.zeros(jnp.shape(param))
     # zeros_like keeps the param's placement (a sharded param, a sharded
-    # moment), as optax's moments do.
+    # moment), as optax's moments do. (Quantized moments, shaped as blocks,
+    # start on the default device; the steps' mesh= places them.)
     return jnp.zeros_like(param, dtype or _dtype_of(param))
 
   if not isinstance(split_floor, bool):
@@ -1252,23 +1254,23 @@ def adamaw(
 
 
 def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransformation:
-  """``optax.add_decayed_weights`` that adds each param in its update's dtype.
+  """``optax.add_decayed_weights`` with each param cast to its update's dtype.
 
   With float32 moments and bfloat16 params the update is float32; optax adds
-  ``weight_decay * param`` by implicit promotion (the same float32 sum under
-  JAX's standard promotion), which strict promotion refuses.
+  ``weight_decay * param`` by implicit promotion (float32 too, after rounding
+  the product to bfloat16), which strict promotion refuses. Cast first, the
+  product is float32 throughout. Schedules, masks and optax's state as optax's.
   """
-  def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError("adamaw's weight decay needs the params: update(g, state, params).")
-    decayed = jax.tree.map(
-        lambda u, p: None if u is None else
-        u + jnp.asarray(weight_decay, u.dtype) * jnp.asarray(p).astype(u.dtype),
-        updates, params, is_leaf=lambda x: x is None)
-    return decayed, state
+  decay = optax.add_decayed_weights(weight_decay, mask)
 
-  decay = optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-  return decay if mask is None else optax.masked(decay, mask)
+  def update_fn(updates, state, params=None):
+    if params is not None:
+      params = jax.tree.map(
+          lambda u, p: None if u is None else jnp.asarray(p).astype(u.dtype),
+          updates, params, is_leaf=lambda x: x is None)
+    return decay.update(updates, state, params)
+
+  return optax.GradientTransformation(decay.init, update_fn)
 
 
 def has_updated(state: Any) -> jax.Array:

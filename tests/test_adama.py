@@ -918,3 +918,18 @@ def test_injected_decay_rates_that_round_to_one_name_the_fix():
       updates, state = tx.update({"w": jnp.full(3, 0.5, jnp.bfloat16)}, state, params)
   # A first Adam step: -lr * sign(g), up to eps and bf16 rounding.
   np.testing.assert_allclose(updates["w"].astype(jnp.float32), -1e-3, rtol=2**-7)
+
+
+def test_adamaw_weight_decay_may_be_a_schedule_as_in_optax():
+  params = {"w": jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)}
+  grads = {"w": 0.3 * params["w"] + 0.1}
+  weight_decay = optax.linear_schedule(0.5, 0.0, transition_steps=4)
+  tx = optax_adama.adamaw(0.1, weight_decay=weight_decay, num_micro_batches=1)
+  state = tx.init(params)
+  with jax.numpy_dtype_promotion("standard"):  # optax's schedule and bias correction
+    ref = optax.adamw(0.1, weight_decay=weight_decay)
+    ref_state = ref.init(params)
+    for _ in range(3):  # the decay rate moves each step
+      updates, state = tx.update(grads, state, params)
+      want, ref_state = ref.update(grads, ref_state, params)
+      np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6, atol=1e-7)

@@ -212,8 +212,11 @@ def test_batch_that_does_not_split_raises_value_error_naming_both():
   tx = optax_adama.adama(1e-2, num_micro_batches=5)
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=5)
   params = _params()
-  with pytest.raises(ValueError, match=r"batch size 12 .*num_micro_batches=5"):
+  with pytest.raises(ValueError, match=r"batch size 12 .*num_micro_batches=5.*of a "
+                     r"multiple of 5 rows \(e\.g\. 10\)"):
     step(params, tx.init(params), _batch())
+  with pytest.raises(ValueError, match=r"batch size 3 .*\(e\.g\. 5\)"):  # fewer rows than N
+    step(params, tx.init(params), jax.tree.map(lambda x: x[:3], _batch()))
   # Nothing was lost: the failed call did not consume the donated buffers.
   assert not any(x.is_deleted() for x in jax.tree.leaves(params))
 
