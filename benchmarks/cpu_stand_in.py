@@ -93,7 +93,8 @@ def markdown(runs, metrics_path: Path, plot_path: Path) -> str:
       f"{config['seq_len']} tokens, {config['steps']:,} steps, warm-up + cosine from "
       f"{config['learning_rate']:g}, seed {config['seed']}, on {adama['machine']['device']}. "
       "Made by `PYTHONPATH=. python benchmarks/cpu_stand_in.py` "
-      f"(raw runs: [{metrics_path.name}](raw/{metrics_path.name})).",
+      + ("(the default's row by `... --retrain-default`) " if len(runs) > 2 else "")
+      + f"(raw runs: [{metrics_path.name}](raw/{metrics_path.name})).",
       "",
       "| run | held-out loss | final training loss (last 5%) | median step | loop |",
       "|---|---|---|---|---|",
