@@ -29,6 +29,14 @@ TRAIN_ARGS = ["--model", "gpt", "--preset", "gpt_tiny", "--compare", "--num-micr
               "--learning-rate", "2e-3", "--warmup-steps", "100", "--no-progress"]
 
 
+def _train_args(steps: int | None, *extra: str) -> list[str]:
+  """``TRAIN_ARGS`` with ``--steps`` overridden (if given), then ``extra``."""
+  args = list(TRAIN_ARGS)
+  if steps is not None:
+    args[args.index("--steps") + 1] = str(steps)
+  return args + list(extra)
+
+
 def _label(run) -> str:
   config = run["config"]
   if config["optimizer"] != "adama":
@@ -65,9 +73,7 @@ def retrain_default(runs, steps: int | None = None):
       another setting than the one AdamA would be trained in now.
   """
   adam = runs[-1]
-  train_args = [a for a in TRAIN_ARGS if a != "--compare"] + ["--optimizer", "adama"]
-  if steps is not None:
-    train_args[train_args.index("--steps") + 1] = str(steps)
+  train_args = [a for a in _train_args(steps, "--optimizer", "adama") if a != "--compare"]
   config = dataclasses.asdict(train.train_config(train_args))
   differences = _setting_differences(config, adam["config"])
   if differences:
@@ -127,10 +133,7 @@ def main(argv=None) -> None:
     runs = retrain_default(json.loads(args.metrics.read_text())["runs"], args.steps)
     args.metrics.write_text(json.dumps({"runs": runs}, indent=1))
   elif not args.metrics.exists():
-    train_args = TRAIN_ARGS + ["--metrics-out", str(args.metrics)]
-    if args.steps is not None:
-      train_args[train_args.index("--steps") + 1] = str(args.steps)
-    train.main(train_args)
+    train.main(_train_args(args.steps, "--metrics-out", str(args.metrics)))
   runs = json.loads(args.metrics.read_text())["runs"]
   harness.plot_loss_curves(runs, _label, args.plot)
   args.markdown.write_text(markdown(runs, args.metrics, args.plot))

@@ -64,7 +64,7 @@ def extra_cells(raw: Path):
     partner = path.with_name(path.name.replace("_adam.json", "_adama.json"))
     if not partner.exists():
       raise FileNotFoundError(f"{path.name} has no AdamA run beside it ({partner.name})")
-    cells.append((int(n), [json.loads(path.read_text()), json.loads(partner.read_text())],
+    cells.append((n, [json.loads(path.read_text()), json.loads(partner.read_text())],
                   f"gpu_convergence_n{n}_b{batch}_seed{seed}.png"))
   return cells
 

@@ -174,18 +174,21 @@ def _planned(config: harness.TrainConfig, budget_gb: float, *,
   return chosen.choice.train_overrides()
 
 
+def _config_options(args: argparse.Namespace) -> dict[str, Any]:
+  """The parsed arguments that are fields of ``harness.TrainConfig``."""
+  fields = {f.name for f in dataclasses.fields(harness.TrainConfig)}
+  return {k: v for k, v in vars(args).items() if k in fields}
+
+
 def train_config(argv: Sequence[str]) -> harness.TrainConfig:
   """The run ``python -m models.train ARGV`` trains (one side, without
   ``--plan``'s search), checked as the command line is, without training it."""
-  fields = {f.name for f in dataclasses.fields(harness.TrainConfig)}
-  return harness.TrainConfig(**{k: v for k, v in vars(_parse_args(argv)).items()
-                                if k in fields})
+  return harness.TrainConfig(**_config_options(_parse_args(argv)))
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   args = _parse_args(argv)
-  fields = {f.name for f in dataclasses.fields(harness.TrainConfig)}
-  options = {k: v for k, v in vars(args).items() if k in fields}
+  options = _config_options(args)
   if args.plan is not None:
     options.update(_planned(harness.TrainConfig(**options), args.plan,
                             progress=not args.no_progress))
