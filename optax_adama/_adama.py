@@ -234,19 +234,39 @@ def _check_storage_options(quantization: Any, nu_estimator: Any,
         f"stochastic_rounding must be a bool, got {stochastic_rounding!r}.")
 
 
-def _check_float_params(params: optax.Params) -> None:
-  """Raises a ``TypeError`` naming every leaf that is not a real float."""
-  bad = [
-      f"{jax.tree_util.keystr(path)} ({jnp.dtype(_dtype_of(leaf))})"
-      for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-      if not jnp.issubdtype(_dtype_of(leaf), jnp.floating)
-  ]
+def _check_float_params(params: optax.Params, quantization: Optional[BlockQuantization],
+                        nu_estimator: str) -> None:
+  """Raises a ``TypeError`` naming every leaf AdamA cannot move.
+
+  Real and complex floats move as in ``optax.adam`` (complex leaves fold
+  ``|g|**2`` into v); integer and boolean leaves never would, and complex
+  leaves have no 8-bit codes and no halves' ``"split"`` term.
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  name = lambda path, leaf: f"{jax.tree_util.keystr(path)} ({jnp.dtype(_dtype_of(leaf))})"
+  bad = [name(path, leaf) for path, leaf in leaves
+         if not jnp.issubdtype(_dtype_of(leaf), jnp.inexact)]
   if bad:
     raise TypeError(
-        "AdamA moves real floating-point params only; these leaves would "
+        "AdamA moves floating-point params only; these leaves would "
         f"never move: {', '.join(bad)}. Keep integer and boolean state out "
         "of the optimized tree (e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)), "
         "or cast them to a float dtype.")
+  complex_leaves = [(path, leaf) for path, leaf in leaves
+                    if jnp.issubdtype(_dtype_of(leaf), jnp.complexfloating)]
+  quantized = [name(path, leaf) for path, leaf in complex_leaves
+               if quantization is not None and quantization.quantizes(jnp.shape(leaf))]
+  if quantized:
+    raise TypeError(
+        f"8-bit moments are real; these complex leaves cannot take them: "
+        f"{', '.join(quantized)}. Raise BlockQuantization(min_size=...) above "
+        "their size or pass quantization=None.")
+  if complex_leaves and nu_estimator in ("split", "auto"):
+    raise TypeError(
+        f"nu_estimator={nu_estimator!r} takes halves' squared differences, real "
+        f"only; these leaves are complex: "
+        f"{', '.join(name(*x) for x in complex_leaves)}. Pass nu_estimator=\"mean\" "
+        "(the default).")
 
 
 def _dtype_of(leaf: Any) -> jnp.dtype:
@@ -256,9 +276,22 @@ def _dtype_of(leaf: Any) -> jnp.dtype:
 def _compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
   # Fold in at least float32: a bf16 moment absorbing (1-b2)/N * g**2 in bf16
   # arithmetic would round most contributions away before the store. (Chosen
-  # by width, since strict dtype promotion has no bf16 -> f32 path.)
-  wide = any(jnp.dtype(d).itemsize > 4 for d in dtypes)
+  # by width, since strict dtype promotion has no bf16 -> f32 path.) A
+  # complex moment folds in complex of its own width.
+  dtypes = [jnp.dtype(d) for d in dtypes]
+  if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+    return jnp.dtype(jnp.complex128 if any(d.itemsize > 8 for d in dtypes) else jnp.complex64)
+  wide = any(d.itemsize > 4 for d in dtypes)
   return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def _power(g: jax.Array, order: int) -> jax.Array:
+  """``g`` (order 1) or ``|g|**2`` (order 2, as optax's v of a complex leaf), in g's dtype."""
+  if order == 1:
+    return g
+  if jnp.iscomplexobj(g):
+    return (g * jnp.conj(g)).real.astype(g.dtype)
+  return g * g
 
 
 # One load/store interface for both kinds of moment. `order` is 1 for m and 2
@@ -336,7 +369,7 @@ def _fold_moment(
   decay = jnp.asarray(decay).astype(dtype)
   weight = jnp.asarray(weight).astype(dtype)
   g = _to_layout(finite_grad.astype(dtype), moment)
-  increment = g**order
+  increment = _power(g, order)
   if less is not None:
     increment = increment - _to_layout(less.astype(dtype), moment)
   new = decay * _load(moment, order) + weight * increment
@@ -546,7 +579,7 @@ def _add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   # small's step 24% slower on an H100 (measured; now +0.4% over "mean").
   # The price: where activations are tiny (an 8-layer MLP) the fold of m is
   # kept beside its in-place update, one more leaf alive; not on GPT-2.
-  value = v.value + weight * (m.value.astype(dtype) ** 2)
+  value = v.value + weight * _power(m.value.astype(dtype), 2)
   absmax = None if v.absmax is None else v.absmax + weight * m.absmax**2
   return _Folded(value, absmax)
 
@@ -775,7 +808,9 @@ def scale_by_adama(
 
   Raises:
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
-      if a param leaf is not a real float; the message names the leaf.
+      if a param leaf is not a float, or is complex where ``quantization``
+      takes it or ``nu_estimator`` is ``"split"`` / ``"auto"``; the message
+      names the leaf.
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (what
       ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
       :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
@@ -825,7 +860,7 @@ def scale_by_adama(
   floors = split_floor and nu_estimator in ("auto", "split") and num_micro_batches > 1
 
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
-    _check_float_params(params)
+    _check_float_params(params, quantization, nu_estimator)
     # One buffer per counter: a shared one could not be donated twice.
     zero = lambda: jnp.zeros([], jnp.int32)
     return ScaleByAdamAState(
@@ -1137,7 +1172,8 @@ def adama(
 
   Raises:
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
-      if a param leaf is not a real float.
+      if a param leaf is not a float (or is complex where 8-bit moments or
+      ``"split"`` would take it).
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
       ``optax.inject_hyperparams`` passes it: use
       :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
@@ -1225,7 +1261,8 @@ def adamaw(
 
   Raises:
     TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
-      if a param leaf is not a real float.
+      if a param leaf is not a float (or is complex where 8-bit moments or
+      ``"split"`` would take it).
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
       ``optax.inject_hyperparams`` passes it: use
       :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
