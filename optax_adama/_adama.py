@@ -220,6 +220,16 @@ def _check_hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
       raise ValueError(f"{name} must be {bound}, got {value!r}{rounded}.")
 
 
+def _check_nesterov(nesterov: Any) -> None:
+  # optax's Nesterov direction, b1 m_hat + (1 - b1) g_bar / (1 - b1**t), reads
+  # the step's mean gradient g_bar beside m: the buffer AdamA never forms.
+  if nesterov is not False:
+    raise ValueError(
+        f"nesterov={nesterov!r}: AdamA has no Nesterov form. optax's reads the "
+        "mini-batch's mean gradient beside m, the gradient buffer AdamA exists to "
+        "drop; use optax.MultiSteps(optax.adam(..., nesterov=True)) for it.")
+
+
 def _check_storage_options(quantization: Any, nu_estimator: Any,
                            stochastic_rounding: Any) -> None:
   """Raises for a bad ``quantization`` / ``nu_estimator`` / ``stochastic_rounding``."""
@@ -683,9 +693,10 @@ def scale_by_adama(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
     num_micro_batches: int,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    nesterov: bool = False,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
@@ -751,9 +762,12 @@ def scale_by_adama(
     b2: Decay rate of the second moment.
     eps: Term added to the denominator for numerical stability.
     eps_root: Term added inside the square root of the denominator.
+    mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
     num_micro_batches: ``N``, the number of ``update`` calls per mini-batch:
       an integer (``np.int64`` and 0-d integer arrays too), fixed at ``init``.
-    mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
+    nesterov: accepted for ``optax.adam``'s signature; only ``False``. Its
+      Nesterov direction reads the mini-batch's mean gradient beside m, the
+      buffer AdamA never forms, so ``True`` raises a ``ValueError``.
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: store the moments of leaves with at least
       ``quantization.min_size`` elements as 8-bit blocks (a
@@ -814,8 +828,8 @@ def scale_by_adama(
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (what
       ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
       :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nu_estimator``
-      names no estimator, or (at ``update``) if ``num_micro_batches``
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
+      true, if ``nu_estimator`` names no estimator, or (at ``update``) if ``num_micro_batches``
       differs from the ``N`` the state was made with or ``"split"`` gets no
       ``half_difference`` (``N > 1``).
 
@@ -839,6 +853,7 @@ def scale_by_adama(
   """
   num_micro_batches = check_num_micro_batches(num_micro_batches)
   _check_hyperparams(b1, b2, eps, eps_root)
+  _check_nesterov(nesterov)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
   _check_storage_options(quantization, nu_estimator, stochastic_rounding)
@@ -1125,10 +1140,11 @@ def adama(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    *,
-    num_micro_batches: int,
     eps_root: float = 0.0,
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    *,
+    num_micro_batches: int,
+    nesterov: bool = False,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
@@ -1156,9 +1172,10 @@ def adama(
     b1: Decay rate of the first moment.
     b2: Decay rate of the second moment.
     eps: Term added to the denominator for numerical stability.
-    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
     eps_root: Term added inside the square root of the denominator.
     mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
+    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
+    nesterov: only ``False``; see :func:`scale_by_adama`.
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
@@ -1177,8 +1194,8 @@ def adama(
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
       ``optax.inject_hyperparams`` passes it: use
       :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or if ``"split"`` is
-      asked with ``quantization``.
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
+      true, or if ``"split"`` is asked with ``quantization``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, optax_adama
@@ -1201,8 +1218,8 @@ def adama(
   """
   return mini_batch_chain(
       scale_by_adama(
-          b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
-          mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
+          b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
+          nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
           stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator,
           split_floor=split_floor),
       optax.scale_by_learning_rate(learning_rate),
@@ -1214,12 +1231,13 @@ def adamaw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    *,
-    num_micro_batches: int,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     eps_root: float = 0.0,
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    weight_decay: float = 1e-4,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    num_micro_batches: int,
+    nesterov: bool = False,
     nu_dtype: Optional[jax.typing.DTypeLike] = None,
     quantization: Optional[BlockQuantization] = None,
     stochastic_rounding: bool = True,
@@ -1242,12 +1260,13 @@ def adamaw(
     b1: Decay rate of the first moment.
     b2: Decay rate of the second moment.
     eps: Term added to the denominator for numerical stability.
-    weight_decay: :math:`\lambda`, the decoupled weight decay rate.
-    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
-    mask: as in :func:`optax.adamw`: a tree of booleans or a callable
-      returning one; ``True`` leaves are decayed.
     eps_root: Term added inside the square root of the denominator.
     mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
+    weight_decay: :math:`\lambda`, the decoupled weight decay rate.
+    mask: as in :func:`optax.adamw`: a tree of booleans or a callable
+      returning one; ``True`` leaves are decayed.
+    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
+    nesterov: only ``False``; see :func:`scale_by_adama`.
     nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
     quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
     stochastic_rounding: see :func:`scale_by_adama`.
@@ -1266,8 +1285,8 @@ def adamaw(
     ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
       ``optax.inject_hyperparams`` passes it: use
       :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, or if ``"split"`` is
-      asked with ``quantization``.
+      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
+      true, or if ``"split"`` is asked with ``quantization``.
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
@@ -1281,8 +1300,8 @@ def adamaw(
   """
   return mini_batch_chain(
       scale_by_adama(
-          b1, b2, eps, eps_root, num_micro_batches=num_micro_batches,
-          mu_dtype=mu_dtype, nu_dtype=nu_dtype, quantization=quantization,
+          b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
+          nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
           stochastic_rounding=stochastic_rounding, nu_estimator=nu_estimator,
           split_floor=split_floor),
       _add_decayed_weights(weight_decay, mask),

@@ -1,5 +1,6 @@
 """AdamA as a plain Optax transformation: one ``update`` call per micro-batch."""
 
+import inspect
 import re
 
 import chex
@@ -447,6 +448,33 @@ def test_integer_and_bool_params_raise_naming_the_leaf(dtype):
              optax_adama.adamaw(0.1, num_micro_batches=2)):
     with pytest.raises(TypeError, match=r"\['dense'\]\['step'\] \((int32|bool|uint8)\)"):
       tx.init(params)
+
+
+@pytest.mark.parametrize("ours, theirs", [
+    (optax_adama.scale_by_adama, optax.scale_by_adam), (optax_adama.adama, optax.adam),
+    (optax_adama.adamaw, optax.adamw)])
+def test_positional_parameters_are_optaxs(ours, theirs):
+  # Code written for optax passes hyperparameters positionally; each must
+  # land where optax's would (adamw's 5th is eps_root, not weight_decay).
+  positional = lambda f: [name for name, p in inspect.signature(f).parameters.items()
+                          if p.kind == p.POSITIONAL_OR_KEYWORD]
+  assert positional(ours) == positional(theirs)
+  assert "nesterov" in inspect.signature(ours).parameters
+
+
+def test_adamaw_positional_call_matches_optax_adamw():
+  params = _params()
+  args = (0.05, 0.8, 0.99, 1e-6, 1e-8, None, 0.1)  # ... eps_root, mu_dtype, weight_decay
+  got, _ = _run_adama(optax_adama.adamaw(*args, num_micro_batches=1), params, 10, 1)
+  want = _run_optax(optax.adamw(*args), params, 10, lambda p, s: _grads(p, s))
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_nesterov_is_refused_naming_the_alternative():
+  for make in (optax_adama.adama, optax_adama.adamaw):
+    with pytest.raises(ValueError, match=r"nesterov=True.*optax.MultiSteps"):
+      make(1e-3, num_micro_batches=4, nesterov=True)
+  optax_adama.adama(1e-3, num_micro_batches=4, nesterov=False).init(_params())
 
 
 def _complex_params():
