@@ -1,5 +1,6 @@
 """The public surface: what a training script types, documented as optax documents it."""
 
+import dataclasses
 import inspect
 import pathlib
 import re
@@ -64,3 +65,50 @@ def test_design_citations_point_at_files_in_the_repository():
     for path in (root / folder).glob("*.py"):
       for cited in re.findall(r"\b([\w/]*DESIGN\.md|docs/[\w/]+\.md)", path.read_text()):
         assert (root / cited).exists(), f"{path.name} cites {cited}, not in the repository"
+
+
+_REQUIRED = "(no default)"
+
+
+def _documented_signatures():
+  """(module, name, [(parameter, default text or None)]) for every
+  ``- `name(params)` `` line of docs/usage.md's API reference."""
+  text = (SOURCE.parent / "docs" / "usage.md").read_text()
+  module = "optax_adama"
+  for line in text[text.index("## API reference"):].splitlines():
+    heading = re.match(r"### `(optax_adama(?:\.\w+)?)`", line)
+    if heading:
+      module = heading.group(1)
+    entry = re.match(r"- `(\w+)\((.*?)\)(?: -> [^`]+)?`", line)
+    if entry:
+      params = [p.strip() for p in entry.group(2).split(",") if p.strip()]
+      yield module, entry.group(1), [tuple(p.split("=", 1)) if "=" in p else (p, _REQUIRED)
+                                     for p in params]
+
+
+@pytest.mark.parametrize("module, name, documented",
+                         list(_documented_signatures()), ids=lambda x: x if isinstance(x, str) else "")
+def test_the_api_reference_states_each_signature_as_the_code_has_it(module, name, documented):
+  import importlib
+  import jax.numpy as jnp
+  obj = getattr(importlib.import_module(module), name)
+  prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+  # A class whose __init__ this library writes (nnx.Pytree's metaclass hides
+  # it behind *args, **kwargs): that __init__'s parameters after self.
+  own_init = inspect.isclass(obj) and any(
+      "__init__" in vars(c) and c.__module__.startswith("optax_adama") for c in obj.__mro__)
+  parameters = (list(inspect.signature(obj.__init__).parameters.values())[1:] if own_init
+                else inspect.signature(obj).parameters.values())
+  factories = ({f.name: f.default_factory() for f in dataclasses.fields(obj)
+                if f.default_factory is not dataclasses.MISSING}
+               if dataclasses.is_dataclass(obj) else {})
+  want, keyword_only = [], False
+  for p in parameters:
+    if p.kind == p.KEYWORD_ONLY and not keyword_only:
+      want.append(("*", _REQUIRED))  # the bare * before the first keyword-only one
+    keyword_only |= p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+    default = factories[p.name] if p.name in factories else p.default
+    want.append((prefix.get(p.kind, "") + p.name, _REQUIRED if default is p.empty else default))
+  got = [(p, default if default is _REQUIRED else eval(default, {"jnp": jnp}))  # pylint: disable=eval-used
+         for p, default in documented]
+  assert got == want, f"docs/usage.md's {module}.{name} is stale"
