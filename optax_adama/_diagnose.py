@@ -229,6 +229,7 @@ def diagnose_second_moment(
 
   Raises:
     ValueError: if ``batches`` is empty, or ``follow`` names no estimator.
+    TypeError: if a param leaf is complex.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
@@ -242,6 +243,12 @@ def diagnose_second_moment(
     True
   """
   num_micro_batches = check_num_micro_batches(num_micro_batches)
+  complex_leaves = [jax.tree_util.keystr(path)
+                    for path, p in jax.tree_util.tree_leaves_with_path(params)
+                    if jnp.iscomplexobj(p)]
+  if complex_leaves:  # its "split" and rho read real squares
+    raise TypeError(f"diagnose_second_moment measures real params; these are complex: "
+                    f"{', '.join(complex_leaves)}.")
   if follow not in ("adam",) + NU_ESTIMATORS:
     raise ValueError(f"follow must be 'adam' or one of {NU_ESTIMATORS}, got {follow!r}.")
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)

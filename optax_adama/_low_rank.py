@@ -131,6 +131,7 @@ def low_rank(
 
   Raises:
     ValueError: if ``rank`` or ``refresh_period`` is not positive.
+    TypeError: (at ``init``) if a leaf it would project is complex.
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
@@ -178,6 +179,16 @@ def low_rank(
         lambda n, o: jnp.where(jnp.all(jnp.isfinite(n)), n, o), new, old)
 
   def init_fn(params):
+    # optax's GaLore projects with real SVD factors (its cast drops the
+    # imaginary part of a complex gradient): complex leaves are refused.
+    dims = jax.tree.structure(params).flatten_up_to(dimension_numbers(params))
+    complex_leaves = [jax.tree_util.keystr(path) for (path, p), d in zip(
+        jax.tree_util.tree_leaves_with_path(params), dims)
+                      if d is not None and jnp.iscomplexobj(p)]
+    if complex_leaves:
+      raise TypeError(
+          f"low_rank projects real matrices; these are complex: {', '.join(complex_leaves)}. "
+          "Leave them out with mask=.")
     state = galore(1).init(params)  # the period does not enter init.
     return state._replace(projector=jax.tree.map(store, state.projector))
 

@@ -464,7 +464,8 @@ def test_positional_parameters_are_optaxs(ours, theirs):
 
 def test_adamaw_positional_call_matches_optax_adamw():
   params = _params()
-  args = (0.05, 0.8, 0.99, 1e-6, 1e-8, None, 0.1)  # ... eps_root, mu_dtype, weight_decay
+  # eps, eps_root and weight_decay far apart: any two swapped move the params.
+  args = (0.05, 0.8, 0.99, 1e-2, 0.5, None, 0.3)  # ... eps_root, mu_dtype, weight_decay
   got, _ = _run_adama(optax_adama.adamaw(*args, num_micro_batches=1), params, 10, 1)
   want = _run_optax(optax.adamw(*args), params, 10, lambda p, s: _grads(p, s))
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
@@ -474,7 +475,8 @@ def test_nesterov_is_refused_naming_the_alternative():
   for make in (optax_adama.adama, optax_adama.adamaw):
     with pytest.raises(ValueError, match=r"nesterov=True.*optax.MultiSteps"):
       make(1e-3, num_micro_batches=4, nesterov=True)
-  optax_adama.adama(1e-3, num_micro_batches=4, nesterov=False).init(_params())
+  for falsy in (False, 0, None, np.False_):  # as optax reads it: `if nesterov:`
+    optax_adama.adama(1e-3, num_micro_batches=4, nesterov=falsy).init(_params())
 
 
 def _complex_params():
@@ -500,9 +502,10 @@ def test_complex_params_step_as_optax_adam(nu_estimator):
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
   adama_state = _adama_state(state)
   want_state = optax.adam(0.05).init(params)[0]
+  dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)
   for ours_moment, optax_moment in ((adama_state.mu, want_state.mu),
                                     (adama_state.nu, want_state.nu)):
-    assert jax.tree.map(lambda x: x.dtype, ours_moment) == jax.tree.map(lambda x: x.dtype, optax_moment)
+    assert dtypes(ours_moment) == dtypes(optax_moment)
   assert float(jnp.max(jnp.abs(adama_state.nu["w"].imag))) == 0.0
 
 
@@ -532,18 +535,74 @@ def test_complex_params_fold_the_mean_of_absolute_squares_float64_reference():
 
 def test_real_params_with_complex_moments_match_optax_without_warnings():
   # optax's upstream dtype tests pass mu_dtype=complex64 with real params; the
-  # suite's filterwarnings=error turns any complex-to-real cast into a failure.
+  # suite's filterwarnings=error turns any complex-to-real cast into a failure,
+  # and AdamA runs under strict promotion (only optax's own update needs the
+  # standard one).
   params = _params()
   ours = optax_adama.adama(0.05, num_micro_batches=1, mu_dtype=jnp.complex64)
   ref = optax.adam(0.05, mu_dtype=jnp.complex64)
   state, ref_state = ours.init(params), ref.init(params)
   grads = _grads(params, 0)
-  with jax.numpy_dtype_promotion("standard"):
-    for _ in range(3):
-      updates, state = ours.update(grads, state, params)
+  for _ in range(3):
+    updates, state = ours.update(grads, state, params)
+    with jax.numpy_dtype_promotion("standard"):
       ref_updates, ref_state = ref.update(grads, ref_state, params)
   chex.assert_trees_all_close(updates, ref_updates, rtol=RTOL, atol=ATOL)
-  assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, ref_updates)
+  dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)
+  assert dtypes(updates) == dtypes(ref_updates)
+  # "momentum" at N > 1 adds |m_hat|**2 of the complex m to the real v.
+  momentum = optax_adama.adama(0.05, num_micro_batches=3, mu_dtype=jnp.complex64,
+                               nu_estimator="momentum")
+  state = momentum.init(params)
+  for micro in range(6):
+    updates, state = momentum.update(_grads(params, 0, micro), state, params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("nu_estimator", ["mean", "sum", "momentum"])
+def test_complex_updates_turn_with_the_gradients_phase(nu_estimator):
+  """Gradients times e^{i theta}: m turns with them, v (|g|**2, |m_hat|**2)
+  does not, so every update turns by the same phase. A v of g**2 (or m**2)
+  would turn by twice the phase and break it."""
+  params = _complex_params()
+  phase = jax.lax.complex(jnp.cos(0.7), jnp.sin(0.7))
+  turn = lambda tree: jax.tree.map(
+      lambda g: g * phase.astype(g.dtype) if jnp.iscomplexobj(g) else g, tree)
+  grads = [_complex_grads(params, step, micro) for step in range(3) for micro in range(3)]
+  runs = []
+  for make_grads in (lambda g: g, turn):
+    tx = optax_adama.adama(0.05, num_micro_batches=3, nu_estimator=nu_estimator)
+    state, total = tx.init(params), jax.tree.map(jnp.zeros_like, params)
+    for g in grads:
+      updates, state = tx.update(make_grads(g), state, params)
+      total = jax.tree.map(jnp.add, total, updates)
+    runs.append(total)
+  chex.assert_trees_all_close(runs[1], turn(runs[0]), rtol=RTOL, atol=ATOL)
+
+
+def test_complex_params_with_a_real_second_moment_fold_absolute_squares():
+  # v is real even for complex params: nu_dtype=float32 halves its bytes and
+  # must step as the complex v does (|g|**2, not Re(g)**2).
+  params = _complex_params()
+  runs = []
+  for nu_dtype in (None, jnp.float32):
+    tx = optax_adama.adama(0.05, num_micro_batches=2, nu_dtype=nu_dtype)
+    got, state = _run_adama(tx, params, 5, 2, _complex_grads)
+    runs.append(got)
+  assert _adama_state(state).nu["w"].dtype == jnp.float32
+  chex.assert_trees_all_close(runs[1], runs[0], rtol=RTOL, atol=ATOL)
+
+
+def test_inject_hyperparams_takes_complex_params():
+  # optax casts the hyperparameters to the params' widest dtype, complex64 here
+  # (its choice of that dtype promotes float32 with complex64: standard mode).
+  params = _complex_params()
+  tx = optax_adama.inject_hyperparams(optax_adama.adama)(
+      learning_rate=0.05, num_micro_batches=1)
+  with jax.numpy_dtype_promotion("standard"):
+    got, _ = _run_adama(tx, params, 5, 1, _complex_grads)
+  want = _run_optax(optax.adam(0.05), params, 5, lambda p, s: _complex_grads(p, s))
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 def test_complex_params_train_through_microbatch_step_as_per_micro_batch_updates():
@@ -578,6 +637,12 @@ def test_complex_params_refuse_eight_bit_moments_and_split_naming_the_leaf():
   for estimator in ("split", "auto"):
     with pytest.raises(TypeError, match=r"\['w'\] \(complex64\).*nu_estimator=\"mean\""):
       optax_adama.adama(0.05, num_micro_batches=2, nu_estimator=estimator).init(params)
+  wide = {"w": jax.lax.complex(jnp.ones((8, 8)), jnp.ones((8, 8)))}
+  with pytest.raises(TypeError, match=r"low_rank projects real matrices.*\['w'\]"):
+    optax_adama.low_rank(optax_adama.adama(0.05, num_micro_batches=2), rank=2,
+                         refresh_period=10, min_size=16).init(wide)
+  with pytest.raises(TypeError, match=r"measures real params.*\['w'\]"):
+    optax_adama.diagnose_second_moment(lambda p, b: 0.0, params, [], num_micro_batches=2)
 
 
 def test_nonfinite_entries_never_reach_moments_and_are_counted():

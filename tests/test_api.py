@@ -1,10 +1,12 @@
 """The public surface: what a training script types, documented as optax documents it."""
 
 import dataclasses
+import importlib
 import inspect
 import pathlib
 import re
 
+import jax.numpy as jnp
 import pytest
 
 import optax_adama
@@ -86,11 +88,15 @@ def _documented_signatures():
                                      for p in params]
 
 
-@pytest.mark.parametrize("module, name, documented",
-                         list(_documented_signatures()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_signature_line_of_the_api_reference_is_read():
+  text = (SOURCE.parent / "docs" / "usage.md").read_text()
+  listed = re.findall(r"^- `\w+\(", text[text.index("## API reference"):], re.M)
+  assert len(listed) == len(list(_documented_signatures())) >= 30
+
+
+@pytest.mark.parametrize("module, name, documented", list(_documented_signatures()),
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_the_api_reference_states_each_signature_as_the_code_has_it(module, name, documented):
-  import importlib
-  import jax.numpy as jnp
   obj = getattr(importlib.import_module(module), name)
   prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
   # A class whose __init__ this library writes (nnx.Pytree's metaclass hides
@@ -109,6 +115,8 @@ def test_the_api_reference_states_each_signature_as_the_code_has_it(module, name
     keyword_only |= p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
     default = factories[p.name] if p.name in factories else p.default
     want.append((prefix.get(p.kind, "") + p.name, _REQUIRED if default is p.empty else default))
-  got = [(p, default if default is _REQUIRED else eval(default, {"jnp": jnp}))  # pylint: disable=eval-used
-         for p, default in documented]
-  assert got == want, f"docs/usage.md's {module}.{name} is stale"
+  evaluate = lambda text: eval(text, {"jnp": jnp})  # pylint: disable=eval-used
+  got = [(p, default if default is _REQUIRED else evaluate(default)) for p, default in documented]
+  # With each default's type: a documented 0 is not the code's False.
+  typed = lambda pairs: [(p, type(default), default) for p, default in pairs]
+  assert typed(got) == typed(want), f"docs/usage.md's {module}.{name} is stale"
