@@ -179,16 +179,7 @@ def low_rank(
         lambda n, o: jnp.where(jnp.all(jnp.isfinite(n)), n, o), new, old)
 
   def init_fn(params):
-    # optax's GaLore projects with real SVD factors (its cast drops the
-    # imaginary part of a complex gradient): complex leaves are refused.
-    dims = jax.tree.structure(params).flatten_up_to(dimension_numbers(params))
-    complex_leaves = [jax.tree_util.keystr(path) for (path, p), d in zip(
-        jax.tree_util.tree_leaves_with_path(params), dims)
-                      if d is not None and jnp.iscomplexobj(p)]
-    if complex_leaves:
-      raise TypeError(
-          f"low_rank projects real matrices; these are complex: {', '.join(complex_leaves)}. "
-          "Leave them out with mask=.")
+    _refuse_complex_projections(params, dimension_numbers(params))
     state = galore(1).init(params)  # the period does not enter init.
     return state._replace(projector=jax.tree.map(store, state.projector))
 
@@ -228,6 +219,22 @@ def low_rank(
         projector=jax.tree.map(store, kept))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_complex_projections(params: optax.Params, dimension_numbers: Any) -> None:
+  """Raises a ``TypeError`` naming each complex leaf ``low_rank`` would project.
+
+  optax's GaLore projects with real SVD factors (its cast drops the imaginary
+  part of a complex gradient).
+  """
+  projected = jax.tree.structure(params).flatten_up_to(dimension_numbers)
+  complex_leaves = [jax.tree_util.keystr(path) for (path, p), dims in zip(
+      jax.tree_util.tree_leaves_with_path(params), projected)
+                    if dims is not None and jnp.iscomplexobj(p)]
+  if complex_leaves:
+    raise TypeError(
+        f"low_rank projects real matrices; these are complex: {', '.join(complex_leaves)}. "
+        "Leave them out with mask=.")
 
 
 def _pass_through() -> optax.GradientTransformation:
