@@ -274,21 +274,30 @@ def _check_float_params(params: optax.Params, quantization: Optional[BlockQuanti
         f"never move: {', '.join(bad)}. Keep integer and boolean state out "
         "of the optimized tree (e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)), "
         "or cast them to a float dtype.")
-  complex_leaves = [(path, leaf) for path, leaf in leaves
-                    if jnp.issubdtype(_dtype_of(leaf), jnp.complexfloating)]
-  quantized = [name(path, leaf) for path, leaf in complex_leaves
-               if quantization is not None and quantization.quantizes(jnp.shape(leaf))]
+  quantized = complex_leaf_names(params, [
+      quantization is not None and quantization.quantizes(jnp.shape(leaf))
+      for _, leaf in leaves])
   if quantized:
     raise TypeError(
         f"8-bit moments are real; these complex leaves cannot take them: "
         f"{', '.join(quantized)}. Raise BlockQuantization(min_size=...) above "
         "their size or pass quantization=None.")
+  complex_leaves = complex_leaf_names(params)
   if complex_leaves and nu_estimator in ("split", "auto"):
     raise TypeError(
         f"nu_estimator={nu_estimator!r} takes halves' squared differences, real "
-        f"only; these leaves are complex: "
-        f"{', '.join(name(*x) for x in complex_leaves)}. Pass nu_estimator=\"mean\" "
-        "(the default).")
+        f"only; these leaves are complex: {', '.join(complex_leaves)}. "
+        "Pass nu_estimator=\"mean\" (the default).")
+
+
+def complex_leaf_names(params: optax.Params, selected: Any = None) -> list[str]:
+  """``"['path'] (dtype)"`` of each complex leaf (of those ``selected``, a
+  list aligned with the leaves, is true for), for errors that name them."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  selected = [True] * len(leaves) if selected is None else selected
+  return [f"{jax.tree_util.keystr(path)} ({jnp.dtype(_dtype_of(leaf))})"
+          for (path, leaf), on in zip(leaves, selected)
+          if on and jnp.issubdtype(_dtype_of(leaf), jnp.complexfloating)]
 
 
 def _dtype_of(leaf: Any) -> jnp.dtype:
@@ -853,8 +862,8 @@ def scale_by_adama(
       ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
       :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
       ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
-      true, if ``nu_estimator`` names no estimator, or (at ``update``) if ``num_micro_batches``
-      differs from the ``N`` the state was made with or ``"split"`` gets no
+      true, if ``nu_estimator`` names no estimator, or (at ``update``) if
+      ``num_micro_batches`` differs from the ``N`` the state was made with or ``"split"`` gets no
       ``half_difference`` (``N > 1``).
 
   Examples:

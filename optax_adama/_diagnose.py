@@ -31,6 +31,7 @@ import optax
 from optax_adama._adama import DEFAULT_NU_ESTIMATOR
 from optax_adama._adama import NU_ESTIMATORS
 from optax_adama._adama import check_num_micro_batches
+from optax_adama._adama import complex_leaf_names
 from optax_adama import _floor
 from optax_adama import _steps
 
@@ -243,9 +244,7 @@ def diagnose_second_moment(
     True
   """
   num_micro_batches = check_num_micro_batches(num_micro_batches)
-  complex_leaves = [jax.tree_util.keystr(path)
-                    for path, p in jax.tree_util.tree_leaves_with_path(params)
-                    if jnp.iscomplexobj(p)]
+  complex_leaves = complex_leaf_names(params)
   if complex_leaves:  # its "split" and rho read real squares
     raise TypeError(f"diagnose_second_moment measures real params; these are complex: "
                     f"{', '.join(complex_leaves)}.")

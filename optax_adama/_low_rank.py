@@ -35,6 +35,7 @@ import optax
 from optax.contrib import GaLoreDimensionNumbers
 from optax.contrib import GaLoreState
 
+from optax_adama._adama import complex_leaf_names
 from optax_adama._adama import find_adama_state
 
 __all__ = ["low_rank", "low_rank_mask"]
@@ -228,9 +229,7 @@ def _refuse_complex_projections(params: optax.Params, dimension_numbers: Any) ->
   part of a complex gradient).
   """
   projected = jax.tree.structure(params).flatten_up_to(dimension_numbers)
-  complex_leaves = [jax.tree_util.keystr(path) for (path, p), dims in zip(
-      jax.tree_util.tree_leaves_with_path(params), projected)
-                    if dims is not None and jnp.iscomplexobj(p)]
+  complex_leaves = complex_leaf_names(params, [dims is not None for dims in projected])
   if complex_leaves:
     raise TypeError(
         f"low_rank projects real matrices; these are complex: {', '.join(complex_leaves)}. "
