@@ -1141,11 +1141,13 @@ def mini_batch_chain(
     return MiniBatchChainState(adama=adama_state, inner=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    # Extra arguments (the "split" estimator's half_difference) go to the head.
+    # Extra arguments go to the head (the "split" estimator's half_difference)
+    # and to the transforms (optax.contrib.reduce_on_plateau's value), whose
+    # state keeps the completing call's.
     direction, adama_state = optax.with_extra_args_support(head).update(
         updates, state.adama, params, **extra_args)
     new_updates, inner_state = per_mini_batch_update(
-        inner, direction, adama_state, state.inner, params)
+        inner, direction, adama_state, state.inner, params, **extra_args)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
   head_parts = folding_parts(head)
@@ -1155,13 +1157,17 @@ def mini_batch_chain(
       init_fn, folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
 
 
-def per_mini_batch_update(inner, direction, adama_state, inner_state, params):
-  """``inner`` on AdamA's direction, advanced once per completed mini-batch."""
+def per_mini_batch_update(inner, direction, adama_state, inner_state, params,
+                          **extra_args):
+  """``inner`` on AdamA's direction, advanced once per completed mini-batch.
+
+  ``extra_args`` (e.g. ``value=`` the loss) are passed on to ``inner``.
+  """
   # The transforms run on every call (elementwise work that fuses with the
   # fold), but only a completing call keeps their state, and only an
   # emitting one their output.
   emit = emitted(adama_state)
-  inner_updates, new_inner_state = inner.update(direction, inner_state, params)
+  inner_updates, new_inner_state = inner.update(direction, inner_state, params, **extra_args)
   updates = jax.tree.map(
       lambda u, d: jnp.where(emit, u, jnp.zeros_like(u)).astype(d.dtype),
       inner_updates, direction)

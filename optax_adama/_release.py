@@ -193,6 +193,7 @@ def release_step(
       folded = _adama.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
         staged, parts, params, folded, _adama.inner_of(opt_state),
+        _steps.mean_finite_loss(losses),
         _sharded_update(staged, slices, shard_states, mesh, data_axis), offloaded,
         None if mesh is None else _split_by_layer(
             staged, slices, _release_mesh.partition_specs(_adama.adama_of(shardings.opt_state)),
@@ -290,9 +291,11 @@ def _micro_batches(state, batch, mesh, data_axis):
   return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
 
-def _apply_emitted(staged, parts, params, state, inner_state, sharded_update,
+def _apply_emitted(staged, parts, params, state, inner_state, loss, sharded_update,
                    offloaded=None, split=None):
   """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
+
+  The transforms after AdamA get ``value=loss``, the mini-batch's loss.
 
   ``sharded_update(params, updates)`` applies an update split like the
   moments (ZeRO); ``None``: params and update are whole on every device.
@@ -303,12 +306,12 @@ def _apply_emitted(staged, parts, params, state, inner_state, sharded_update,
   if parts.offload_min_size is not None:
     apply = functools.partial(_apply_by_layer, staged, parts, offloaded=offloaded)
     if sharded_update is None or split is None:
-      return apply(params, state, inner_state)
-    return split(apply, params, state, inner_state)
+      return apply(params, state, inner_state, loss)
+    return split(apply, params, state, inner_state, loss)
   updates = _adama.emitted_direction(state, params, parts.config)
   if parts.inner is not None:
     updates, inner_state = _adama.per_mini_batch_update(
-        parts.inner, updates, state, inner_state, params)
+        parts.inner, updates, state, inner_state, params, value=loss)
   if sharded_update is None:
     return _steps.apply_updates(params, updates), inner_state
   return sharded_update(params, updates), inner_state
@@ -352,14 +355,15 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
                  layer=lambda leaves: local(leaves, stacked_specs),
                  layer_whole=lambda leaves: whole(leaves, stacked_specs))
 
-  def run(apply_by_layer, params, state, inner_state):
+  def run(apply_by_layer, params, state, inner_state, loss):
     replicated = jax.tree.map(lambda _: PartitionSpec(), inner_state)
     specs = _adama.with_estimator(state_specs, state.nu_estimator)
     # Gathered leaves are the same on every device (see _release_mesh.apply_sharded_updates).
     return jax.shard_map(
-        lambda p, st, i: apply_by_layer(p, st, i, split=split), mesh=mesh,
-        in_specs=(PartitionSpec(), specs, replicated),
-        out_specs=(PartitionSpec(), replicated), check_vma=False)(params, state, inner_state)
+        lambda p, st, i, l: apply_by_layer(p, st, i, l, split=split), mesh=mesh,
+        in_specs=(PartitionSpec(), specs, replicated, PartitionSpec()),
+        out_specs=(PartitionSpec(), replicated), check_vma=False)(
+            params, state, inner_state, loss)
 
   return run
 
@@ -367,7 +371,7 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
 _is_spec = lambda x: isinstance(x, PartitionSpec)
 
 
-def _apply_by_layer(staged, parts, params, state, inner_state, offloaded=None,
+def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=None,
                     split: _Split = _WHOLE):
   """``(params, inner_state)`` after the emitted update, a layer at a time.
 
@@ -377,7 +381,8 @@ def _apply_by_layer(staged, parts, params, state, inner_state, offloaded=None,
   m and v, computes its direction, runs ``inner`` on it and adds it to the
   layer's params in place. ``inner`` sees params-shaped trees whose other
   leaves are zeros it does not use (elementwise transforms, checked by their
-  state); its state advances once, from the outer call. ``offloaded``:
+  state); its state advances once, from the outer call, and it gets
+  ``value=loss``, the mini-batch's loss. ``offloaded``:
   :func:`_release_fold.offloaded_state` of the whole state (``None``: of ``state``);
   ``split``: under ZeRO-1/2 in ``shard_map``, each device's slices
   (:func:`_split_by_layer`).
@@ -405,7 +410,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state, offloaded=None,
       return updates, inner_state
     return _adama.per_mini_batch_update(
         inner, updates, state, inner_state,
-        _staged.like(params, staged.merge(outer_params, stacked_params)))
+        _staged.like(params, staged.merge(outer_params, stacked_params)), value=loss)
 
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   outer, stacked = staged.split(params)

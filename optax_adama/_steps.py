@@ -148,17 +148,22 @@ def poison_if_loss_nonfinite(loss, grads):
       lambda g: jnp.where(loss_finite, g, jnp.full_like(g, jnp.nan)), grads)
 
 
+def mean_finite_loss(losses: jax.Array) -> jax.Array:
+  """The mean of the finite entries of ``[N]`` micro-batch losses: the step's loss."""
+  finite = jnp.isfinite(losses)
+  return (jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
+          / jnp.sum(finite.astype(jnp.int32)).astype(losses.dtype))
+
+
 def step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metrics:
   """A step's metrics from its ``[N]`` micro-batch losses and drop counts.
 
   ``loss`` averages the finite losses only; ``dropped`` is a count or ``[N]``
   flags; ``aux`` (stacked per micro-batch) is passed through when given.
   """
-  finite = jnp.isfinite(losses)
-  num_finite = jnp.sum(finite.astype(jnp.int32))
+  num_finite = jnp.sum(jnp.isfinite(losses).astype(jnp.int32))
   metrics: Metrics = {
-      "loss": jnp.sum(jnp.where(finite, losses, jnp.zeros_like(losses)))
-      / num_finite.astype(losses.dtype),
+      "loss": mean_finite_loss(losses),
       "num_nonfinite_losses": losses.shape[0] - num_finite,
       "num_dropped": jnp.sum(jnp.asarray(dropped).astype(jnp.int32)),
   }

@@ -721,6 +721,30 @@ def test_mini_batch_chain_requires_adama_head():
     tx.init({"w": jnp.zeros(1)})
 
 
+def test_mini_batch_chain_passes_extra_args_on_as_optax_multisteps_does():
+  # Identical micro-batch gradients make AdamA's v Adam's, so the two chains
+  # agree to rounding; in both the plateau transform keeps the value of the
+  # call that completes the mini-batch. rtol 0.9: no value after the first
+  # counts as an improvement, so with patience 1 the scale halves on
+  # mini-batches 2 and 3.
+  plateau = lambda: optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.9)
+  ours = optax_adama.mini_batch_chain(
+      optax_adama.scale_by_adama(num_micro_batches=2), optax.scale(-0.1), plateau())
+  ref = optax.MultiSteps(optax.chain(optax.scale_by_adam(), optax.scale(-0.1), plateau()),
+                         every_k_schedule=2)
+  params = {"w": jnp.array([1.0, -2.0])}
+  with jax.numpy_dtype_promotion("standard"):  # optax's own transforms need it
+    state, ref_state = ours.init(params), ref.init(params)
+    for call in range(6):
+      grads = {"w": jnp.array([0.5, 0.25]) * (call // 2 + 1)}
+      value = jnp.asarray(10.0 - call)
+      updates, state = ours.update(grads, state, params, value=value)
+      ref_updates, ref_state = ref.update(grads, ref_state, params, value=value)
+      np.testing.assert_allclose(updates["w"], ref_updates["w"], rtol=1e-6)
+  assert float(optax.tree.get(state, "scale")) == 0.25
+  assert float(optax.tree.get(state, "best_value")) == 9.0  # the first completing call's
+
+
 def test_all_dropped_mini_batch_counts_for_bias_correction_and_schedule_alike():
   seen = []
   def schedule(count):
