@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import operator
 import weakref
@@ -1130,7 +1131,7 @@ def mini_batch_chain(
     >>> int(state.adama.count), state.adama.num_micro_batches
     (0, 2)
   """
-  inner = optax.chain(*transforms)
+  inner = optax.chain(*map(_taking_its_extra_args, transforms))
 
   def init_fn(params):
     adama_state = head.init(params)
@@ -1155,6 +1156,35 @@ def mini_batch_chain(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
   return optax.GradientTransformationExtraArgs(
       init_fn, folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
+
+
+def _taking_its_extra_args(
+    tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` handed only the extra arguments its ``update`` takes.
+
+  The fused steps pass ``value=`` (the mini-batch's loss) that no caller asked
+  for; ``optax.chain`` would hand it to every transform with extra-argument
+  support, and one without ``**kwargs`` (``optax.contrib.sam``) would raise.
+  """
+  if not isinstance(tx, optax.GradientTransformationExtraArgs):
+    return tx  # optax.chain drops extra arguments for it itself
+  try:
+    signature = inspect.signature(tx.update)
+  except (TypeError, ValueError):  # no signature to read: hand it everything
+    return tx
+  kinds = [p.kind for p in signature.parameters.values()]
+  if inspect.Parameter.VAR_KEYWORD in kinds:
+    return tx
+  # After (updates, state, params): the names it takes as keywords.
+  names = {name for i, (name, p) in enumerate(signature.parameters.items())
+           if p.kind is inspect.Parameter.KEYWORD_ONLY
+           or (i >= 3 and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+
+  def update_fn(updates, state, params=None, **extra_args):
+    taken = {k: v for k, v in extra_args.items() if k in names}
+    return tx.update(updates, state, params, **taken)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def per_mini_batch_update(inner, direction, adama_state, inner_state, params,

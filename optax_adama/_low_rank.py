@@ -186,7 +186,8 @@ def low_rank(
 
   def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
     del params  # the moments have the projected shapes; see the docstring.
-    del extra_args  # optax.chain hands every extra argument to all.
+    # optax's GaLore calls its base without extra arguments: bind them to it.
+    base = _with_extra_args(inner, extra_args)
     adama_state = find_adama_state(state.base_optimizer_state)
     num_micro_batches = 1 if adama_state is None else adama_state.num_micro_batches
     period = refresh_period * num_micro_batches
@@ -194,7 +195,7 @@ def low_rank(
     # its cond needs the kept projector in that dtype too (exact from bf16).
     wide = jax.tree.map(lambda p, g: p.astype(g.dtype), state.projector, updates)
     if half_difference is None:
-      new_updates, new_state = galore(period).update(
+      new_updates, new_state = galore(period, base).update(
           updates, state._replace(projector=wide))
       kept = keep_finite(new_state.projector, wide)
       return new_updates, new_state._replace(projector=jax.tree.map(store, kept))
@@ -210,7 +211,7 @@ def low_rank(
     dims = dimension_numbers(updates)
     pair_projector = (kept, jax.tree.map(
         lambda p, d: p.astype(d.dtype), kept, half_difference))
-    (new_updates, _), new_state = galore(2, _with_half_difference(inner), (dims, dims)).update(
+    (new_updates, _), new_state = galore(2, _with_half_difference(base), (dims, dims)).update(
         (updates, half_difference),
         GaLoreState(count=jnp.ones([], jnp.int32),
                     base_optimizer_state=state.base_optimizer_state,
@@ -240,6 +241,17 @@ def _pass_through() -> optax.GradientTransformation:
   """Returns its updates and whatever state it is handed, untouched."""
   return optax.GradientTransformation(
       lambda params: optax.EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+def _with_extra_args(inner: optax.GradientTransformation,
+                     extra_args: dict[str, Any]) -> optax.GradientTransformation:
+  """``inner`` with ``extra_args`` (e.g. ``value=``) given to every ``update``."""
+  update = optax.with_extra_args_support(inner).update
+
+  def update_fn(updates, state, params=None, **more):
+    return update(updates, state, params, **extra_args, **more)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _with_half_difference(inner: optax.GradientTransformation) -> optax.GradientTransformation:

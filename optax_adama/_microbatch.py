@@ -151,10 +151,10 @@ def microbatch_step(
     ``metrics["num_nonfinite_losses"]`` counts the others,
     ``metrics["num_dropped"]`` counts the micro-batches dropped, and with
     ``has_aux`` ``metrics["aux"]`` holds each micro-batch's aux, stacked.
-    Every ``update`` gets ``value=`` the loss of the gradient it is given (a
-    micro-batch's, or the mini-batch's for gradient accumulation and for the
-    transforms of :func:`mini_batch_chain`), which transforms such as
-    ``optax.contrib.reduce_on_plateau`` read; others ignore it.
+    The transforms of a bare :func:`mini_batch_chain` get ``value=`` the
+    mini-batch's loss (``metrics["loss"]``; NaN when every micro-batch was
+    dropped), as ``optax.contrib.reduce_on_plateau`` reads it; ``update``
+    gets no extra arguments on the other paths.
 
   Raises:
     ValueError: at construction if ``num_micro_batches < 1``. At the first
@@ -413,7 +413,7 @@ def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micr
     else:
       loss, aux, grads = placement.loss_and_grads(params, micro_batch)
       (grads, dropped), extra_args = _zero_nonfinite(loss, grads), {}
-    updates, opt_state = update(grads, opt_state, params, value=loss, **extra_args)
+    updates, opt_state = update(grads, opt_state, params, **extra_args)
     emitted = _adama.emitted(find_adama_state(opt_state)) if adama else None
     params = placement.apply_updates(params, updates, emitted)
     return (params, opt_state), (loss, aux, dropped)
@@ -501,8 +501,7 @@ def _accumulated_gradient_update(
   num_micro_batches = jax.tree.leaves(micro_batches)[0].shape[0]
   grads = jax.tree.map(
       lambda s, p: s.astype(p.dtype) / num_micro_batches, grad_sum, params)
-  updates, opt_state = optax.with_extra_args_support(tx).update(
-      grads, opt_state, params, value=_steps.mean_finite_loss(outputs[0]))
+  updates, opt_state = tx.update(grads, opt_state, params)
   # Every micro-batch dropped: a zero-gradient step for the optimizer state,
   # none for params (AdamA's rule).
   any_kept = ~jnp.all(outputs[2])

@@ -332,7 +332,7 @@ _WHOLE = _Split(*[_release_fold.identity] * 4)
 
 
 def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
-  """``(apply_by_layer, params, state, inner_state) -> (params, inner_state)``
+  """``(apply_by_layer, params, state, inner_state, loss) -> (params, inner_state)``
   for offloaded moments under ZeRO-1/2: :func:`_apply_by_layer` in
   ``shard_map``, each device on its slice of each layer's moments (brought
   in from host memory), adding it to its slice of the params and gathering

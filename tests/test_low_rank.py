@@ -239,3 +239,22 @@ def test_rank_and_period_must_be_positive_ints(bad):
     optax_adama.low_rank(inner, rank=bad, refresh_period=1)
   with pytest.raises(ValueError, match="refresh_period"):
     optax_adama.low_rank(inner, rank=1, refresh_period=bad)
+
+
+def test_extra_arguments_reach_the_transforms_after_adama():
+  # optax's GaLore calls its base without extra arguments; low_rank binds them,
+  # so optax.contrib.reduce_on_plateau after AdamA reads the completing call's
+  # value. rtol 0.9: no later value counts as an improvement.
+  tx = optax_adama.low_rank(
+      optax_adama.mini_batch_chain(
+          optax_adama.scale_by_adama(num_micro_batches=2), optax.scale(-1e-2),
+          optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.9)),
+      rank=2, refresh_period=10, min_size=0)
+  params = {"w": jnp.ones((8, 4))}
+  state = tx.init(params)
+  with jax.numpy_dtype_promotion("standard"):  # optax's transforms need it
+    for call in range(6):
+      grads = {"w": jnp.full((8, 4), 0.1 * (call + 1))}
+      _, state = tx.update(grads, state, params, value=jnp.asarray(10.0 - call))
+  assert float(optax.tree.get(state, "best_value")) == 9.0
+  assert float(optax.tree.get(state, "scale")) == 0.25

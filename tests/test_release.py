@@ -281,26 +281,36 @@ def test_offloaded_moments_stay_in_host_memory():
 
 def _plateau_after_one_step():
   # rtol 0.9: after the first mini-batch no loss counts as an improvement, so
-  # with patience 1 the scale halves on the second.
+  # with patience 1 the scale halves on the second, and the best value stays
+  # the first mini-batch's loss.
   return optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.9)
 
 
+def _without_kwargs():
+  # Extra-argument support without **kwargs, as optax.contrib.sam's update.
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+@pytest.mark.parametrize("make_step", [optax_adama.release_step, optax_adama.microbatch_step])
 @pytest.mark.parametrize("offload", [False, True], ids=["on_device", "offloaded"])
-def test_reduce_on_plateau_reads_the_mini_batch_loss_as_in_microbatch_step(offload):
-  # Both steps pass value= the mini-batch's loss to the transforms after AdamA
-  # (with offloaded moments release_step runs them a layer at a time).
+def test_transforms_after_adama_read_the_mini_batch_loss_as_value(make_step, offload):
+  # Both fused steps pass value= the mini-batch's loss to the transforms after
+  # AdamA (with offloaded moments release_step runs them a layer at a time),
+  # each transform getting only the extra arguments its update takes.
   tx = optax_adama.mini_batch_chain(
       optax_adama.scale_by_adama(num_micro_batches=2), optax.scale(-1e-2),
-      _plateau_after_one_step())
+      _without_kwargs(), _plateau_after_one_step())
   if offload:
     tx = optax_adama.offload_moments(tx)
-  batches = [make_batch(seed) for seed in range(3)]
+  step, params = make_step(staged_loss(), tx), make_params()
+  state, losses = tx.init(params), []
   with jax.numpy_dtype_promotion("standard"):  # optax's transform adds float and int
-    (params, state, _), (ref_params, ref_state, _) = run_both(tx, batches)
-  assert_trees_close(params, ref_params)
-  assert_trees_close(state, ref_state)
-  plateau = optax.tree.get(state, "scale")
-  assert float(plateau) == 0.25  # halved on mini-batches 2 and 3
+    for seed in range(3):
+      params, state, metrics = step(params, state, make_batch(seed))
+      losses.append(float(metrics["loss"]))
+  assert float(optax.tree.get(state, "best_value")) == pytest.approx(losses[0], rel=1e-6)
+  assert float(optax.tree.get(state, "scale")) == 0.25  # halved on mini-batches 2 and 3
 
 
 def test_offloaded_moments_refuse_what_the_layer_loop_cannot_run():
