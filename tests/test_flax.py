@@ -127,3 +127,20 @@ def test_linen_train_state_matches_microbatch_step():
   # TrainState.step counts update calls (micro-batches); AdamA counts mini-batches.
   assert int(state.step) == 4 * NUM_MICRO
   assert int(optax_adama.find_adama_state(state.opt_state).count) == 4
+
+
+def test_nnx_optimizer_moments_carry_the_params_sharding_names():
+  # Flax's own optimizer test, with AdamA in Adam's place: a kernel annotated
+  # with nnx.with_partitioning gives m and v the same logical axes, so
+  # nnx.get_partition_spec shards the moments as the params.
+  mesh = jax.make_mesh((1, 1), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(2, 3, use_bias=False, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), sharding=("a", "b")))
+    optimizer = nnx.Optimizer(model, optax_adama.adamaw(0.1, num_micro_batches=2),
+                              wrt=nnx.Param)
+  adama_state = nnx.state(optimizer)["opt_state"]["adama"]
+  specs = nnx.get_partition_spec(nnx.state(optimizer))["opt_state"]["adama"]
+  for moment in ("mu", "nu"):
+    assert adama_state[moment]["kernel"].out_sharding == ("a", "b")
+    assert specs[moment]["kernel"].get_value() == jax.sharding.PartitionSpec("a", "b")
