@@ -58,8 +58,35 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
         f"num_micro_batches={num_micro_batches} equal micro-batches: pass a batch of "
         f"a multiple of {num_micro_batches} rows (e.g. "
         f"{batch_size - batch_size % num_micro_batches or num_micro_batches}).")
-  return optax.microbatching.reshape_batch_axis(
-      batch, batch_size // num_micro_batches)
+  return jax.tree.map(functools.partial(
+      _column_major_split, micro_batch_size=batch_size // num_micro_batches), batch)
+
+
+def _column_major_split(x: jax.Array, micro_batch_size: int) -> jax.Array:
+  """``[B, ...]`` to ``[B // micro_batch_size, micro_batch_size, ...]``, column-major.
+
+  :func:`optax.microbatching.reshape_batch_axis`, which optax 0.2.8 runs on a
+  mesh with explicit axes only when ``jax.__version__ >= "0.7.0"`` compares
+  true as strings (it does not for JAX 0.10): there the reshape must name its
+  output sharding, the batch axis's moving to the micro-batch rows.
+  """
+  shape = (-1, micro_batch_size) + x.shape[1:]
+  explicit = _explicit_sharding(x)
+  if explicit is None:
+    return x.reshape(shape, order="F")
+  mesh, spec = explicit
+  return x.reshape(shape, order="F",
+                   out_sharding=jax.sharding.NamedSharding(mesh, jax.P(None, *spec)))
+
+
+def _explicit_sharding(x: jax.Array) -> Optional[tuple[jax.sharding.Mesh, tuple[Any, ...]]]:
+  """``(mesh, spec of every axis)`` of ``x``'s type on a mesh whose axes are
+  all explicit (sharding in types); ``None`` elsewhere."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names or not mesh.are_all_axes_explicit:
+    return None
+  return mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
 
 def _halvable(micro_batches, num_devices: int) -> bool:
@@ -100,9 +127,18 @@ def resolve_halves(state, micro_batches, num_devices: int = 1):
 
 
 def halves(micro_batch):
-  """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves."""
-  return jax.tree.map(
-      lambda x: x.reshape((2, x.shape[0] // 2) + x.shape[1:]), micro_batch)
+  """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves.
+
+  The first and second half of the rows; on a mesh with explicit axes, rows
+  ``0, 2, 4, ...`` and ``1, 3, 5, ...`` (a reshape there must keep the rows'
+  sharding in its type, and two halves of a sharded axis have none).
+  """
+  def split(x):
+    if _explicit_sharding(x) is not None:
+      return _column_major_split(x, x.shape[0] // 2)
+    return x.reshape((2, x.shape[0] // 2) + x.shape[1:])
+
+  return jax.tree.map(split, micro_batch)
 
 
 def mean_of_halves(pairs):

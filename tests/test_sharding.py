@@ -203,9 +203,69 @@ def _worker(full):
     out["zero2_split"]["too_few_rows"] = str(e)
   out["offloaded"] = _offloaded_worker(mesh, tx, ref)
   out["release"] = _release_worker(mesh, full)
+  out["explicit"] = _explicit_worker()
   out["bad_input"] = _bad_input_worker(mesh)
   out["fsdp_staged"] = _fsdp_staged_worker(mesh)
   return out
+
+
+def _explicit_worker():
+  """The steps on a mesh whose axis is explicit (sharding in types), the batch's
+  rows split over it, against the same steps on one device: a reshape there
+  must name its output's sharding, so the micro-batch split and the halves of
+  "split" take their own path."""
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  rows = jax.sharding.NamedSharding(mesh, PartitionSpec("data"))
+  replicated = jax.sharding.NamedSharding(mesh, PartitionSpec())
+
+  def run(tx, on_mesh, batch_sharding=rows, release=False):
+    if release:
+      import test_release  # pylint: disable=g-import-not-at-top
+      step = optax_adama.release_step(test_release.staged_loss(), tx)
+      params = test_release.make_params()
+      batch = lambda seed: test_release.make_batch(seed, size=BATCH)
+    else:
+      step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO)
+      params, batch = _params(), _batch
+    if not on_mesh:
+      return _steps_of(step, params, tx.init(params), batch)
+    with jax.set_mesh(mesh):
+      params = jax.device_put(params, replicated)
+      return _steps_of(step, params, tx.init(params),
+                       lambda seed: jax.device_put(batch(seed), batch_sharding))
+
+  adamaw = lambda estimator: optax_adama.adamaw(
+      1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO, nu_estimator=estimator)
+  def diff(case):
+    if case == "split":
+      # Its halves there are rows 0, 2, 4, ... and 1, 3, 5, ...: other halves than
+      # on one device, the same on the mesh whether the rows are split or not.
+      return _max_diff(run(adamaw("split"), True),
+                       run(adamaw("split"), True, batch_sharding=replicated))
+    if case == "release":
+      return _max_diff(run(adamaw("mean"), True, release=True),
+                       run(adamaw("mean"), False, release=True))
+    make_tx = (lambda: adamaw("mean")) if case == "mean" else (lambda: optax.adam(1e-2))
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+      return _max_diff(run(make_tx(), True), run(make_tx(), False))
+
+  with jax.set_mesh(mesh):
+    batch = jax.device_put(_batch(0), rows)
+    split = jax.jit(lambda b: _steps.split_micro_batches(b, NUM_MICRO))(batch)
+  out = {"split_spec": str(jax.typeof(split["x"]).sharding.spec)}
+  for case in ("mean", "accumulation", "split", "release"):
+    try:  # an error fails this case's test, not the whole subprocess
+      out[case] = diff(case)
+    except Exception as error:  # pylint: disable=broad-exception-caught
+      out[case] = f"{type(error).__name__}: {error}"[:500]
+  return out
+
+
+def _steps_of(step, params, state, batch):
+  for seed in range(2):
+    params, state, _ = step(params, state, batch(seed))
+  return params
 
 
 def _offloaded_worker(mesh, tx, ref):
@@ -1134,6 +1194,21 @@ def test_release_step_rejects_what_it_does_not_support():
 
 if __name__ == "__main__":
   print(json.dumps(_worker(full=sys.argv[1:] == ["full"])))
+
+
+def test_explicit_axes_keep_each_micro_batchs_rows_split(eight_devices):
+  # [N, B / N, features]: the rows of every micro-batch over the devices, as on
+  # an automatic mesh. (A reshape that does not name its output sharding put
+  # the devices on the features.)
+  assert eight_devices["explicit"]["split_spec"] == str(PartitionSpec(None, "data", None))
+
+
+@pytest.mark.parametrize("case", ["mean", "accumulation", "split", "release"])
+def test_steps_run_on_a_mesh_with_explicit_axes(eight_devices, case):
+  # On one device and on the mesh the same math, the cross-device sums in
+  # another order (float32); "split" on the mesh with its rows split or not.
+  result = eight_devices["explicit"][case]
+  assert isinstance(result, float) and result < 1e-6, result
 
 
 def test_zero2_gradient_accumulation_keeps_a_sharded_accumulator(eight_devices):
