@@ -14,7 +14,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_adama import _adama
 from optax_adama._adama import check_num_micro_batches
@@ -65,10 +64,11 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
 def _column_major_split(x: jax.Array, micro_batch_size: int) -> jax.Array:
   """``[B, ...]`` to ``[B // micro_batch_size, micro_batch_size, ...]``, column-major.
 
-  :func:`optax.microbatching.reshape_batch_axis`, which optax 0.2.8 runs on a
-  mesh with explicit axes only when ``jax.__version__ >= "0.7.0"`` compares
-  true as strings (it does not for JAX 0.10): there the reshape must name its
-  output sharding, the batch axis's moving to the micro-batch rows.
+  What :func:`optax.microbatching.reshape_batch_axis` does, written here
+  because optax 0.2.8 compares JAX versions as strings and so, on JAX 0.10,
+  skips its explicit-mesh branch. On a mesh with explicit axes the reshape
+  must name its output sharding: the batch axis's moves to the micro-batch
+  rows.
   """
   shape = (-1, micro_batch_size) + x.shape[1:]
   explicit = _explicit_sharding(x)
