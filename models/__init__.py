@@ -1,4 +1,4 @@
-"""Flax NNX transformers (GPT-2, BERT, ViT) used to validate AdamA against Adam.
+"""Flax NNX transformers (GPT-2, BERT, ViT, Llama) used to validate AdamA against Adam.
 
 `PRESETS` names every configuration; `create` builds a model from a preset name
 or a config; `param_count` counts parameters without allocating them; and
@@ -13,7 +13,7 @@ or a config; `param_count` counts parameters without allocating them; and
 Data loaders live in `models.data`.
 
 This package is two layers. The model zoo is this front and `gpt`, `bert`,
-`vit`, `layers`, `savers` and `data`; it imports `optax_adama` and nothing of
+`vit`, `llama`, `layers`, `savers` and `data`; it imports `optax_adama` and nothing of
 the harness. Everything here is how a user builds a model and turns it into
 `loss_fn(params, batch)`: the presets and configs, the model classes,
 `create`/`create_abstract`/`get_config`/`param_count`, and the loss builders
@@ -41,10 +41,11 @@ from models.bert import BERT, BERTConfig
 from models.gpt import GPT, GPTConfig
 from models import layers
 from models.layers import COMPUTE_DTYPES, REMAT_POLICIES
+from models.llama import Llama, LlamaConfig
 from models.vit import ViT, ViTConfig
 
-Config = Union[GPTConfig, BERTConfig, ViTConfig]
-Model = Union[GPT, BERT, ViT]
+Config = Union[GPTConfig, BERTConfig, ViTConfig, LlamaConfig]
+Model = Union[GPT, BERT, ViT, Llama]
 Batch = dict[str, jax.Array]
 
 PRESETS: dict[str, Config] = {
@@ -63,12 +64,19 @@ PRESETS: dict[str, Config] = {
     "vit_tiny": ViTConfig.tiny(),
     "vit_mnist": ViTConfig.mnist(),  # 28x28 MNIST-5k (models.data.load_mnist_5k)
     "vit_test": ViTConfig.test(),
+    "llama2_7b": LlamaConfig.llama2_7b(),
+    "llama3_8b": LlamaConfig.llama3_8b(),
+    "llama32_1b": LlamaConfig.llama32_1b(),
+    "llama_small": LlamaConfig.small(),
+    "llama_tiny": LlamaConfig.tiny(),
+    "llama_test": LlamaConfig.test(),
 }
 
 _MODEL_CLASSES: dict[type, type[nnx.Module]] = {
     GPTConfig: GPT,
     BERTConfig: BERT,
     ViTConfig: ViT,
+    LlamaConfig: Llama,
 }
 
 
@@ -104,7 +112,7 @@ def create(name_or_config: str | Config, *, rngs: nnx.Rngs, **overrides: Any) ->
     **overrides: config fields to replace, e.g. `remat="full"`.
 
   Returns:
-    A `GPT`, `BERT` or `ViT` module.
+    A `GPT`, `BERT`, `ViT` or `Llama` module.
   """
   config = get_config(name_or_config, **overrides)
   return _MODEL_CLASSES[type(config)](config, rngs=rngs)
@@ -210,6 +218,8 @@ __all__ = [
     "Config",
     "GPT",
     "GPTConfig",
+    "Llama",
+    "LlamaConfig",
     "Model",
     "PRESETS",
     "COMPUTE_DTYPES",

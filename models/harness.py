@@ -141,7 +141,7 @@ def plot_loss_curves(runs: Sequence[dict[str, Any]], label: Callable[[dict], str
 def abstract_batch(config: models.Config, batch_size: int, seq_len: int | None = None) -> dict:
   """ShapeDtypeStructs of a batch in the format the model's loss expects."""
   sds = jax.ShapeDtypeStruct
-  if isinstance(config, models.GPTConfig):
+  if isinstance(config, (models.GPTConfig, models.LlamaConfig)):
     seq_len = seq_len or config.max_len
     return {"tokens": sds((batch_size, seq_len + 1), jnp.int32)}
   if isinstance(config, models.BERTConfig):
@@ -177,12 +177,15 @@ def tokens_per_example(model_config: models.Config, batch: dict) -> int:
     return model_config.num_patches + 1
   length = batch["tokens"].shape[1]
   # GPT batches carry one extra token: the last target.
-  return length - 1 if isinstance(model_config, models.GPTConfig) else length
+  causal_lm = isinstance(model_config, (models.GPTConfig, models.LlamaConfig))
+  return length - 1 if causal_lm else length
 
 
 # A training run.
 
-MODEL_KINDS = ("gpt", "bert", "vit")
+MODEL_KINDS = ("gpt", "bert", "vit", "llama")
+# The causal language models: next-token batches of text (models.data.lm_batches).
+CAUSAL_LM_KINDS = ("gpt", "llama")
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
 # AdamA's estimators of v, and the library's default (optax_adama.adamaw's).
@@ -214,7 +217,7 @@ class TrainConfig:
   dtype: str = "float32"
   gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
   linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
-  loss_chunks: int = 1  # gpt: the LM head's loss over this many chunks of tokens.
+  loss_chunks: int = 1  # gpt, llama: the LM head's loss over this many chunks of tokens.
   scan_layers: bool = False  # blocks stacked under one lax.scan (what models.plan plans).
   # AdamA's gradient release (optax_adama.release_step): each scanned layer's
   # gradient folded and dropped in the backward scan. Needs scan_layers, adama.
@@ -326,8 +329,14 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 def model_config_of(config: TrainConfig) -> models.Config:
   """The model config of a run: its preset with the run's remat, savers and layout."""
-  if config.loss_chunks != 1 and config.model != "gpt":
-    raise ValueError(f"loss_chunks is GPT's (its tied LM head), not {config.model!r}'s.")
+  if config.loss_chunks != 1 and config.model not in CAUSAL_LM_KINDS:
+    raise ValueError(f"loss_chunks is a causal LM's ({CAUSAL_LM_KINDS}: its LM head), not "
+                     f"{config.model!r}'s.")
+  if config.model == "llama":
+    max_len = models.get_config(config.preset_name).max_len
+    if config.seq_len > max_len:
+      raise ValueError(f"seq_len={config.seq_len} is longer than {config.preset_name}'s "
+                       f"max_len={max_len}; pass --seq-len {max_len} or less.")
   chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
   return models.get_config(config.preset_name, remat=config.remat, gelu_bits=config.gelu_bits,
                            dtype=jnp.dtype(config.dtype),
@@ -375,7 +384,7 @@ def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], l
     text = (data.load_text(config.data_path) if config.data_path
             else data.load_stdlib_text(max_bytes=config.max_bytes))
     seq_len = min(config.seq_len, model_config.max_len)
-    batches = data.lm_batches if config.model == "gpt" else data.mlm_batches
+    batches = data.lm_batches if config.model in CAUSAL_LM_KINDS else data.mlm_batches
     train = batches(text.train, batch_size=config.batch_size, seq_len=seq_len,
                     seed=config.seed)
     # Held-out masks are drawn from a fixed seed: every run scores the same task.

@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by the GPT, BERT and ViT models.
+"""Transformer building blocks shared by the GPT, BERT, ViT and Llama models.
 
 Everything here is deterministic (no dropout) so that a model's loss is a pure
 function of its parameters and a batch, which is what `lax.scan` over
@@ -10,12 +10,14 @@ broadcasts are explicit and mixed dtypes are cast by hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -343,14 +345,258 @@ class Block(nnx.Module):
     return self.ln2(x + self.mlp(x))
 
 
-def _apply_block(block: Block, x: Array, mask: Array | None) -> Array:
+# Llama-family building blocks: RMSNorm, rotary positions, grouped-query
+# attention and the SwiGLU MLP, all without biases (Touvron et al., 2023;
+# the layout of MaxText's llama2 decoder and Flax's Gemma example).
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1/3.2's rotary frequency rescaling ("rope_type": "llama3").
+
+  Long wavelengths are stretched by `factor`, short ones kept, and the band
+  between `original_max_len / low_freq_factor` and
+  `original_max_len / high_freq_factor` interpolated: the checkpoints of
+  Llama 3.1 and 3.2 were trained with these frequencies, so a model that
+  loads them must use the same.
+  """
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+
+def rotary_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> np.ndarray:
+  """The rotary embedding's angular frequencies, ``head_dim / 2`` of them (float64)."""
+  if head_dim % 2:
+    raise ValueError(f"rotary embeddings rotate pairs: head_dim must be even, got {head_dim}.")
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is None:
+    return inv_freq
+  wavelength = 2 * np.pi / inv_freq
+  low_freq_wavelength = scaling.original_max_len / scaling.low_freq_factor
+  high_freq_wavelength = scaling.original_max_len / scaling.high_freq_factor
+  smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  medium = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  scaled = np.where(wavelength > low_freq_wavelength, inv_freq / scaling.factor, inv_freq)
+  in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+  return np.where(in_band, medium, scaled)
+
+
+def apply_rotary(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+  """Rotates ``x`` ([batch, length, heads, head_dim]) by its positions' angles.
+
+  The "rotate half" layout of GPT-NeoX and Hugging Face's Llama: coordinate i
+  pairs with i + head_dim / 2. Computed in float32, returned in x's dtype.
+
+  Args:
+    x: queries or keys, [batch, length, heads, head_dim].
+    positions: [length] integer positions.
+    inv_freq: [head_dim / 2] frequencies (`rotary_inverse_frequencies`).
+  """
+  angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  first, second = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-second, first], axis=-1)
+  return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square LayerNorm (no centring, no bias), statistics in float32."""
+
+  def __init__(
+      self,
+      features: int,
+      *,
+      epsilon: float,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer; arguments as in `LayerNorm`."""
+    del rngs
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+
+  def __call__(self, x: Array) -> Array:
+    """Normalises the last axis of `x`; returns `dtype`."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    features = (1,) * (x.ndim - 1) + (-1,)
+    return (y * self.scale[...].astype(jnp.float32).reshape(features)).astype(self.dtype)
+
+
+class GroupedQueryAttention(nnx.Module):
+  """Causal self-attention with rotary positions and `num_kv_heads` shared key/value heads.
+
+  Each group of ``num_heads // num_kv_heads`` query heads reads one key/value
+  head (Ainslie et al., 2023); ``num_kv_heads == num_heads`` is multi-head
+  attention. The softmax is computed in float32.
+  """
+
+  def __init__(
+      self,
+      hidden: int,
+      num_heads: int,
+      num_kv_heads: int,
+      *,
+      head_dim: int,
+      rope_theta: float,
+      rope_scaling: RopeScaling | None = None,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
+
+    Args:
+      hidden: model width.
+      num_heads: query heads; a multiple of `num_kv_heads`.
+      num_kv_heads: key/value heads.
+      head_dim: width of one head (even: the rotary embedding rotates pairs).
+      rope_theta: the rotary embedding's base.
+      rope_scaling: Llama 3.1/3.2's frequency rescaling, or None.
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+      out_init: init of the output projection.
+      rngs: random streams for initialisation.
+    """
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling
+    self.dtype = dtype
+    linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+    self.q = linear(hidden, num_heads * head_dim, kernel_init=DEFAULT_INIT)
+    self.k = linear(hidden, num_kv_heads * head_dim, kernel_init=DEFAULT_INIT)
+    self.v = linear(hidden, num_kv_heads * head_dim, kernel_init=DEFAULT_INIT)
+    self.out = linear(num_heads * head_dim, hidden, kernel_init=out_init)
+
+  def __call__(self, x: Array, mask: Array | None = None) -> Array:
+    """Attends over the sequence (positions 0 .. length - 1).
+
+    Args:
+      x: [batch, length, hidden] inputs.
+      mask: optional bool mask of rank 4, broadcastable to
+        [batch, heads, query, key]; True where attention is allowed.
+
+    Returns:
+      [batch, length, hidden] outputs.
+    """
+    batch, length, _ = x.shape
+    kv_heads, groups, head_dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+    q = checkpoint_name(self.q(x), "qkv").reshape(batch, length, self.num_heads, head_dim)
+    k = checkpoint_name(self.k(x), "qkv").reshape(batch, length, kv_heads, head_dim)
+    v = checkpoint_name(self.v(x), "qkv").reshape(batch, length, kv_heads, head_dim)
+    inv_freq = rotary_inverse_frequencies(head_dim, self.rope_theta, self.rope_scaling)
+    positions = jnp.arange(length)
+    q = apply_rotary(q, positions, inv_freq) * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    k = apply_rotary(k, positions, inv_freq)
+    # Query head h reads key/value head h // groups (Hugging Face's repeat_kv).
+    q = q.reshape(batch, length, kv_heads, groups, head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
+    scores = scores.reshape(batch, self.num_heads, length, length)
+    if mask is not None:
+      scores = jnp.where(mask, scores, float(jnp.finfo(jnp.float32).min))
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = probs.reshape(batch, kv_heads, groups, length, length)
+    context = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    context = context.reshape(batch, length, self.num_heads * head_dim)
+    context = checkpoint_name(context, "attention_context")
+    return checkpoint_name(self.out(context), "attention_out")
+
+
+class GatedMLP(nnx.Module):
+  """SwiGLU feed-forward network: down(silu(gate(x)) * up(x)), no biases (Shazeer, 2020)."""
+
+  def __init__(
+      self,
+      hidden: int,
+      mlp_dim: int,
+      *,
+      linear_keep_ratio: float | None = None,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer; `linear_keep_ratio` as in `MLP` (the down projection)."""
+    self.linear_keep_ratio = linear_keep_ratio
+    linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+    self.gate = linear(hidden, mlp_dim, kernel_init=DEFAULT_INIT)
+    self.up = linear(hidden, mlp_dim, kernel_init=DEFAULT_INIT)
+    self.down = linear(mlp_dim, hidden, kernel_init=out_init)
+
+  def __call__(self, x: Array) -> Array:
+    """Applies the gated MLP to [..., hidden] inputs."""
+    gate = checkpoint_name(self.gate(x), "mlp_hidden")
+    up = checkpoint_name(self.up(x), "mlp_hidden")
+    h = jax.nn.silu(gate) * up
+    if self.linear_keep_ratio is None:
+      return checkpoint_name(self.down(h), "mlp_out")
+    kernel = self.down.kernel[...].astype(h.dtype)
+    out = savers.sampled_matmul(h, kernel, savers.key_from_bits(h), self.linear_keep_ratio)
+    return checkpoint_name(out, "mlp_out")
+
+
+class LlamaBlock(nnx.Module):
+  """A Llama decoder block: x + attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+  def __init__(
+      self,
+      hidden: int,
+      num_heads: int,
+      num_kv_heads: int,
+      mlp_dim: int,
+      *,
+      head_dim: int,
+      norm_eps: float,
+      rope_theta: float,
+      rope_scaling: RopeScaling | None = None,
+      linear_keep_ratio: float | None = None,
+      dtype: DType = jnp.float32,
+      param_dtype: DType = jnp.float32,
+      out_init: nnx.Initializer = DEFAULT_INIT,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the block; arguments as in `GroupedQueryAttention` and `GatedMLP`."""
+    norm = functools.partial(RMSNorm, hidden, epsilon=norm_eps, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+    self.attention_norm = norm()
+    self.attention = GroupedQueryAttention(
+        hidden, num_heads, num_kv_heads, head_dim=head_dim, rope_theta=rope_theta,
+        rope_scaling=rope_scaling, dtype=dtype, param_dtype=param_dtype,
+        out_init=out_init, rngs=rngs)
+    self.mlp_norm = norm()
+    self.mlp = GatedMLP(hidden, mlp_dim, linear_keep_ratio=linear_keep_ratio, dtype=dtype,
+                        param_dtype=param_dtype, out_init=out_init, rngs=rngs)
+
+  def __call__(self, x: Array, mask: Array | None = None) -> Array:
+    """Applies the block to [batch, length, hidden] inputs."""
+    x = x + self.attention(self.attention_norm(x), mask)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+def _apply_block(block: nnx.Module, x: Array, mask: Array | None) -> Array:
   return block(x, mask)
 
 
 def make_blocks(
-    make_block: Callable[[], Block], num_layers: int, *, scan_layers: bool
-) -> nnx.List | Block:
-  """`num_layers` blocks: an `nnx.List`, or one `Block` with stacked params.
+    make_block: Callable[[], nnx.Module], num_layers: int, *, scan_layers: bool
+) -> nnx.Module:
+  """`num_layers` blocks: an `nnx.List`, or one block with stacked params.
 
   The stacked block is built from the same blocks as the list (same random
   draws, in the same order), so both layouts start from the same weights.
@@ -379,14 +625,14 @@ def apply_layer(
 
 
 def apply_blocks(
-    blocks: nnx.List | Block, x: Array, mask: Array | None, *, remat: str
+    blocks: nnx.Module, x: Array, mask: Array | None, *, remat: str
 ) -> Array:
   """Runs `x` through `blocks` in order, each under the remat policy.
 
   Args:
-    blocks: the model's `nnx.List` of `Block`s (unrolled), or one `Block`
-      whose params are stacked on a leading layer axis (`scan_layers`), run
-      under `jax.lax.scan`.
+    blocks: the model's `nnx.List` of blocks (unrolled), or one block
+      (a `Block` or `LlamaBlock`) whose params are stacked on a leading
+      layer axis (`scan_layers`), run under `jax.lax.scan`.
     x: [batch, length, hidden] activations.
     mask: attention mask passed to every block, or None.
     remat: a key of `REMAT_POLICIES`.
@@ -394,7 +640,7 @@ def apply_blocks(
   Returns:
     The activations after the last block.
   """
-  if isinstance(blocks, Block):
+  if not isinstance(blocks, nnx.List):  # one block module with stacked params
     graphdef, stacked = nnx.split(blocks)
 
     def body(x, layer_params):

