@@ -50,6 +50,7 @@ import models
 import optax_adama
 from models import checkpoint as checkpointing
 from models import data
+from models import llama_checkpoint
 
 
 # Where a result was measured.
@@ -229,10 +230,16 @@ class TrainConfig:
   nu_estimator: str = DEFAULT_NU_ESTIMATOR  # AdamA's second-moment estimator; adama only.
   split_floor: bool = True  # "split"'s floor (optax_adama.adama's split_floor); adama only.
   accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
+  # llama: fine-tune from a Hugging Face checkpoint directory (models.llama_checkpoint):
+  # the model is its config.json's, with this run's remat, dtype and layout.
+  init_from: str | None = None
 
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
       raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}.")
+    if self.init_from is not None and self.model != "llama":
+      raise ValueError(f"init_from={self.init_from!r} is a Llama checkpoint, got "
+                       f"model={self.model!r}; use model='llama' (--model llama).")
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}.")
     if self.steps < 1:
@@ -285,7 +292,8 @@ class TrainConfig:
 
   @property
   def preset_name(self) -> str:
-    return self.preset or f"{self.model}_tiny"
+    # A fine-tuning run without a preset is named by its checkpoint.
+    return self.preset or self.init_from or f"{self.model}_tiny"
 
 
 def warmup_cosine_schedule(
@@ -327,18 +335,38 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   return adamw  # microbatch_step accumulates the mean gradient for it.
 
 
+def base_model_config(config: TrainConfig) -> models.Config:
+  """A run's model before its run settings: its preset, or its checkpoint's config.json.
+
+  With ``init_from``, a ``preset`` named too must be the checkpoint's model.
+  """
+  if config.init_from is None:
+    return models.get_config(config.preset_name)
+  loaded = llama_checkpoint.read_hf_config(config.init_from)
+  preset = None if config.preset is None else models.get_config(config.preset)
+  if preset is not None and preset != loaded:
+    differences = "; ".join(
+        f"{f.name} {getattr(preset, f.name)!r} vs {getattr(loaded, f.name)!r}"
+        for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(loaded, f.name))
+    raise ValueError(f"--preset {config.preset} is not the model of {config.init_from}'s "
+                     f"config.json ({differences}); omit --preset: the checkpoint defines "
+                     "the model.")
+  return loaded
+
+
 def model_config_of(config: TrainConfig) -> models.Config:
-  """The model config of a run: its preset with the run's remat, savers and layout."""
+  """The model config of a run: its preset (or checkpoint) with the run's remat, savers, layout."""
   if config.loss_chunks != 1 and config.model not in CAUSAL_LM_KINDS:
     raise ValueError(f"loss_chunks is a causal LM's ({CAUSAL_LM_KINDS}: its LM head), not "
                      f"{config.model!r}'s.")
+  base = base_model_config(config)
   if config.model == "llama":
-    max_len = models.get_config(config.preset_name).max_len
+    max_len = base.max_len
     if config.seq_len > max_len:
       raise ValueError(f"seq_len={config.seq_len} is longer than {config.preset_name}'s "
                        f"max_len={max_len}; pass --seq-len {max_len} or less.")
   chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
-  return models.get_config(config.preset_name, remat=config.remat, gelu_bits=config.gelu_bits,
+  return models.get_config(base, remat=config.remat, gelu_bits=config.gelu_bits,
                            dtype=jnp.dtype(config.dtype),
                            scan_layers=config.scan_layers,
                            linear_keep_ratio=config.linear_keep_ratio, **chunks)
@@ -549,7 +577,11 @@ def train(config: TrainConfig, *, progress: bool = True,
   and the step).
   """
   model_config = model_config_of(config)
-  model = models.create(model_config, rngs=nnx.Rngs(config.seed))
+  if config.init_from is None:
+    model = models.create(model_config, rngs=nnx.Rngs(config.seed))
+  else:  # the checkpoint's weights in place of an initialisation
+    model = models.create_abstract(model_config)
+    nnx.update(model, llama_checkpoint.load_hf_params(config.init_from, model_config))
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   tx = make_optimizer(config)
   step = make_train_step(config, model, loss_fn, tx)

@@ -10,7 +10,8 @@ mini-batch (`--scan-layers --release`: AdamA through `optax_adama.release_step`,
 the same updates with one layer's gradient alive at a time). `--compare` trains
 AdamA and Adam with gradient accumulation on the same data and prints their
 compiled memory and final losses side by side (the project's main job, `make
-demo`).
+demo`). `--model llama --init-from DIR` fine-tunes a Hugging Face Llama
+checkpoint (`models.llama_checkpoint`) instead of training from scratch.
 
 The command line only: the training run itself (`TrainConfig`, `train`) lives
 in `models.harness`, below this and the other commands that train
@@ -90,6 +91,10 @@ def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
   group.add_argument("--data-path", default=None,
                      help="your own text file or directory (gpt/bert)")
   group.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
+  group.add_argument("--init-from", default=None, metavar="DIR",
+                     help="llama: fine-tune from a Hugging Face checkpoint directory "
+                          "(config.json and safetensors); the model is its config.json's, "
+                          "so --preset is omitted or names the same model")
 
 
 def _add_memory_args(group: Any, defaults: harness.TrainConfig) -> None:
@@ -161,6 +166,17 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
   if args.checkpoint_dir is not None and args.compare:
     parser.error("--checkpoint-dir saves one run; --compare trains two: give each run "
                  "its own directory (run without --compare, once per --optimizer)")
+  if args.init_from is not None:
+    if args.model != "llama":
+      parser.error(f"--init-from loads a Llama checkpoint; add --model llama "
+                   f"(got --model {args.model})")
+    if args.plan is not None and args.preset is None:
+      parser.error("--plan plans a preset: with --init-from, name the checkpoint's --preset")
+    try:  # the checkpoint's config.json, and a --preset that disagrees with it
+      harness.base_model_config(harness.TrainConfig(
+          model="llama", preset=args.preset, init_from=args.init_from))
+    except (OSError, ValueError) as error:
+      parser.error(str(error))
 
 
 def _planned(config: harness.TrainConfig, budget_gb: float, *,
