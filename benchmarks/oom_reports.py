@@ -1,0 +1,344 @@
+"""Public out-of-memory reports of 7B training on 8 devices, reproduced compile-only.
+
+    python benchmarks/oom_reports.py easylm      # LLaMA-7B, FSDP on a v3-8 / v2-8
+    python benchmarks/oom_reports.py gpt7b       # a 7B-shaped GPT, tried as a new user would
+    python benchmarks/oom_reports.py easylm --preset llama_test --seq-len 64   # seconds
+
+The reports (EasyLM #36 and #61, EasyDeL #95, llama-2-jax #10): LLaMA-7B trained with
+FSDP over the 8 cores of a TPU v3-8 (16 GiB each, 15.48 GiB usable) runs without
+gradient accumulation and runs out of memory with 2 accumulation steps ("Used
+23.43G of 15.48G hbm"); on a v2-8 (8 GiB each) it runs out at once. This script
+fakes 8 CPU devices, builds the model with its layers scanned, float32 params and
+moments (as the reports ran it), ``remat="full"``, one 2,048-token sequence per
+device per micro-batch, and compiles (nothing is allocated) one training step per
+method:
+
+- ``scan_accumulation``: Adam and a ``lax.scan`` over micro-batches with a
+  float32 gradient carry, params split along their largest axis and the gradient
+  constrained to the same split: FSDP accumulation as users write it by hand.
+  At N = 1 it is the plain step without accumulation.
+- ``multisteps``: ``optax.MultiSteps(optax.adam)`` stepped once per micro-batch
+  (one jitted call each), its accumulator split like the params.
+- ``adama``: AdamA's default through ``optax_adama.microbatch_step(loss_fn, tx,
+  mesh=mesh, shard_states="fsdp")`` on the model's plain loss.
+- ``adama_release`` / ``_8bit`` / ``_offload``: AdamA through ``release_step``
+  on the model's ``StagedLoss`` under FSDP, with float32, 8-bit
+  (``BlockQuantization(layer_aligned=True)``) and host-offloaded moments.
+
+Each row gives one device's compiled bytes (``memory_analysis()``: argument +
+output + temp - alias), whether it fits a v3 core (15.48 GiB usable) and a v2
+core (8 GiB), and its floor: params and optimizer state split 8 ways (the state
+on the host for ``_offload``), one layer's params gathered, and what one
+device's micro-batch must keep under remat "full": every layer's input and the
+float32 logits. What a method holds above its floor is its temp (the ``temp``
+column): the recompute of one layer, its gradient, collectives' buffers.
+Writes ``--json`` and ``--markdown``.
+
+The byte counts are the CPU compiler's: a TPU's compiler schedules and fuses
+differently, so the 23.43 GiB of EasyLM #36 is a reference, not a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+SCENARIOS = {
+    # EasyLM #36 / #61: LLaMA-7B, FSDP on 8 cores, float32, 2,048 tokens.
+    "easylm": {"preset": "llama2_7b", "overrides": {}, "num_micro_batches": (1, 2, 4),
+               "methods": ("scan_accumulation", "multisteps", "adama", "adama_release",
+                           "adama_release_8bit", "adama_release_offload")},
+    # A 7B-shaped GPT (GPT-2 XL grown to 32 layers of width 4096, MLP 16384,
+    # a 32,000-token vocabulary), FSDP, N = 2.
+    "gpt7b": {"preset": "gpt2_xl",
+              "overrides": {"num_layers": 32, "hidden": 4096, "num_heads": 32,
+                            "mlp_dim": 16384, "vocab_size": 32000, "max_len": 2048},
+              "num_micro_batches": (2,),
+              "methods": ("scan_accumulation", "adama", "adama_staged", "adama_release",
+                          "adama_release_8bit")},
+}
+METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
+           "adama_release_8bit", "adama_release_offload")
+GIB = 2**30
+V3_USABLE_GIB = 15.48  # what XLA reported usable of a v3 core's 16 GiB (EasyLM #36)
+V2_GIB = 8.0
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("scenario", choices=sorted(SCENARIOS))
+  parser.add_argument("--preset", help="another model preset (e.g. llama_test for a smoke run)")
+  parser.add_argument("--num-micro-batches", type=int, nargs="+")
+  parser.add_argument("--methods", nargs="+", choices=METHODS)
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=2048)
+  parser.add_argument("--rows", type=int, default=1, help="sequences per device per micro-batch")
+  parser.add_argument("--json", type=Path)
+  parser.add_argument("--markdown", type=Path)
+  args = parser.parse_args(argv)
+  if args.seq_len < 1 or args.rows < 1 or args.devices < 1:
+    parser.error("--seq-len, --rows and --devices must be positive.")
+  if args.num_micro_batches and min(args.num_micro_batches) < 1:
+    parser.error("--num-micro-batches must be positive.")
+  args.json = args.json or Path(f"benchmarks/raw/oom_{args.scenario}.json")
+  args.markdown = args.markdown or Path(f"benchmarks/oom_{args.scenario}.md")
+  return args
+
+
+def largest_axis_shardings(tree, mesh, axis="data"):
+  """Each leaf split along its largest axis the mesh divides (the first of equals),
+  as FSDP users write it by hand and as ``step_shardings(..., "fsdp")`` splits it."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  size = mesh.shape[axis]
+
+  def spec(x):
+    dims = [d for d, n in enumerate(x.shape) if n % size == 0 and n >= size]
+    if not dims:
+      return NamedSharding(mesh, PartitionSpec())
+    dim = max(dims, key=lambda d: x.shape[d])
+    return NamedSharding(mesh, PartitionSpec(*([None] * dim), axis))
+
+  return jax.tree.map(spec, tree)
+
+
+def hand_written_accumulation(loss_fn, tx, params, mesh, num_micro_batches):
+  """Adam + FSDP scan accumulation as a user writes it: (jitted step, param shardings)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  param_shardings = largest_axis_shardings(params, mesh)
+  rows = NamedSharding(mesh, PartitionSpec(None, "data"))
+
+  def step(params, opt_state, batch):
+    n = num_micro_batches
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
+                         batch)
+    micro = jax.lax.with_sharding_constraint(micro, jax.tree.map(lambda _: rows, micro))
+
+    def body(acc, micro_batch):
+      grads = jax.grad(loss_fn)(params, micro_batch)
+      grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+      return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), None
+
+    acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    acc = jax.lax.with_sharding_constraint(acc, param_shardings)
+    acc, _ = jax.lax.scan(body, acc, micro)
+    grads = jax.tree.map(lambda a, p: (a / n).astype(p.dtype), acc, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(step, donate_argnums=(0, 1)), param_shardings
+
+
+def multisteps_micro_step(loss_fn, tx, params, mesh):
+  """One ``optax.MultiSteps`` update per micro-batch, as its users call it."""
+  import jax
+  import optax
+
+  param_shardings = largest_axis_shardings(params, mesh)
+
+  def step(params, opt_state, micro_batch):
+    grads = jax.grad(loss_fn)(params, micro_batch)
+    grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(step, donate_argnums=(0, 1)), param_shardings
+
+
+def _model(config):
+  """(plain loss, staged loss, abstract params) of a scanned config."""
+  import jax
+  from flax import nnx
+
+  import models
+
+  model = models.create_abstract(config)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  staged, _ = models.staged_loss(model)
+  return models.make_loss_fn(graphdef, rest), staged, params
+
+
+def _adama(method, n):
+  import optax_adama
+
+  quantization = (optax_adama.BlockQuantization(layer_aligned=True)
+                  if method.endswith("_8bit") else None)
+  tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization)
+  return optax_adama.offload_moments(tx) if method.endswith("_offload") else tx
+
+
+def compile_method(method, n, loss_fn, staged, params, batch, mesh):
+  """(compiled step, params placed, state placed, its optimizer state's device bytes)."""
+  import jax
+  import optax
+
+  import optax_adama
+
+  place = lambda tree, shardings: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+  if method in ("scan_accumulation", "multisteps"):
+    adam = optax.adam(1e-5)
+    tx = optax.MultiSteps(adam, every_k_schedule=n) if method == "multisteps" else adam
+    state = jax.eval_shape(tx.init, params)
+    if method == "multisteps":
+      step, shardings = multisteps_micro_step(loss_fn, tx, params, mesh)
+      batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]),
+                                                          x.dtype), batch)
+    else:
+      step, shardings = hand_written_accumulation(loss_fn, tx, params, mesh, n)
+    state_shardings = largest_axis_shardings(state, mesh)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch = place(batch, jax.tree.map(lambda _: rows, batch))
+    compiled = step.lower(place(params, shardings), place(state, state_shardings),
+                          batch).compile()
+    return compiled, state
+  tx = _adama(method, n)
+  state = jax.eval_shape(tx.init, params)
+  if method.endswith("_offload"):
+    state = optax_adama.moments.offloaded_state_shapes(state)
+  if method == "adama":
+    step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=n, mesh=mesh,
+                                       shard_states="fsdp")
+    shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states="fsdp")
+  elif method == "adama_staged":
+    step = optax_adama.microbatch_step(staged, tx, num_micro_batches=n, mesh=mesh,
+                                       shard_states="fsdp")
+    shardings = optax_adama.sharding.stack_shardings(staged, params, state, mesh,
+                                                     shard_states="fsdp")
+  else:
+    step = optax_adama.release_step(staged, tx, mesh=mesh, shard_states="fsdp")
+    shardings = optax_adama.sharding.release_shardings(staged, params, state, mesh,
+                                                       shard_states="fsdp")
+  compiled = step.lower(place(params, shardings.params), place(state, shardings.opt_state),
+                        batch).compile()
+  return compiled, state
+
+
+def measure(args):
+  import jax
+
+  import models
+  import optax_adama
+  from models import harness
+
+  scenario = SCENARIOS[args.scenario]
+  preset = args.preset or scenario["preset"]
+  overrides = {} if args.preset else dict(scenario["overrides"])
+  config = models.get_config(preset, scan_layers=True, remat="full", **overrides)
+  if hasattr(config, "max_len") and config.max_len < args.seq_len:
+    raise SystemExit(f"error: --seq-len {args.seq_len} is longer than {preset}'s max_len "
+                     f"{config.max_len}")
+  mesh = jax.make_mesh((args.devices,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  loss_fn, staged, params = _model(config)
+  P = optax_adama.memory.tree_bytes(params)
+  _, stacked = staged.split(params)
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  layer = optax_adama.memory.tree_bytes(stacked) // num_layers
+  # What any step must hold on a device besides params and state: one layer's
+  # params gathered, the block inputs remat "full" saves (every layer's, in
+  # the compute dtype) and the micro-batch's float32 logits.
+  tokens = args.rows * args.seq_len
+  saved_inputs = num_layers * tokens * config.hidden * jax.numpy.dtype(config.dtype).itemsize
+  logits = tokens * config.vocab_size * 4
+  activations = saved_inputs + logits
+  rows = []
+  for n in args.num_micro_batches or scenario["num_micro_batches"]:
+    batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
+    for method in args.methods or scenario["methods"]:
+      if method == "multisteps" and n == 1:
+        continue  # MultiSteps every 1 step is Adam: the scan_accumulation row at N = 1
+      start = time.perf_counter()
+      compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh)
+      report = optax_adama.memory_report(compiled, param_bytes=P)
+      total = report.total_bytes
+      state_bytes = optax_adama.memory.tree_bytes(state)
+      host_bytes = 0
+      if method.endswith("_offload"):
+        host_bytes = optax_adama.moments.host_state_bytes(state)
+        if compiled.memory_analysis().host_argument_size_in_bytes == 0:
+          total -= host_bytes // args.devices  # the CPU backend counts host args as device
+      device_state = 0 if method.endswith("_offload") else state_bytes
+      floor = (P + device_state) / args.devices + layer + activations
+      row = {"preset": preset, "overrides": overrides, "method": method,
+             "num_micro_batches": n, "devices": args.devices, "seq_len": args.seq_len,
+             "rows_per_device": args.rows, "param_count": models.param_count(config),
+             "param_bytes": P, "per_device_bytes": int(total),
+             "per_device_gib": total / GIB, "per_device_p8": total / (P / args.devices),
+             "temp_bytes": report.temp_bytes, "state_bytes": state_bytes,
+             "host_state_bytes_per_device": host_bytes // args.devices,
+             "floor_bytes": int(floor), "over_floor": total / floor - 1,
+             "layer_bytes": layer, "saved_input_bytes": int(saved_inputs),
+             "logit_bytes": int(logits),
+             "fits_v3": total / GIB <= V3_USABLE_GIB, "fits_v2": total / GIB <= V2_GIB,
+             "compile_s": time.perf_counter() - start}
+      rows.append(row)
+      print(f"{preset} N={n} {method}: {total / GIB:.2f} GiB per device "
+            f"({row['per_device_p8']:.2f} P/8; floor {floor / GIB:.2f} GiB, "
+            f"{100 * row['over_floor']:+.0f}%) in {row['compile_s']:.0f} s", flush=True)
+      _save(args, rows)
+  return rows
+
+
+def markdown(rows, command):
+  first = rows[0]
+  shape = (f"`{first['preset']}`" + (f" with {first['overrides']}" if first["overrides"] else "")
+           + f" ({first['param_count']:,} parameters)")
+  lines = [
+      f"# Out-of-memory reports reproduced: {shape}", "",
+      f"Made by `{command}` on CPU ({first['devices']} fake devices), compile-only. Layers "
+      f"scanned, `remat=\"full\"`, float32 params and moments, {first['rows_per_device']} "
+      f"sequence(s) of {first['seq_len']:,} tokens per device per micro-batch, FSDP "
+      "(every device a slice of every leaf). Bytes are one device's compiled total "
+      "(argument + output + temp - alias); P/8 is one device's share of the params "
+      f"({first['param_bytes'] / first['devices'] / GIB:.2f} GiB). Fits: v3 core "
+      f"{V3_USABLE_GIB} GiB usable, v2 core {V2_GIB:g} GiB. Floor: params and state split "
+      "over the devices (state on the host for `_offload`), one layer's params gathered, "
+      "the layer inputs remat \"full\" keeps and the float32 logits of one device's "
+      "micro-batch. Temp: XLA's scratch (activations, one layer's recompute and "
+      "gradient, the accumulator where a method keeps one as temp). The CPU "
+      "compiler's bytes, not a TPU's: read the columns against each other.", "",
+      "| N | method | per device | in P/8 | fits v3 (15.48 GiB) | fits v2 (8 GiB) "
+      "| floor | over the floor | temp |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  mark = lambda ok: "yes" if ok else "**no**"
+  for r in rows:
+    lines.append(
+        f"| {r['num_micro_batches']} | {r['method']} | {r['per_device_gib']:.2f} GiB "
+        f"| {r['per_device_p8']:.2f} | {mark(r['fits_v3'])} | {mark(r['fits_v2'])} "
+        f"| {r['floor_bytes'] / GIB:.2f} GiB | {100 * r['over_floor']:+.0f}% "
+        f"| {r['temp_bytes'] / GIB:.2f} GiB |")
+  return "\n".join(lines) + "\n"
+
+
+def _save(args, rows):
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
+  args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+  args.markdown.write_text(markdown(rows, command))
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _parse(argv)
+  args.argv = argv
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={args.devices}")
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  rows = measure(args)
+  print(args.markdown.read_text())
+  return rows
+
+
+if __name__ == "__main__":
+  main()
