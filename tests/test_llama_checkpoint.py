@@ -94,7 +94,7 @@ def _save(directory: Path, config: models.LlamaConfig, seed: int = 0, **kwargs) 
 
 
 def _unstacked(flat_scanned: dict, num_layers: int) -> dict:
-  """Scanned-layout leaves ("blocks/x/kernel" [L, ...]) as the unrolled ones ("blocks/i/x/kernel")."""
+  """Scanned leaves ("blocks/x/kernel", [L, ...]) as unrolled ones ("blocks/i/x/kernel")."""
   out = {}
   for name, value in flat_scanned.items():
     if name.startswith("blocks/"):
@@ -153,8 +153,9 @@ def test_bfloat16_checkpoints_load_as_float32_or_bfloat16(tmp_path):
 def test_a_sharded_checkpoint_with_an_index_loads_as_the_single_file(tmp_path):
   config = VARIANTS["tied_mha"]
   want = _flat(_save(tmp_path / "single", config))
-  # 80 kB: a layer's MLP alone is 3 x 128 x 256 x 4 bytes = 393 kB, so most
-  # tensors go in files of their own and a few small ones share one.
+  # 80 kB: an MLP kernel is 128 x 256 x 4 bytes = 131 kB and an attention
+  # kernel 66 kB, so each kernel gets a file of its own; a layer's two norm
+  # scales (512 bytes each) share one.
   written = hf.save_hf_checkpoint(hf.load_hf_checkpoint(tmp_path / "single"),
                                   models.get_config(config, scan_layers=True), tmp_path / "sharded",
                                   max_shard_bytes=80_000)
