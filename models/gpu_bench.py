@@ -3,6 +3,8 @@
     make bench-gpu                  # python -m models.gpu_bench, on a GPU machine
     python -m models.gpu_bench --presets gpt_test --num-micro-batches 2 --seq-len 16 \
         --out-dir /tmp/gpu_dry_run  # the CPU dry run the tests make
+    make bench-gpu BENCH_GPU_ARGS="--presets llama32_1b --reference-remat --workers 2 \
+        --rounds 3 --no-progress --tag llama32_1b"   # Llama 3.2 1B, gpu_<device>_llama32_1b.md
 
 For each preset, N and layout (unrolled blocks, or blocks stacked under one
 `lax.scan`), every method of `models.bench` (scan accumulation,
@@ -18,12 +20,16 @@ release on the scanned layout) is measured twice:
   every block rematerialized);
 - time, the methods of one preset, N and layout in one process, interleaved
   round by round (`models.harness.measure_throughput`), median step time.
+  Where they do not fit the device together (`TIMED_TOGETHER`: llama32_1b),
+  in several processes, each with scan accumulation, the reference of its
+  own methods' ratios.
 
 The memory processes run a few at a time (`--workers`) and share a persistent
 compilation cache with the timing processes, so each step compiles once.
-Results go to `<out-dir>/raw/gpu_<device>.json` and a markdown table,
-`<out-dir>/gpu_<device>.md`; on the CPU backend there is no live peak (the
-column says so) and the run only checks that the pipeline works.
+Results go to `<out-dir>/raw/gpu_<device>.json` (the tasks' results as they came:
+`raw/gpu_<device>_tasks.jsonl`) and a markdown table, `<out-dir>/gpu_<device>.md`;
+`--tag T` names them `gpu_<device>_T...`. On the CPU backend there is no live
+peak (the column says so) and the run only checks that the pipeline works.
 
     make bench-gpu-capacity         # python -m models.gpu_bench --capacity
 
@@ -70,9 +76,27 @@ LEAN_METHODS = ("scan_accumulation", "scan_accumulation_bf16", "adama")
 # The reference rows at another remat (the price of remat, and of the release
 # step's recomputation, against a step that saves its activations).
 REFERENCE_METHODS = ("scan_accumulation", "adama")
-# Examples per micro-batch that fill an H100 at the preset's 1,024-token context
-# with bf16 compute and remat "full" (8,192 tokens; what the table states).
-MICRO_BATCH_SIZES = {"gpt2_small": 8, "gpt2_medium": 8, "gpt2_large": 8, "gpt2_xl": 4}
+# Examples per micro-batch that fill an H100 at 1,024 tokens with bf16 compute
+# and remat "full" (8,192 tokens; what the table states).
+MICRO_BATCH_SIZES = {"gpt2_small": 8, "gpt2_medium": 8, "gpt2_large": 8, "gpt2_xl": 4,
+                     "llama32_1b": 8}
+# Tokens per example where the preset's context is not the GPT rows' 1,024:
+# llama32_1b's 131,072 would not fit one example. At 1,024 its micro-batches
+# have the GPT rows' shape, so the rows differ by model only.
+SEQ_LENS = {"llama32_1b": 1024}
+# Methods timed together in one process, scan accumulation in each, where a
+# case's methods do not fit the device together: `harness.measure_throughput`
+# keeps the model's params (P) and each method's params, m and v (3 P).
+# llama32_1b (P = 4.6 GiB): the model and 3 methods hold 46 GiB, plus ~21 GiB
+# for the largest step (scanned scan accumulation: its CPU compile's temp,
+# 24.2 GiB, times gpt2_medium's GPU/CPU ratio, 0.87), 67 GiB; all 4 scanned
+# ones, 81 GiB.
+TIMED_TOGETHER = {"llama32_1b": 3}
+# The share of the device each process's allocator may take: JAX's default,
+# 0.75 (59.6 GiB of an H100; the limit stands with preallocation off), is
+# below those 67 GiB. Every process of the preset gets it, so that memory and
+# timing processes compile under the same limit and share the cache.
+MEMORY_FRACTIONS = {"llama32_1b": 0.95}
 # The live capacity search (--capacity): float32 and bf16-carry accumulation
 # against the release step with 8-bit moments in host memory, all scanned.
 CAPACITY_METHODS = ("scan_accumulation", "scan_accumulation_bf16",
@@ -94,6 +118,8 @@ class Case:
   remat: str = "full"
   dtype: str = "bfloat16"  # compute; params and moments are float32.
   method_names: tuple[str, ...] | None = None  # None: METHODS (+ release if scanned).
+  timed_together: int | None = None  # None: every method in one timing process.
+  memory_fraction: float | None = None  # None: JAX's default share of the device.
 
   @property
   def name(self) -> str:
@@ -108,6 +134,23 @@ class Case:
     # The float32-moment release step only: the table compares steps on the
     # same moments, and the 8-minute budget has no room for more.
     return METHODS + (("adama_release",) if self.scan_layers else ())
+
+  @property
+  def timing_groups(self) -> tuple[tuple[str, ...], ...]:
+    """The methods of each timing process: scan accumulation first in every one,
+    so each method's ratio to it comes from one process's interleaved rounds."""
+    methods = self.methods
+    if self.timed_together is None or len(methods) <= self.timed_together:
+      return (methods,)
+    if self.timed_together < 2 or "scan_accumulation" not in methods:
+      raise ValueError(
+          f"timed_together={self.timed_together} splits {methods} into timing groups, "
+          "each led by scan_accumulation: it needs scan_accumulation among the methods "
+          "and room for one more (timed_together >= 2).")
+    others = [m for m in methods if m != "scan_accumulation"]
+    size = self.timed_together - 1
+    return tuple(("scan_accumulation", *others[i:i + size])
+                 for i in range(0, len(others), size))
 
   def config(self) -> models.Config:
     return models.get_config(self.preset, scan_layers=self.scan_layers, remat=self.remat,
@@ -151,10 +194,11 @@ def measure_floor(case: Case, method: str) -> dict[str, Any]:
   return {"floor_bytes": floor.total_bytes, "param_bytes": floor.param_bytes}
 
 
-def measure_times(case: Case, rounds: int, steps_per_round: int) -> dict[str, Any]:
-  """Interleaved median step time of every method of the case."""
+def measure_times(case: Case, rounds: int, steps_per_round: int,
+                  methods: Sequence[str] | None = None) -> dict[str, Any]:
+  """Interleaved median step time of ``methods`` (default: every method of the case)."""
   times = harness.measure_throughput(
-      case.config(), case.methods, case.num_micro_batches,
+      case.config(), tuple(methods or case.methods), case.num_micro_batches,
       micro_batch_size=case.micro_batch_size, seq_len=case.seq_len, rounds=rounds,
       steps_per_round=steps_per_round, progress=False)
   return {method: {"median_step_s": t["median_step_s"], "step_s_all": t["step_s_all"]}
@@ -236,7 +280,7 @@ def _worker(task: dict[str, Any]) -> dict[str, Any]:
     return measure_method(case, task["method"])
   if task["kind"] == "floor":
     return measure_floor(case, task["method"])
-  return measure_times(case, task["rounds"], task["steps_per_round"])
+  return measure_times(case, task["rounds"], task["steps_per_round"], task.get("methods"))
 
 
 def run_in_process(task: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -244,13 +288,18 @@ def run_in_process(task: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
 
   A task that fails (out of memory, say) returns {"error": ...} rather than
   raising: one method's failure must not lose the other methods' numbers.
+  Either way "task_s" is the process's wall time, start-up and compile
+  included (what a run's duration is estimated from).
   """
+  start = time.perf_counter()
   done = subprocess.run(
       [sys.executable, "-m", "models.gpu_bench", "--worker", json.dumps(task)],
       capture_output=True, text=True, env=env, check=False)
+  task_s = time.perf_counter() - start
   if done.returncode:
-    return {"error": done.stderr.strip()[-2000:] or f"exit status {done.returncode}"}
-  return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"error": done.stderr.strip()[-2000:] or f"exit status {done.returncode}",
+            "task_s": task_s}
+  return {**json.loads(done.stdout.strip().splitlines()[-1]), "task_s": task_s}
 
 
 def log_result(log: Path | None, task: dict[str, Any], result: dict[str, Any]) -> None:
@@ -260,10 +309,21 @@ def log_result(log: Path | None, task: dict[str, Any], result: dict[str, Any]) -
       f.write(json.dumps({"task": task, "result": result}) + "\n")
 
 
-def worker_env(cache_dir: str) -> dict[str, str]:
-  """The environment of every task: one compilation cache, no preallocation."""
+# JAX's variable for the allocator's share of the device, and its older name
+# (setting both is an error, so a share the user set is left alone).
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def worker_env(cache_dir: str, memory_fraction: float | None = None) -> dict[str, str]:
+  """The environment of every task: one compilation cache, no preallocation, and
+  the allocator's share of the device where the case sets one."""
+  share = {}
+  if memory_fraction is not None and not any(v in os.environ
+                                             for v in MEMORY_FRACTION_VARIABLES):
+    share = {MEMORY_FRACTION_VARIABLES[0]: str(memory_fraction)}
   return {
       **os.environ,
+      **share,
       # Several memory processes share the GPU: each allocates what it uses,
       # and its peak counts its own allocations only.
       "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
@@ -280,7 +340,9 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
 
   Each task's result is appended to `log` (JSON lines) as it arrives.
   """
-  env = worker_env(cache_dir)
+  def env(task):
+    return worker_env(cache_dir, task["case"].get("memory_fraction"))
+
   memory_tasks = [{"kind": "memory", "case": dataclasses.asdict(c), "method": m}
                   for c in cases for m in c.methods]
   def floor_key(case, method):
@@ -295,10 +357,13 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
                  for c, m in floor_cases.values()]
   results: dict[int, dict[str, Any]] = {}
   tasks = memory_tasks + floor_tasks
-  with tqdm(total=len(tasks) + len(cases), desc="gpu bench", disable=not progress,
+  timing_tasks = [{"kind": "time", "case": dataclasses.asdict(c), "methods": list(group),
+                   "rounds": rounds, "steps_per_round": steps_per_round}
+                  for c in cases for group in c.timing_groups]
+  with tqdm(total=len(tasks) + len(timing_tasks), desc="gpu bench", disable=not progress,
             file=sys.stderr) as bar:
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-      futures = {pool.submit(run_in_process, t, env): i for i, t in enumerate(tasks)}
+      futures = {pool.submit(run_in_process, t, env(t)): i for i, t in enumerate(tasks)}
       for future in concurrent.futures.as_completed(futures):
         results[futures[future]] = future.result()
         log_result(log, tasks[futures[future]], results[futures[future]])
@@ -308,28 +373,34 @@ def run(cases: Sequence[Case], *, workers: int, rounds: int, steps_per_round: in
     # and only a failure there is the method's own.
     for i, task in enumerate(tasks):
       if "error" in results[i]:
-        results[i] = {**run_in_process(task, env), "retried_alone": True}
+        results[i] = {**run_in_process(task, env(task)), "retried_alone": True}
         log_result(log, task, results[i])
-    # Timing needs the machine to itself: one process at a time.
-    timings = []
-    for case in cases:
-      task = {"kind": "time", "case": dataclasses.asdict(case), "rounds": rounds,
-              "steps_per_round": steps_per_round}
-      timings.append(run_in_process(task, env))
-      log_result(log, task, timings[-1])
+    # Timing needs the machine to itself: one process at a time. A method
+    # keeps its first group's median and that group's scan accumulation's
+    # (its reference); scan accumulation's own median is its first group's.
+    timings: dict[Case, dict[str, dict[str, Any]]] = {}
+    for task in timing_tasks:
+      result = run_in_process(task, env(task))
+      log_result(log, task, result)
       bar.update()
+      reference = (result.get("scan_accumulation") or {}).get("median_step_s")
+      mine = timings.setdefault(case_from_dict(task["case"]), {})
+      for method in task["methods"]:
+        if method in result and method not in mine:
+          mine[method] = {**result[method], "reference_step_s": reference}
   floors = {key: results[len(memory_tasks) + i]
             for i, key in enumerate(floor_cases)}
   rows = []
   for i, task in enumerate(memory_tasks):
     case, method = case_from_dict(task["case"]), task["method"]
-    timing = timings[cases.index(case)].get(method) or {}
+    timing = timings.get(case, {}).get(method) or {}
     floor = floors[floor_key(case, method)]
     rows.append({"case": case.name, **task["case"], "method": method,
                  **MISSING_MEMORY, **results[i],
                  "param_bytes": results[i].get("param_bytes") or floor.get("param_bytes"),
                  "floor_bytes": floor.get("floor_bytes"),
                  "median_step_s": timing.get("median_step_s"),
+                 "reference_step_s": timing.get("reference_step_s"),
                  "step_s_all": timing.get("step_s_all")})
   return rows
 
@@ -408,14 +479,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
   lines = ["| case | method | compiled | live peak | peak vs floor | median step "
            "| vs scan accumulation |", "|---|---|---|---|---|---|---|"]
-  reference = {r["case"]: r["median_step_s"] for r in rows
-               if r["method"] == "scan_accumulation"}
   for r in rows:
     p, peak, floor = r["param_bytes"], r["peak_bytes_in_use"], r["floor_bytes"]
     vs_floor = "" if peak is None or not floor else f"{100 * (peak / floor - 1):+.1f}%"
     compiled = failure(r["error"]) if r.get("error") else amount(r["compiled_total_bytes"], p)
     step = r["median_step_s"]
-    ref = reference.get(r["case"])
+    ref = _reference(r, rows)
     speed = "" if step is None or not ref else f"{100 * (step / ref - 1):+.1f}%"
     lines.append(
         f"| {r['case']} | {r['method']} | {compiled} "
@@ -426,6 +495,15 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _ratio(num, den) -> float | None:
   return None if num is None or not den else num / den
+
+
+def _reference(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> float | None:
+  """Scan accumulation's median in the process that timed ``row`` (rows of
+  older runs have none recorded: their case's scan accumulation row)."""
+  if row.get("reference_step_s") is not None:
+    return row["reference_step_s"]
+  return next((r["median_step_s"] for r in rows
+               if r["case"] == row["case"] and r["method"] == "scan_accumulation"), None)
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
@@ -452,11 +530,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
   def text(value, fmt="{:.3f}x"):
     return "n/a" if value is None else fmt.format(value)
 
+  def vs_accumulation(preset, n, scanned, method):
+    # Against the scan accumulation timed in the same process.
+    row = by.get((preset, n, scanned, "full", method))
+    return None if row is None else _ratio(row["median_step_s"], _reference(row, rows))
+
   for preset, n in dict.fromkeys((r["preset"], r["num_micro_batches"]) for r in rows):
     step = lambda scanned, remat, method: get(preset, n, scanned, remat, method,
                                               "median_step_s")
-    adama = [_ratio(step(sc, "full", "adama"), step(sc, "full", "scan_accumulation"))
-             for sc in (False, True)]
+    adama = [vs_accumulation(preset, n, sc, "adama") for sc in (False, True)]
     release = step(True, "full", "adama_release")
     peak = get(preset, n, False, "full", "adama", "peak_bytes_in_use")
     floor = get(preset, n, False, "full", "adama", "floor_bytes")
@@ -511,22 +593,26 @@ def make_cases(args: argparse.Namespace) -> list[Case]:
   cases = []
   for preset in args.presets:
     size = args.micro_batch_size or MICRO_BATCH_SIZES.get(preset, 1)
+    seq_len = args.seq_len or SEQ_LENS.get(preset)
+    per_preset = {"timed_together": args.timed_together or TIMED_TOGETHER.get(preset),
+                  "memory_fraction": args.memory_fraction or MEMORY_FRACTIONS.get(preset)}
     every = preset in args.all_methods_presets
     for n in args.num_micro_batches:
       for layout in args.layouts:
         scanned = layout == "scanned"
         names = None if every else (
             LEAN_METHODS + (("adama_release",) if scanned else ()))
-        cases.append(Case(preset, n, scanned, size, args.seq_len, args.remat, args.dtype,
-                          names))
+        cases.append(Case(preset, n, scanned, size, seq_len, args.remat, args.dtype,
+                          names, **per_preset))
       for remat in args.reference_remat:
         if remat != args.remat:
-          cases.append(Case(preset, n, False, size, args.seq_len, remat, args.dtype,
-                            REFERENCE_METHODS))
+          cases.append(Case(preset, n, False, size, seq_len, remat, args.dtype,
+                            REFERENCE_METHODS, **per_preset))
   return cases
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The command line, with the refusals argparse cannot make itself."""
   parser = argparse.ArgumentParser(prog="python -m models.gpu_bench",
                                    description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -548,12 +634,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                            "(the others: scan accumulation f32/bf16 carry and AdamA)")
   parser.add_argument("--micro-batch-size", type=int, default=None,
                       help=f"default: per preset {MICRO_BATCH_SIZES}, else 1")
-  parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's context")
+  parser.add_argument("--seq-len", type=int, default=None,
+                      help=f"default: per preset {SEQ_LENS}, else the preset's context")
+  parser.add_argument("--timed-together", type=int, default=None,
+                      help="methods per timing process, scan accumulation in each (where "
+                           "a case's methods do not fit the device together); default: per "
+                           f"preset {TIMED_TOGETHER}, else all of a case's")
+  parser.add_argument("--memory-fraction", type=float, default=None,
+                      help="the share of the device each process's allocator may take; "
+                           f"default: per preset {MEMORY_FRACTIONS}, else JAX's (0.75)")
   parser.add_argument("--workers", type=int, default=6,
                       help="memory processes at a time (each compiles on the host)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps-per-round", type=int, default=3)
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--tag", default=None,
+                      help="names the outputs gpu_<device>_<tag>.md (and .png, raw .json, "
+                           "raw _tasks.jsonl), so a run of other presets leaves the table "
+                           "of record, gpu_<device>.md, alone")
   parser.add_argument("--capacity", action="store_true",
                       help="instead of the row groups: the largest GPT each of "
                            f"{CAPACITY_METHODS} trains on this device (compile-only "
@@ -565,28 +663,44 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
+  if args.tag is not None and not re.fullmatch(r"[a-z0-9_]+", args.tag):
+    parser.error(f"--tag {args.tag!r}: use lower-case letters, digits and _ (it names files)")
+  if args.timed_together is not None and args.timed_together < 2:
+    parser.error(f"--timed-together {args.timed_together}: each timing process holds scan "
+                 "accumulation and at least one method to time against it; use 2 or more")
+  if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
+    parser.error(f"--memory-fraction {args.memory_fraction}: a share of the device, in (0, 1]")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  args = _parse_args(argv)
   if args.worker is not None:
     print(json.dumps(_worker(json.loads(args.worker))))
     return []
   if args.capacity:
     return main_capacity(args, argv)
   cases = make_cases(args)
+  tag = "" if args.tag is None else f"_{args.tag}"
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jax_cache_") as cache_dir:
-    log = args.out_dir / "raw" / "gpu_tasks.jsonl"
+    # Named for the device once the run is over: this process does not start
+    # a backend before its workers (it would take the device's memory).
+    log = args.out_dir / "raw" / f"gpu_tasks{tag}.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
     rows = run(cases, workers=args.workers, rounds=args.rounds,
                steps_per_round=args.steps_per_round, cache_dir=cache_dir,
                progress=not args.no_progress, log=log)
   wall_s = time.perf_counter() - start
-  slug = device_slug()
+  stem = f"gpu_{device_slug()}{tag}"
+  log.replace(args.out_dir / "raw" / f"{stem}_tasks.jsonl")
   command = "python -m models.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-  (args.out_dir / "raw" / f"gpu_{slug}.json").write_text(json.dumps(
+  (args.out_dir / "raw" / f"{stem}.json").write_text(json.dumps(
       {"command": command, "machine": harness.machine_info(), "wall_s": wall_s, "rows": rows},
       indent=1))
   write_report(rows, command=command, device=harness.machine_info()["device"],
-               wall_s=wall_s, out_dir=args.out_dir, slug=slug)
+               wall_s=wall_s, out_dir=args.out_dir, stem=stem)
   return rows
 
 
@@ -629,18 +743,28 @@ def main_capacity(args: argparse.Namespace, argv: Sequence[str] | None) -> list[
 
 
 def write_report(rows: Sequence[dict[str, Any]], *, command: str, device: str, wall_s: float,
-                 out_dir: Path, slug: str) -> str:
-  """gpu_<slug>.md (targets, then the table) and gpu_<slug>.png; returns the text."""
+                 out_dir: Path, stem: str) -> str:
+  """<stem>.md (targets, then the table) and <stem>.png; returns the text."""
   sizes = sorted({(r["preset"], r["micro_batch_size"], r["seq_len"]) for r in rows})
   stated = "; ".join(f"{p}: {b} examples x {t or 'context'} tokens per micro-batch"
                      for p, b, t in sizes)
+  # Conditions only some presets run under (absent from older raw rows).
+  grouped = sorted({(r["preset"], r["timed_together"]) for r in rows
+                    if r.get("timed_together")})
+  shares = sorted({(r["preset"], r["memory_fraction"]) for r in rows
+                   if r.get("memory_fraction")})
+  stated += "".join(
+      f"; {p}: timed in processes of at most {k} methods, scan accumulation in each "
+      "(every 'vs scan accumulation' against its own process's)" for p, k in grouped)
+  stated += "".join(f"; {p}: each process's allocator limited to {f:g} of the device"
+                    for p, f in shares)
   text = (f"Measured by `{command}` on {device} in {wall_s:.0f} s. Params and moments "
           f"float32; compute dtype and remat per row; {stated}. Live peak: "
           "`memory_stats()['peak_bytes_in_use']` after three steps in a process of its "
           "own; step: median of interleaved rounds.\n\n"
           + summary(rows) + "\n" + table(rows))
-  (out_dir / f"gpu_{slug}.md").write_text(text)
-  plot(rows, out_dir / f"gpu_{slug}.png")
+  (out_dir / f"{stem}.md").write_text(text)
+  plot(rows, out_dir / f"{stem}.png")
   print(text)
   return text
 

@@ -1,13 +1,36 @@
 """The GPU benchmark's CPU dry run: the same script, tiny preset, every stage."""
 
 import json
+import shlex
+import subprocess
 
 import jax
 import numpy as np
 
 import pytest
 
+import models
+from conftest import REPO
 from models import gpu_bench
+
+GIB = 2**30
+
+
+def waiting_command(target):
+  """The ready-to-run `make <target> ...` line of benchmarks/README.md's
+  "Waiting for a GPU" list."""
+  text = (REPO / "benchmarks" / "README.md").read_text()
+  section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
+  [line] = [l.strip() for l in section.splitlines() if l.strip().startswith(f"make {target} ")]
+  return line
+
+
+def make_argv(command, module):
+  """The arguments `command` (a make line) passes to ``python -m module``."""
+  dry = subprocess.run(["make", "-s", "-n", *shlex.split(command)[1:]], cwd=REPO,
+                       capture_output=True, text=True, check=True).stdout
+  words = shlex.split(dry.replace("\\\n", " "))
+  return words[words.index(module) + 1:]
 
 
 # The default suite runs the lean row group (scan accumulation in float32 and
@@ -53,14 +76,12 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path, layout, all_
 
 
 def test_default_cases_fill_the_device_and_add_reference_rows():
-  import argparse
-  namespace = argparse.Namespace(
-      presets=["gpt2_small", "gpt2_medium"], num_micro_batches=[4],
-      layouts=["unrolled", "scanned"], remat="full", reference_remat=["none"],
-      dtype="bfloat16", all_methods_presets=["gpt2_small"], micro_batch_size=None,
-      seq_len=None)
-  cases = gpu_bench.make_cases(namespace)
+  cases = gpu_bench.make_cases(gpu_bench._parse_args([]))
   assert {c.micro_batch_size for c in cases} == {8}  # 8 x 1,024 tokens
+  # The GPT rows as before: each case timed in one process, JAX's allocator limit.
+  assert {(c.seq_len, c.timed_together, c.memory_fraction) for c in cases} == {
+      (None, None, None)}
+  assert all(c.timing_groups == (c.methods,) for c in cases)
   small = [c for c in cases if c.preset == "gpt2_small"]
   assert [(c.scan_layers, c.remat) for c in small] == [
       (False, "full"), (True, "full"), (False, "none")]
@@ -187,3 +208,137 @@ def _train_small_family_member(method):
   result = gpu_bench.train_at_scale(case, method, scale=1, steps=2)
   assert result["scale"] == 1 and result["param_count"] > 0
   assert all(np.isfinite(result["losses"])) and result["losses"][1] != result["losses"][0]
+
+
+def test_the_waiting_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit():
+  args = gpu_bench._parse_args(make_argv(waiting_command("bench-gpu"), "models.gpu_bench"))
+  assert (args.tag, args.workers, args.rounds) == ("llama32_1b", 2, 3)
+  unrolled, scanned = gpu_bench.make_cases(args)  # no rows without remat
+  for case in (unrolled, scanned):
+    # The GPT rows' micro-batch (8 x 1,024 tokens), N, dtypes and remat.
+    assert (case.preset, case.num_micro_batches, case.micro_batch_size, case.seq_len,
+            case.remat, case.dtype) == ("llama32_1b", 4, 8, 1024, "full", "bfloat16")
+    assert case.memory_fraction == 0.95
+    config = case.config()
+    assert config.tie_embeddings and config.vocab_size == 128256
+    assert config.loss_chunks == 1  # the whole logits, as the GPT rows
+  assert not unrolled.scan_layers and scanned.scan_layers
+  assert unrolled.methods == gpu_bench.LEAN_METHODS
+  assert scanned.methods == gpu_bench.LEAN_METHODS + ("adama_release",)
+  assert unrolled.timing_groups == (gpu_bench.LEAN_METHODS,)
+  assert scanned.timing_groups == (gpu_bench.LEAN_METHODS,
+                                   ("scan_accumulation", "adama_release"))
+  # Why the groups and the share: each timed method holds params, m and v
+  # (3 P) beside the model's P, and the largest step (scan accumulation,
+  # scanned) adds ~21 GiB, estimated from its CPU compile.
+  param_bytes = 4 * models.param_count("llama32_1b")
+  resident = lambda methods: (1 + 3 * methods) * param_bytes + 21 * GIB
+  h100 = 79.6 * GIB
+  assert resident(4) > 0.95 * h100 > resident(3) > 0.75 * h100
+
+
+@pytest.mark.parametrize("layouts", [
+    ["scanned"],
+    # The README's command whole: the unrolled row group too (12 processes).
+    pytest.param(["unrolled", "scanned"], marks=pytest.mark.slow),
+], ids=["scanned", "both_layouts"])
+def test_dry_run_of_the_waiting_llama_command_on_llama_test(tmp_path, monkeypatch, layouts):
+  # llama_test in llama32_1b's place, with its per-preset settings; the
+  # context, N and rounds cut to what the CPU runs in a minute or two.
+  for per_preset in (gpu_bench.MICRO_BATCH_SIZES, gpu_bench.SEQ_LENS,
+                     gpu_bench.TIMED_TOGETHER, gpu_bench.MEMORY_FRACTIONS):
+    monkeypatch.setitem(per_preset, "llama_test", per_preset["llama32_1b"])
+  argv = [w.replace("llama32_1b", "llama_test")
+          for w in make_argv(waiting_command("bench-gpu"), "models.gpu_bench")]
+  rows = gpu_bench.main(argv + [
+      "--layouts", *layouts, "--seq-len", "16", "--num-micro-batches", "2", "--rounds", "1",
+      "--steps-per-round", "1", "--out-dir", str(tmp_path)])
+  scanned = [r for r in rows if r["scan_layers"]]
+  assert [r["method"] for r in scanned] == list(gpu_bench.LEAN_METHODS) + ["adama_release"]
+  assert len(rows) == 4 + 3 * (len(layouts) == 2)
+  assert {(r["micro_batch_size"], r["seq_len"], r["timed_together"], r["memory_fraction"])
+          for r in rows} == {(8, 16, 3, 0.95)}
+  for r in rows:
+    assert r["compiled_total_bytes"] > 3 * r["param_bytes"]  # params, m, v at least
+    assert r["floor_bytes"] > 3 * r["param_bytes"] and r["peak_bytes_in_use"] is None
+    assert r["median_step_s"] > 0 and r["reference_step_s"] > 0
+  by_method = {r["method"]: r for r in scanned}
+  saved = (by_method["scan_accumulation"]["compiled_total_bytes"]
+           - by_method["adama"]["compiled_total_bytes"])
+  assert saved > 0.5 * by_method["adama"]["param_bytes"]
+  # Two timing processes for the scanned case, scan accumulation in each; a
+  # method's reference is its own process's scan accumulation.
+  stem = f"gpu_{gpu_bench.device_slug()}_llama_test"
+  log = [json.loads(line)
+         for line in (tmp_path / "raw" / f"{stem}_tasks.jsonl").read_text().splitlines()]
+  timed = [e for e in log if e["task"]["kind"] == "time" and e["task"]["case"]["scan_layers"]]
+  assert [e["task"]["methods"] for e in timed] == [
+      list(gpu_bench.LEAN_METHODS), ["scan_accumulation", "adama_release"]]
+  references = [e["result"]["scan_accumulation"]["median_step_s"] for e in timed]
+  assert by_method["adama_release"]["reference_step_s"] == references[1]
+  assert {by_method[m]["reference_step_s"] for m in gpu_bench.LEAN_METHODS} == {references[0]}
+  assert all(e["result"]["task_s"] > 0 for e in log)
+  # The tagged outputs; the table of record and the running log's name untouched.
+  assert json.loads((tmp_path / "raw" / f"{stem}.json").read_text())["rows"] == json.loads(
+      json.dumps(rows))
+  assert (tmp_path / f"{stem}.png").stat().st_size > 0
+  assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+      [f"{stem}.md", f"{stem}.png", f"{stem}.json", f"{stem}_tasks.jsonl"])
+  text = (tmp_path / f"{stem}.md").read_text()
+  assert "| llama_test scanned N=2 remat=full bfloat16 | adama_release |" in text
+  assert "llama_test: 8 examples x 16 tokens per micro-batch" in text
+  assert "timed in processes of at most 3 methods" in text and "0.95 of the device" in text
+
+
+def test_each_method_is_against_the_scan_accumulation_of_its_own_timing_process(monkeypatch):
+  calls = []
+
+  def fake_run(task, env):
+    calls.append((task, env))
+    if task["kind"] == "time":  # the second process runs 2x slower throughout
+      scale = 1.0 if "adama" in task["methods"] else 2.0
+      return {m: {"median_step_s": scale * (1.1 if m != "scan_accumulation" else 1.0),
+                  "step_s_all": [1.0]} for m in task["methods"]}
+    if task["kind"] == "floor":
+      return {"floor_bytes": 10, "param_bytes": 4}
+    return {"compiled_total_bytes": 11, "param_bytes": 4, "peak_bytes_in_use": 12,
+            "compile_s": 1.0, "loss": 2.0}
+
+  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  case = gpu_bench.Case("llama_test", 2, True, method_names=gpu_bench.LEAN_METHODS
+                        + ("adama_release",), timed_together=3, memory_fraction=0.95)
+  rows = gpu_bench.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
+                       progress=False)
+  assert [t["methods"] for t, _ in calls if t["kind"] == "time"] == [
+      list(gpu_bench.LEAN_METHODS), ["scan_accumulation", "adama_release"]]
+  # Every process of the case (memory, floor, time) gets the allocator's share.
+  assert {env["XLA_CLIENT_MEM_FRACTION"] for _, env in calls} == {"0.95"}
+  by_method = {r["method"]: r for r in rows}
+  assert by_method["scan_accumulation"]["median_step_s"] == 1.0  # its first process's
+  assert by_method["adama_release"]["reference_step_s"] == 2.0
+  # +10% each against its own process's scan accumulation, not the release's
+  # 2.2 against the first process's 1.0.
+  table = gpu_bench.table(rows)
+  assert table.count("| +10.0% |") == 3 and "+120.0%" not in table
+  assert "| llama_test, N=2 | n/a; 1.100x |" in gpu_bench.summary(rows)
+
+
+def test_a_share_of_the_device_the_user_set_is_left_alone(monkeypatch):
+  for name in gpu_bench.MEMORY_FRACTION_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  assert "XLA_CLIENT_MEM_FRACTION" not in gpu_bench.worker_env("/cache")
+  assert gpu_bench.worker_env("/cache", 0.95)["XLA_CLIENT_MEM_FRACTION"] == "0.95"
+  # JAX refuses both names at once: the user's older one stands alone.
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  env = gpu_bench.worker_env("/cache", 0.95)
+  assert "XLA_CLIENT_MEM_FRACTION" not in env and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+
+
+@pytest.mark.parametrize("flags", [["--timed-together", "1"], ["--tag", "../x"],
+                                   ["--memory-fraction", "1.5"]])
+def test_flags_that_cannot_work_are_refused_before_any_process_starts(flags, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    gpu_bench.main(flags)
+  assert exit_info.value.code == 2 and flags[0] in capsys.readouterr().err
