@@ -45,9 +45,10 @@ validate: $(STAMP)
 	$(BIN)/python -m models.validate
 
 # On a machine with a GPU: memory and step times of every accumulation method,
-# gpt2_small and gpt2_medium, N = 4 and 8, unrolled and scanned ->
+# gpt2_small and gpt2_medium, N = 4, unrolled and scanned ->
 # benchmarks/gpu_<device>.md and benchmarks/raw/gpu_<device>.json. Runs on the
-# machine's own Python, whose jax has CUDA (.venv's is the CPU build).
+# machine's own Python, whose jax has CUDA (.venv's is the CPU build). Other
+# presets through BENCH_GPU_ARGS (benchmarks/README.md, "Waiting for a GPU").
 bench-gpu:
 	$(PYTHON) -m models.gpu_bench $(BENCH_GPU_ARGS)
 
@@ -55,22 +56,27 @@ bench-gpu:
 bench-gpu-capacity:
 	$(PYTHON) -m models.gpu_bench --capacity $(BENCH_GPU_ARGS)
 
-# On a machine with a GPU: GPT-2 small, 2,000 steps, Adam + accumulation and then
-# the default AdamA on the same mini-batch (GPU_BATCH sequences of 256 tokens
-# in GPU_N micro-batches, seed GPU_SEED), one run at a time, raw runs into
-# GPU_OUT; `PYTHONPATH=. python benchmarks/gpu_convergence.py` tables them.
+# On a machine with a GPU: GPU_PRESET (GPT-2 small; llama_small, a Llama of its
+# size), 2,000 steps, Adam + accumulation and then the default AdamA on the same
+# mini-batch (GPU_BATCH sequences of 256 tokens in GPU_N micro-batches, seed
+# GPU_SEED), one run at a time, raw runs into GPU_OUT, named by the preset;
+# `PYTHONPATH=. python benchmarks/gpu_convergence.py` tables them.
+# GPU_EXTRA_ARGS go last, so they override (the CPU test's few steps).
+GPU_PRESET ?= gpt2_small
+GPU_MODEL = $(if $(filter llama%,$(GPU_PRESET)),llama,gpt)
 GPU_N ?= 8
 GPU_BATCH ?= 32
 GPU_SEED ?= 1
 GPU_OUT ?= benchmarks/raw
-GPU_CONVERGENCE_ARGS = --model gpt --preset gpt2_small --dtype bfloat16 --seq-len 256 \
-  --steps 2000 --learning-rate 6e-4 --warmup-steps 100 --max-bytes 100000000 \
-  --eval-batches 32 --no-progress --num-micro-batches $(GPU_N) --batch-size $(GPU_BATCH) \
-  --seed $(GPU_SEED)
+GPU_EXTRA_ARGS ?=
+GPU_CONVERGENCE_ARGS = --model $(GPU_MODEL) --preset $(GPU_PRESET) --dtype bfloat16 \
+  --seq-len 256 --steps 2000 --learning-rate 6e-4 --warmup-steps 100 \
+  --max-bytes 100000000 --eval-batches 32 --no-progress --num-micro-batches $(GPU_N) \
+  --batch-size $(GPU_BATCH) --seed $(GPU_SEED) $(GPU_EXTRA_ARGS)
 gpu-convergence:
 	for optimizer in adam adama; do \
 	  $(PYTHON) -m models.train $(GPU_CONVERGENCE_ARGS) --optimizer $$optimizer \
-	    --metrics-out $(GPU_OUT)/gpu_gpt2_small_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer.json \
+	    --metrics-out $(GPU_OUT)/gpu_$(GPU_PRESET)_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer.json \
 	    || exit 1; \
 	done
 

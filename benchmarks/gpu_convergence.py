@@ -1,4 +1,5 @@
-"""At scale, on a GPU: GPT-2 small trained with AdamA against Adam + accumulation.
+"""At scale, on a GPU: GPT-2 small (and a Llama of its size) trained with AdamA
+against Adam + accumulation.
 
     # on the GPU machine, one run at a time (two processes each preallocate
     # 75% of the card and the second runs out of memory while autotuning):
@@ -23,6 +24,9 @@
     make gpu-convergence PYTHON=python3 GPU_N=8 GPU_BATCH=64 GPU_SEED=1 GPU_OUT=$OUT
     #   -> gpu_gpt2_small_n8_b64_seed1_adam.json and ..._adama.json, copied into
     #   benchmarks/raw/: every such pair becomes a cell of its own here
+    # the same pair on another preset, its cells its own (raw names carry it):
+    make gpu-convergence PYTHON=python3 GPU_PRESET=llama_small GPU_SEED=0 GPU_OUT=$OUT
+    #   -> gpu_llama_small_n8_b32_seed0_adam.json and ..._adama.json
 
 GPT-2 small (124M) on the offline corpus (Python's standard library, bytes),
 bf16 compute with float32 params and moments, sequences of 256 tokens, 2,000
@@ -31,7 +35,9 @@ steps, warm-up + cosine from 6e-4. The commands above: 32 sequences per step
 GPU_BATCH sequences in GPU_N micro-batches, seed GPU_SEED. Adam +
 accumulation is the same mini-batch step at either N (up to the order of the
 micro-batch sums), so its two seed-0 runs measure how far one run of the
-same math moves by rounding alone.
+same math moves by rounding alone. `GPU_PRESET=llama_small` trains
+`models.llama`'s preset of GPT-2 small's size (RMSNorm, rotary positions,
+grouped-query attention, SwiGLU) with the same data, schedule and mini-batch.
 """
 
 import argparse
@@ -49,24 +55,39 @@ CELLS = (
 )
 
 
-# A pair `make gpu-convergence` writes: N, sequences per step, seed.
-EXTRA_RUN = re.compile(r"gpu_gpt2_small_n(\d+)_b(\d+)_seed(\d+)_adam\.json")
+# A pair `make gpu-convergence` writes: preset, N, sequences per step, seed.
+EXTRA_RUN = re.compile(r"gpu_([a-z0-9_]+?)_n(\d+)_b(\d+)_seed(\d+)_adam\.json")
+# The plots' and the title's names of the presets; others go by their own.
+TITLES = {"gpt2_small": "GPT-2 small", "llama_small": "Llama (GPT-2 small's size)"}
 
 
 def extra_cells(raw: Path):
   """Every (Adam + accumulation, default AdamA) pair of `make gpu-convergence`
-  in ``raw``, as cells: ``(N, [adam, adama], plot name)``, by N, batch, seed."""
+  in ``raw``, as cells: ``(N, [adam, adama], plot name)``, by preset, N, batch, seed."""
   cells = []
-  pairs = sorted((tuple(map(int, match.groups())), path)
-                 for path in raw.glob("gpu_gpt2_small_n*_b*_seed*_adam.json")
+  pairs = sorted(((match[1], *map(int, match.groups()[1:])), path)
+                 for path in raw.glob("gpu_*_n*_b*_seed*_adam.json")
                  if (match := EXTRA_RUN.fullmatch(path.name)))
-  for (n, batch, seed), path in pairs:
+  for (preset, n, batch, seed), path in pairs:
     partner = path.with_name(path.name.replace("_adam.json", "_adama.json"))
     if not partner.exists():
       raise FileNotFoundError(f"{path.name} has no AdamA run beside it ({partner.name})")
-    cells.append((n, [json.loads(path.read_text()), json.loads(partner.read_text())],
-                  f"gpu_convergence_n{n}_b{batch}_seed{seed}.png"))
+    runs = [json.loads(path.read_text()), json.loads(partner.read_text())]
+    if {r["preset"] for r in runs} != {preset}:
+      raise ValueError(f"{path.name} and {partner.name} name {preset} but trained "
+                       f"{sorted({r['preset'] for r in runs})}")
+    cells.append((n, runs, f"gpu_convergence_{preset}_n{n}_b{batch}_seed{seed}.png"))
   return cells
+
+
+def title(preset: str) -> str:
+  return TITLES.get(preset, preset)
+
+
+def run_name(run, n) -> str:
+  """How a plot names its cell: gpt2_small's by N alone, as it always has."""
+  preset = run["preset"]
+  return f"N = {n}" if preset == "gpt2_small" else f"{preset}, N = {n}"
 
 
 def label(run) -> str:
@@ -84,22 +105,24 @@ def device(run) -> str:
 
 def markdown(cells) -> str:
   """The table (one row per run, gaps against the cell's Adam) and the plots."""
-  first = cells[0][1][0]
+  presets = {runs[0]["preset"]: runs[0]["param_count"] for _, runs, _ in cells}
   lines = [
-      "# At scale on a GPU: GPT-2 small, AdamA against Adam + accumulation",
+      f"# At scale on a GPU: {' and '.join(map(title, presets))}, AdamA against Adam "
+      "+ accumulation",
       "",
-      f"`{first['preset']}` ({first['param_count']:,} parameters) on the offline corpus, "
+      ", ".join(f"`{p}` ({count:,} parameters)" for p, count in presets.items())
+      + " on the offline corpus, "
       "bf16 compute with float32 params and moments, sequences of 256 tokens, N micro-batches "
       "of each row's tokens per step (N x tokens per micro-batch), 2,000 steps, warm-up "
       "(100) + cosine from 6e-4, one run each, at Adam's learning rate for every arm. "
       "Made by the commands "
-      "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_gpt2_small_*.json`). Step "
+      "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_<preset>_*.json`). Step "
       "times are not compared here (runs shared the card or ran on different ones); "
       "`make bench-gpu` times the steps.",
       "",
-      "| N | tokens / micro-batch | seed | run | device | held-out loss | vs Adam | final "
-      "training loss (last 5%) | compiled step |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "| preset | N | tokens / micro-batch | seed | run | device | held-out loss | vs Adam "
+      "| final training loss (last 5%) | compiled step |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for n, runs, _ in cells:
     adam = runs[0]
@@ -107,15 +130,17 @@ def markdown(cells) -> str:
     for run in runs:
       gap = 100 * (run["eval_loss"] / adam["eval_loss"] - 1)
       memory = run["memory"]["total_bytes"] / run["memory"]["param_bytes"]
-      lines.append(f"| {n} | {tokens:,} | {run['config']['seed']} | {label(run)} | {device(run)} "
+      lines.append(f"| {run['preset']} | {n} | {tokens:,} | {run['config']['seed']} "
+                   f"| {label(run)} | {device(run)} "
                    f"| {run['eval_loss']:.4f} | {gap:+.2f}% "
                    f"| {run['final_train_loss']:.4f} | {memory:.2f} P |")
-  adams = [runs[0] for _, runs, _ in cells]
+  # The first two cells are CELLS': gpt2_small's seed-0 Adam at N = 4 and 8.
+  adams = [runs[0] for _, runs, _ in cells[:2]]
   floor = 100 * (adams[1]["eval_loss"] / adams[0]["eval_loss"] - 1)
   lines += ["", f"Adam + accumulation at N = {cells[1][0]} against N = {cells[0][0]} (the same "
             f"math summed in another order, on {device(adams[1])} against "
             f"{device(adams[0])}): {floor:+.2f}%.", ""]
-  lines += [f"![training curves, N = {n}]({plot})" for n, _, plot in cells]
+  lines += [f"![training curves, {run_name(runs[0], n)}]({plot})" for n, runs, plot in cells]
   return "\n".join(lines) + "\n"
 
 
@@ -131,8 +156,8 @@ def main(argv=None) -> None:
   for n, runs, plot in cells:
     tokens = runs[0]["config"]["batch_size"] * runs[0]["config"]["seq_len"] // n
     harness.plot_loss_curves(runs, label, args.out_dir / plot, log=True,
-                             title=f"GPT-2 small, bf16 compute, N = {n} x {tokens:,} tokens, "
-                                   f"seed {runs[0]['config']['seed']}")
+                             title=f"{title(runs[0]['preset'])}, bf16 compute, N = {n} x "
+                                   f"{tokens:,} tokens, seed {runs[0]['config']['seed']}")
   markdown_path = args.out_dir / "gpu_convergence.md"
   markdown_path.write_text(markdown(cells))
   print(markdown_path.read_text())
