@@ -903,7 +903,13 @@ def scale_by_adama(
     # zeros_like keeps the param's placement (a sharded param, a sharded
     # moment), as optax's moments do. (Quantized moments, shaped as blocks,
     # start on the default device; the steps' mesh= places them.)
-    return jnp.zeros_like(param, dtype or _dtype_of(param))
+    dtype = dtype or _dtype_of(param)
+    if isinstance(param, jax.core.Tracer):
+      # Under jit a constant lands on one device whatever the params' split
+      # (optax.MultiSteps' accumulator does on FSDP params, llama-2-jax #10);
+      # zeros computed from the param take its sharding from the partitioner.
+      return jnp.where(jnp.isfinite(param), param - param, 0).astype(dtype)
+    return jnp.zeros_like(param, dtype)
 
   if not isinstance(split_floor, bool):
     raise TypeError(f"split_floor must be True or False, got {split_floor!r}.")

@@ -137,7 +137,9 @@ def microbatch_step(
       ``"fsdp"`` with a :class:`StagedLoss` as ``loss_fn`` each layer's params
       are gathered inside the layer scan, one layer at a time (place with
       :func:`optax_adama.sharding.stack_shardings`); with any other loss
-      every leaf is gathered for the whole micro-batch.
+      each leaf is split along its largest axis and GSPMD gathers it where
+      the model reads it (inside the model's own layer scan, a layer at a
+      time).
     data_axis: the mesh axis (or axes) the batch is split over; the batch size
       divided by ``N`` must be a multiple of its size.
     accumulation_dtype: gradient accumulation only: the dtype of the
@@ -193,6 +195,8 @@ def microbatch_step(
   elif shard_states == "fsdp" and isinstance(loss_fn, StagedLoss):
     placement = _staged_fsdp_placement(
         loss_fn, has_aux, _sharding.auto_mesh(mesh), data_axis)
+  elif shard_states == "fsdp":
+    placement = _fsdp_placement(value_and_grad, has_aux, _sharding.auto_mesh(mesh), data_axis)
   else:
     placement = _mesh_placement(
         value_and_grad, has_aux, _sharding.auto_mesh(mesh), shard_states, data_axis)
@@ -280,6 +284,40 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
 
   return _Placement(loss_and_grads, shardings, place_micro_batches, apply_updates,
                     _sharding.num_devices(mesh, data_axis))
+
+
+def _fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> _Placement:
+  """FSDP for a plain loss: GSPMD gathers each param where the model reads it.
+
+  Params, moments and each micro-batch's gradient are split as
+  :func:`step_shardings` says for ``"fsdp"`` (each leaf along its largest
+  axis). The loss runs on the split params without ``shard_map``, so the
+  partitioner gathers a leaf where it is used: inside a model's own
+  ``lax.scan`` over stacked layers, one layer's slice per iteration, as it
+  does for a hand-written FSDP loop. The gradient is constrained to the
+  params' split, which makes its reduction a reduce-scatter. (Gathering
+  every leaf up front inside ``shard_map``, as the other stages do, held the
+  whole model on every device: 66.34 GB a device for a 7B-shaped GPT.)
+  """
+  def shardings(params, opt_state):
+    return _sharding.step_shardings(
+        params, opt_state, mesh, shard_states="fsdp", data_axis=data_axis)
+
+  def loss_and_grads(params, micro_batch):
+    out, grads = value_and_grad(params, micro_batch)
+    loss, aux = out if has_aux else (out, None)
+    grads = jax.lax.with_sharding_constraint(grads, shardings(params, None).grads)
+    return loss, aux, grads
+
+  def apply_updates(params, updates, emitted):
+    del emitted
+    params = _steps.apply_updates(params, updates)
+    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
+
+  return _Placement(
+      loss_and_grads, shardings,
+      lambda micro_batches: _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis),
+      apply_updates, _sharding.num_devices(mesh, data_axis))
 
 
 def _staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> _Placement:

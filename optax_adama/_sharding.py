@@ -21,8 +21,9 @@ decides *where* each array lives:
                                    where the forward pass needs them
   ==========  ======  ===========  ==========================================
 
-A leaf is split along its first axis whose size the data axis divides, and
-kept whole when none does (scalars, odd sizes): small leaves cost little, and
+A leaf is split along its first axis whose size the data axis divides (under
+FSDP its largest such axis: the model's own layer scan then slices every
+device's share), and kept whole when none does (scalars, odd sizes): small leaves cost little, and
 one rule for params, moments and gradients keeps them aligned leaf by leaf,
 so folding a reduce-scattered gradient into its moment slice needs no
 communication.
@@ -102,7 +103,8 @@ def _axis_size(mesh: Mesh, data_axis: AxisName) -> int:
 
 
 def shard_leaf_spec(
-    shape: Sequence[int], axis_size: int, data_axis: AxisName = "data"
+    shape: Sequence[int], axis_size: int, data_axis: AxisName = "data", *,
+    largest: bool = False,
 ) -> PartitionSpec:
   """The `PartitionSpec` of a leaf of ``shape`` split ``axis_size`` ways.
 
@@ -110,25 +112,30 @@ def shard_leaf_spec(
     shape: the leaf's shape.
     axis_size: the number of devices along the data axis.
     data_axis: the mesh axis (or axes) to split over.
+    largest: split the largest dimension ``axis_size`` divides (the first
+      of equals) rather than the first. FSDP's rule: a model's own
+      ``lax.scan`` over layers slices the leading layer axis of its stacked
+      params, and a leaf split along that axis is gathered whole to slice it.
 
   Returns:
-    ``PartitionSpec`` naming ``data_axis`` at the first dimension ``axis_size``
-    divides, or the replicated ``PartitionSpec()`` if none does.
+    ``PartitionSpec`` naming ``data_axis`` at the chosen dimension, or the
+    replicated ``PartitionSpec()`` if ``axis_size`` divides none.
   """
-  for dim, size in enumerate(shape):
-    if size >= axis_size and size % axis_size == 0:
-      return PartitionSpec(*([None] * dim), data_axis)
-  return PartitionSpec()
+  dims = [dim for dim, size in enumerate(shape) if size >= axis_size and size % axis_size == 0]
+  if not dims:
+    return PartitionSpec()
+  dim = max(dims, key=lambda d: shape[d]) if largest else dims[0]  # ties: the first
+  return PartitionSpec(*([None] * dim), data_axis)
 
 
 def sharded_tree_shardings(
-    tree: Any, mesh: Mesh, *, data_axis: AxisName = "data"
+    tree: Any, mesh: Mesh, *, data_axis: AxisName = "data", largest: bool = False
 ) -> Any:
   """A `NamedSharding` per leaf of ``tree``, each split over ``data_axis``.
 
   The mesh's axes are used in GSPMD's ``Auto`` mode. The rule of
   :func:`shard_leaf_spec`: the first dimension the data axis
-  divides is split, other leaves are replicated. Moments, gradients and
+  divides is split (the largest with ``largest``), other leaves are replicated. Moments, gradients and
   params of the same shape get the same sharding.
 
   Args:
@@ -152,7 +159,7 @@ def sharded_tree_shardings(
   axis_size = _axis_size(mesh, data_axis)
   return jax.tree.map(
       lambda x: NamedSharding(
-          mesh, shard_leaf_spec(jax.numpy.shape(x), axis_size, data_axis)),
+          mesh, shard_leaf_spec(jax.numpy.shape(x), axis_size, data_axis, largest=largest)),
       tree)
 
 
@@ -207,10 +214,15 @@ def step_shardings(
   """
   check_shard_states(shard_states)
   mesh = auto_mesh(mesh)
-  sharded = lambda tree: sharded_tree_shardings(tree, mesh, data_axis=data_axis)
+  # FSDP splits each leaf along its largest axis (as hand-written FSDP loops do),
+  # so a model's own layer scan slices a layer out of every device's share.
+  largest = shard_states == "fsdp"
+  sharded = lambda tree: sharded_tree_shardings(
+      tree, mesh, data_axis=data_axis, largest=largest)
   replicated = lambda tree: replicated_shardings(tree, mesh)
   opt_state_shardings = (replicated(opt_state) if shard_states is None
-                         else _replicated_floors(sharded(opt_state), mesh))
+                         else _replicated_floors(_sharded_state(
+                             opt_state, mesh, data_axis, largest), mesh))
   if shard_states is not None:
     opt_state_shardings = block_aligned_moments(
         opt_state_shardings, opt_state, params, sharded(params), mesh, data_axis)
@@ -221,6 +233,16 @@ def step_shardings(
       grads=(sharded(params) if shard_states in ("zero2", "fsdp")
              else replicated(params)),
   )
+
+
+def _sharded_state(opt_state: Any, mesh: Mesh, data_axis: AxisName, largest: bool) -> Any:
+  """The optimizer state split as params of its shapes are; 8-bit codes along
+  their blocks (:func:`block_aligned_moments` then aligns them to the params)."""
+  is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
+  return jax.tree.map(
+      lambda x: sharded_tree_shardings(
+          x, mesh, data_axis=data_axis, largest=largest and not is_quantized(x)),
+      opt_state, is_leaf=is_quantized)
 
 
 def block_aligned_moments(opt_state_shardings: Any, opt_state: Any, params: Any,

@@ -337,7 +337,7 @@ def _fsdp_staged_worker(mesh):
   place = lambda tree, shardings: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
   for name, loss_fn, shardings in (
-      ("gather_all", lambda p, b: staged(p, b),  # a plain callable: leaves gathered whole
+      ("plain", lambda p, b: staged(p, b),  # a plain callable: GSPMD gathers its leaves
        optax_adama.sharding.step_shardings(params, state, mesh, shard_states="fsdp")),
       ("per_layer", staged,
        optax_adama.sharding.stack_shardings(staged, params, state, mesh, shard_states="fsdp"))):
@@ -775,11 +775,16 @@ def test_collectives_match_the_zero_stage(eight_devices):
   assert _largest_operand(plain["all-reduce"]) == full_leaf
   assert "reduce-scatter" not in plain
   assert _largest_operand(zero1["all-reduce"]) == full_leaf
-  # ZeRO-2 and FSDP: every gradient leaf is reduce-scattered; what is still
-  # all-reduced is scalars (the loss, the per-leaf finite flags).
-  for stage in (zero2, fsdp):
-    assert _largest_operand(stage["reduce-scatter"]) == full_leaf // NUM_DEVICES
-    assert _largest_operand(stage["all-reduce"]) == 1, stage["all-reduce"]
+  # ZeRO-2: every gradient leaf is reduce-scattered (shard_map's psum_scatter);
+  # what is still all-reduced is scalars (the loss, the per-leaf finite flags).
+  assert _largest_operand(zero2["reduce-scatter"]) == full_leaf // NUM_DEVICES
+  assert _largest_operand(zero2["all-reduce"]) == 1, zero2["all-reduce"]
+  # FSDP on a plain loss is GSPMD's (the model's own layer scan gathers a layer
+  # at a time): the CPU compiler reduces a gradient leaf as an all-reduce and
+  # a slice, GPU and TPU pipelines rewrite that pair as a reduce-scatter.
+  # Either way nothing larger than one leaf's gradient is reduced at once.
+  reduced = fsdp.get("reduce-scatter", []) + fsdp.get("all-reduce", [])
+  assert full_leaf // NUM_DEVICES <= _largest_operand(reduced) <= full_leaf, fsdp
   # ZeRO-1/2 gather the updated params (once per mini-batch, under a cond);
   # FSDP gathers params for the forward pass.
   for stage in (zero1, zero2, fsdp):
@@ -1118,13 +1123,14 @@ def test_fsdp_on_a_staged_loss_gathers_one_layer_at_a_time(eight_devices):
   assert run["param_diff"] < 1e-6, run
   assert run["moment_relative_diff"] < 1e-5, run
   assert run["loss_diff"] < 1e-6, run
-  # Per device, 8 layers: gathering every leaf for each micro-batch holds the
-  # whole model's params (and its gradient); gathered layer by layer the step
-  # holds about a layer of them. Measured 3.39 P against 1.08 P at width 512;
-  # here (width 256) at least half is saved.
+  # Per device, 8 layers: each step holds about a layer of gathered params,
+  # the stages' gathered inside their scan, the plain loss's by GSPMD inside
+  # the loss's own scan (leaves split along their largest axis). Gathering
+  # every leaf for the whole micro-batch held the whole model: 3.39 P at
+  # width 512, against 1.08 P gathered layer by layer.
   P = run["param_bytes"]
-  assert run["per_layer_bytes"] < 0.5 * run["gather_all_bytes"], run
   assert run["per_layer_bytes"] < 1.5 * P, (run, P)
+  assert run["plain_bytes"] < 1.5 * P, (run, P)
 
 
 def test_release_step_on_a_mesh_holds_one_layer_at_a_time(eight_devices):
