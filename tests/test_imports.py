@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("optax_adama", "models")
 # The published model zoo: models/__init__.py is its front.
 ZOO = frozenset({"models", "models.bert", "models.data", "models.gpt", "models.layers",
-                 "models.savers", "models.vit"})
+                 "models.llama", "models.llama_checkpoint", "models.savers", "models.vit"})
 
 
 @dataclasses.dataclass(frozen=True)
