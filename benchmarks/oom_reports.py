@@ -3,6 +3,7 @@
     python benchmarks/oom_reports.py easylm      # LLaMA-7B, FSDP on a v3-8 / v2-8
     python benchmarks/oom_reports.py gpt7b       # a 7B-shaped GPT, tried as a new user would
     python benchmarks/oom_reports.py easylm --preset llama_test --seq-len 64   # seconds
+    python benchmarks/oom_reports.py capacity    # the largest Llama per method, 16 and 80 GB
 
 The reports (EasyLM #36 and #61, EasyDeL #95, llama-2-jax #10): LLaMA-7B trained with
 FSDP over the 8 cores of a TPU v3-8 (16 GiB each, 15.48 GiB usable) runs without
@@ -61,6 +62,8 @@ SCENARIOS = {
               "methods": ("scan_accumulation", "adama", "adama_staged", "adama_release",
                           "adama_release_8bit")},
 }
+# The largest llama_family member each method fits per device (see `capacity`).
+CAPACITY = "capacity"
 METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
            "adama_release_8bit", "adama_release_offload")
 GIB = 2**30
@@ -70,7 +73,9 @@ V2_GIB = 8.0
 
 def _parse(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("scenario", choices=sorted(SCENARIOS))
+  parser.add_argument("scenario", choices=sorted(SCENARIOS) + [CAPACITY])
+  parser.add_argument("--budgets-gb", type=float, nargs="+", default=[16.0, 80.0],
+                      help="capacity: per-device budgets, GB")
   parser.add_argument("--preset", help="another model preset (e.g. llama_test for a smoke run)")
   parser.add_argument("--num-micro-batches", type=int, nargs="+")
   parser.add_argument("--methods", nargs="+", choices=METHODS)
@@ -82,6 +87,8 @@ def _parse(argv):
   args = parser.parse_args(argv)
   if args.seq_len < 1 or args.rows < 1 or args.devices < 1:
     parser.error("--seq-len, --rows and --devices must be positive.")
+  if min(args.budgets_gb) <= 0:
+    parser.error("--budgets-gb must be positive.")
   if args.num_micro_batches and min(args.num_micro_batches) < 1:
     parser.error("--num-micro-batches must be positive.")
   args.json = args.json or Path(f"benchmarks/raw/oom_{args.scenario}.json")
@@ -224,6 +231,122 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh):
   return compiled, state
 
 
+def device_bytes(compiled, state, method, devices):
+  """One device's compiled bytes; host-offloaded moments not counted."""
+  import optax_adama
+
+  total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
+  if method.endswith("_offload") and compiled.memory_analysis().host_argument_size_in_bytes == 0:
+    # The CPU backend counts host-memory arguments with the device's.
+    total -= optax_adama.moments.host_state_bytes(state) // devices
+  return total
+
+
+def llama_family(scale: int):
+  """A Llama-3-shaped model grown in depth and width together, as the GPT family of
+  benchmarks/capacity_fsdp_8_devices.md: ``scale`` layers of width 64 x scale (to a
+  multiple of 128), heads of 128, a quarter as many kv heads (the largest divisor
+  of the heads at most that), a SwiGLU of 3.5 x width (to 256), Llama 3's 128,256-token
+  vocabulary, bf16 compute with float32 params; scale 64 is 64 layers of llama3_8b's
+  width."""
+  import jax.numpy as jnp
+
+  import models
+
+  hidden = max(128, round(64 * scale / 128) * 128)
+  heads = hidden // 128
+  kv_heads = max(d for d in range(1, heads + 1) if heads % d == 0 and (4 * d <= heads or d == 1))
+  return models.LlamaConfig.llama3_8b(
+      num_layers=scale, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
+      mlp_dim=round(3.5 * hidden / 256) * 256, scan_layers=True, remat="full",
+      dtype=jnp.bfloat16)
+
+
+CAPACITY_METHODS = ("scan_accumulation", "adama", "adama_release", "adama_release_8bit",
+                    "adama_release_offload")
+
+
+def capacity(args):
+  """Per method and budget, the largest llama_family scale whose step fits one device."""
+  import functools
+
+  import jax
+
+  import models
+  from models import bench, harness
+
+  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  n = (args.num_micro_batches or [4])[0]
+  methods = args.methods or CAPACITY_METHODS
+
+  @functools.lru_cache(maxsize=None)
+  def measure(method, scale):
+    config = llama_family(scale)
+    loss_fn, staged, params = _model(config)
+    batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
+    start = time.perf_counter()
+    compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh)
+    total = device_bytes(compiled, state, method, args.devices)
+    print(f"{method} scale {scale} ({config.num_layers} x {config.hidden}): "
+          f"{total / 1e9:.2f} GB per device in {time.perf_counter() - start:.0f} s", flush=True)
+    return total
+
+  count = functools.lru_cache(maxsize=None)(lambda scale: models.param_count(llama_family(scale)))
+  rows = []
+  for method in methods:
+    # Bytes are about linear in the parameters: two anchors aim the gallop.
+    low, high = 32, 64
+    slope = (measure(method, high) - measure(method, low)) / (count(high) - count(low))
+    intercept = measure(method, high) - slope * count(high)
+    for budget in args.budgets_gb:
+      fits = lambda scale: measure(method, scale) <= budget * 1e9
+      guess = max((s for s in range(8, 257) if slope * count(s) + intercept <= budget * 1e9),
+                  default=8)
+      scale = bench.largest_fitting(fits, 8, 256, guess=guess)
+      config = llama_family(scale)
+      rows.append({"method": method, "budget_gb": budget, "scale": scale,
+                   "num_layers": config.num_layers, "hidden": config.hidden,
+                   "param_count": count(scale) if scale >= 8 else 0,
+                   "per_device_bytes": measure(method, scale) if scale >= 8 else None,
+                   "num_micro_batches": n, "seq_len": args.seq_len, "devices": args.devices,
+                   "rows_per_device": args.rows})
+      _save_capacity(args, rows)
+  return rows
+
+
+def capacity_markdown(rows, command):
+  methods = list(dict.fromkeys(r["method"] for r in rows))
+  budgets = sorted({r["budget_gb"] for r in rows})
+  first = rows[0]
+  lines = [
+      "# The largest Llama each method trains on 8 devices (FSDP), compile-only", "",
+      f"Made by `{command}` on CPU ({first['devices']} fake devices). The family of "
+      "`benchmarks/oom_reports.py`'s `llama_family`: `scale` layers of width 64 x scale, "
+      "heads of 128, a quarter as many kv heads, SwiGLU 3.5 x width, Llama 3's 128,256-token "
+      "vocabulary (scale 64 = 64 layers of llama3_8b's width), bf16 compute, float32 params "
+      f"and moments, remat \"full\", layers scanned; N = {first['num_micro_batches']}, "
+      f"{first['rows_per_device']} sequence(s) of {first['seq_len']:,} tokens per device per "
+      "micro-batch. Budget per device (GB = 1e9 B); host memory for `_offload` not counted.",
+      "", "| budget | " + " | ".join(methods) + " | parameters vs scan_accumulation |",
+      "|---|" + "---|" * (len(methods) + 1)]
+  for budget in budgets:
+    by_method = {r["method"]: r for r in rows if r["budget_gb"] == budget}
+    cells = [(f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['num_layers']} x "
+              f"{by_method[m]['hidden']})") if m in by_method else "-" for m in methods]
+    base = by_method.get("scan_accumulation", {}).get("param_count")
+    ratios = "; ".join(f"{m}: {by_method[m]['param_count'] / base:.2f}x" for m in methods
+                       if base and m in by_method and m != "scan_accumulation")
+    lines.append(f"| {budget:g} GB | " + " | ".join(cells) + f" | {ratios or '-'} |")
+  return "\n".join(lines) + "\n"
+
+
+def _save_capacity(args, rows):
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
+  args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+  args.markdown.write_text(capacity_markdown(rows, command))
+
+
 def measure(args):
   import jax
 
@@ -261,13 +384,10 @@ def measure(args):
       start = time.perf_counter()
       compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh)
       report = optax_adama.memory_report(compiled, param_bytes=P)
-      total = report.total_bytes
+      total = device_bytes(compiled, state, method, args.devices)
       state_bytes = optax_adama.memory.tree_bytes(state)
-      host_bytes = 0
-      if method.endswith("_offload"):
-        host_bytes = optax_adama.moments.host_state_bytes(state)
-        if compiled.memory_analysis().host_argument_size_in_bytes == 0:
-          total -= host_bytes // args.devices  # the CPU backend counts host args as device
+      host_bytes = (optax_adama.moments.host_state_bytes(state)
+                    if method.endswith("_offload") else 0)
       device_state = 0 if method.endswith("_offload") else state_bytes
       floor = (P + device_state) / args.devices + layer + activations
       row = {"preset": preset, "overrides": overrides, "method": method,
@@ -335,7 +455,7 @@ def main(argv=None):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.devices}")
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-  rows = measure(args)
+  rows = capacity(args) if args.scenario == CAPACITY else measure(args)
   print(args.markdown.read_text())
   return rows
 
