@@ -91,8 +91,9 @@ def _parse(argv):
     parser.error("--budgets-gb must be positive.")
   if args.num_micro_batches and min(args.num_micro_batches) < 1:
     parser.error("--num-micro-batches must be positive.")
-  args.json = args.json or Path(f"benchmarks/raw/oom_{args.scenario}.json")
-  args.markdown = args.markdown or Path(f"benchmarks/oom_{args.scenario}.md")
+  stem = "capacity_llama_8_devices" if args.scenario == CAPACITY else f"oom_{args.scenario}"
+  args.json = args.json or Path(f"benchmarks/raw/{stem}.json")
+  args.markdown = args.markdown or Path(f"benchmarks/{stem}.md")
   return args
 
 
@@ -262,6 +263,16 @@ def llama_family(scale: int):
       dtype=jnp.bfloat16)
 
 
+def llama_param_count(config) -> int:
+  """A Llama config's parameters in closed form (building 250 abstract models to
+  aim the capacity search took minutes; ``tests/test_llama.py`` checks the form)."""
+  d, head = config.hidden, config.head_size
+  block = (2 * d * config.num_heads * head + 2 * d * config.num_kv_heads * head
+           + 3 * d * config.mlp_dim + 2 * d)
+  heads = 1 if config.tie_embeddings else 2
+  return heads * config.vocab_size * d + config.num_layers * block + d
+
+
 CAPACITY_METHODS = ("scan_accumulation", "adama", "adama_release", "adama_release_8bit",
                     "adama_release_offload")
 
@@ -291,7 +302,7 @@ def capacity(args):
           f"{total / 1e9:.2f} GB per device in {time.perf_counter() - start:.0f} s", flush=True)
     return total
 
-  count = functools.lru_cache(maxsize=None)(lambda scale: models.param_count(llama_family(scale)))
+  count = functools.lru_cache(maxsize=None)(lambda scale: llama_param_count(llama_family(scale)))
   rows = []
   for method in methods:
     # Bytes are about linear in the parameters: two anchors aim the gallop.

@@ -1,4 +1,4 @@
-"""Train a GPT, BERT or ViT with AdamA or a gradient-accumulation baseline.
+"""Train a GPT, BERT, ViT or Llama with AdamA or a gradient-accumulation baseline.
 
     python -m models.train --model gpt --preset gpt_tiny --optimizer adama \
         --num-micro-batches 4 --batch-size 32 --steps 300 --seed 0 \

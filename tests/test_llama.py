@@ -242,3 +242,17 @@ def test_llama_tiny_learns_stdlib_bytes():
   assert losses[0] > 5.0
   valid_loss, _ = loss_fn(params, valid)
   assert float(valid_loss) < unigram_entropy(text.train) - 0.5
+
+
+def test_the_capacity_search_counts_parameters_as_the_model_does():
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+  import oom_reports
+
+  for config in (oom_reports.llama_family(8), oom_reports.llama_family(21),
+                 models.get_config("llama_test", tie_embeddings=True)):
+    assert oom_reports.llama_param_count(config) == models.param_count(config)
+  scale_64 = oom_reports.llama_family(64)  # llama3_8b's width, twice its depth
+  assert (scale_64.hidden, scale_64.num_heads, scale_64.num_kv_heads, scale_64.mlp_dim) == (
+      4096, 32, 8, 14336)
