@@ -82,11 +82,16 @@ def _parse(argv):
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=2048)
   parser.add_argument("--rows", type=int, default=1, help="sequences per device per micro-batch")
+  parser.add_argument("--attention-chunk", type=int,
+                      help="a Llama's queries attended this many at a time (LlamaConfig's "
+                           "attention_chunk)")
   parser.add_argument("--json", type=Path)
   parser.add_argument("--markdown", type=Path)
   args = parser.parse_args(argv)
   if args.seq_len < 1 or args.rows < 1 or args.devices < 1:
     parser.error("--seq-len, --rows and --devices must be positive.")
+  if args.attention_chunk is not None and args.attention_chunk < 1:
+    parser.error("--attention-chunk must be positive.")
   if min(args.budgets_gb) <= 0:
     parser.error("--budgets-gb must be positive.")
   if args.num_micro_batches and min(args.num_micro_batches) < 1:
@@ -368,6 +373,8 @@ def measure(args):
   scenario = SCENARIOS[args.scenario]
   preset = args.preset or scenario["preset"]
   overrides = {} if args.preset else dict(scenario["overrides"])
+  if args.attention_chunk is not None:
+    overrides["attention_chunk"] = args.attention_chunk
   config = models.get_config(preset, scan_layers=True, remat="full", **overrides)
   if hasattr(config, "max_len") and config.max_len < args.seq_len:
     raise SystemExit(f"error: --seq-len {args.seq_len} is longer than {preset}'s max_len "

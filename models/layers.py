@@ -449,6 +449,7 @@ class GroupedQueryAttention(nnx.Module):
       head_dim: int,
       rope_theta: float,
       rope_scaling: RopeScaling | None = None,
+      query_chunk: int | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
       out_init: nnx.Initializer = DEFAULT_INIT,
@@ -463,6 +464,11 @@ class GroupedQueryAttention(nnx.Module):
       head_dim: width of one head (even: the rotary embedding rotates pairs).
       rope_theta: the rotary embedding's base.
       rope_scaling: Llama 3.1/3.2's frequency rescaling, or None.
+      query_chunk: None scores every query at once; a length attends that
+        many queries at a time under `jax.checkpoint` (the same values; the
+        [heads, length, length] scores, probabilities and their gradients
+        then exist one chunk of rows at a time). Sequences it does not divide
+        are attended whole.
       dtype: compute dtype.
       param_dtype: parameter dtype.
       out_init: init of the output projection.
@@ -475,6 +481,7 @@ class GroupedQueryAttention(nnx.Module):
     self.head_dim = head_dim
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling
+    self.query_chunk = query_chunk
     self.dtype = dtype
     linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
@@ -505,16 +512,37 @@ class GroupedQueryAttention(nnx.Module):
     k = apply_rotary(k, positions, inv_freq)
     # Query head h reads key/value head h // groups (Hugging Face's repeat_kv).
     q = q.reshape(batch, length, kv_heads, groups, head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
-    scores = scores.reshape(batch, self.num_heads, length, length)
     if mask is not None:
-      scores = jnp.where(mask, scores, float(jnp.finfo(jnp.float32).min))
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    probs = probs.reshape(batch, kv_heads, groups, length, length)
-    context = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+      mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], length, length))
+    chunk = self.query_chunk
+    if chunk is None or chunk >= length or length % chunk:
+      context = self._attend(q, k, v, mask)
+    else:
+      # One chunk of query rows at a time; the backward recomputes a chunk's
+      # scores rather than keeping every chunk's.
+      num_chunks = length // chunk
+      q_chunks = jnp.moveaxis(q.reshape(batch, num_chunks, chunk, *q.shape[2:]), 1, 0)
+      mask_chunks = None if mask is None else jnp.moveaxis(
+          mask.reshape(*mask.shape[:2], num_chunks, chunk, length), 2, 0)
+      attend = jax.checkpoint(self._attend, prevent_cse=False)
+      chunks = jax.lax.map(lambda args: attend(args[0], k, v, args[1]),
+                           (q_chunks, mask_chunks))
+      context = jnp.moveaxis(chunks, 0, 1).reshape(q.shape)
     context = context.reshape(batch, length, self.num_heads * head_dim)
     context = checkpoint_name(context, "attention_context")
     return checkpoint_name(self.out(context), "attention_out")
+
+
+  def _attend(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    """Attention of queries [b, q, kv, groups, d] over all keys; mask [b|1, h|1, q, s]."""
+    batch, queries, kv_heads, groups, _ = q.shape
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
+    scores = scores.reshape(batch, self.num_heads, queries, k.shape[1])
+    if mask is not None:
+      scores = jnp.where(mask, scores, float(jnp.finfo(jnp.float32).min))
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = probs.reshape(batch, kv_heads, groups, queries, k.shape[1])
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
 
 
 class GatedMLP(nnx.Module):
@@ -565,6 +593,7 @@ class LlamaBlock(nnx.Module):
       norm_eps: float,
       rope_theta: float,
       rope_scaling: RopeScaling | None = None,
+      query_chunk: int | None = None,
       linear_keep_ratio: float | None = None,
       dtype: DType = jnp.float32,
       param_dtype: DType = jnp.float32,
@@ -577,7 +606,8 @@ class LlamaBlock(nnx.Module):
     self.attention_norm = norm()
     self.attention = GroupedQueryAttention(
         hidden, num_heads, num_kv_heads, head_dim=head_dim, rope_theta=rope_theta,
-        rope_scaling=rope_scaling, dtype=dtype, param_dtype=param_dtype,
+        rope_scaling=rope_scaling, query_chunk=query_chunk, dtype=dtype,
+        param_dtype=param_dtype,
         out_init=out_init, rngs=rngs)
     self.mlp_norm = norm()
     self.mlp = GatedMLP(hidden, mlp_dim, linear_keep_ratio=linear_keep_ratio, dtype=dtype,

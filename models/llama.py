@@ -52,6 +52,11 @@ class LlamaConfig(layers.TransformerConfig):
     tie_embeddings: the LM head is the token embedding (Llama 3.2 1B) rather
       than a matrix of its own (Llama 2, Llama 3 8B).
     loss_chunks: as `GPTConfig.loss_chunks` (the LM head's loss by chunks).
+    attention_chunk: None attends every query at once; a length that divides
+      the sequence attends that many queries at a time, each chunk
+      recomputed in the backward (`layers.GroupedQueryAttention`'s
+      `query_chunk`): the same values, the [heads, length, length] tensors
+      one chunk of rows at a time (LLaMA-7B at 2,048 tokens: 512 MiB each).
   """
 
   vocab_size: int = 32000
@@ -62,6 +67,7 @@ class LlamaConfig(layers.TransformerConfig):
   rope_scaling: layers.RopeScaling | None = None
   tie_embeddings: bool = False
   loss_chunks: int = 1
+  attention_chunk: int | None = None
   num_layers: int = 32
   num_heads: int = 32
   hidden: int = 4096
@@ -89,6 +95,10 @@ class LlamaConfig(layers.TransformerConfig):
           "linear_keep_ratio save activation memory here).")
     if not isinstance(self.loss_chunks, int) or self.loss_chunks < 1:
       raise ValueError(f"loss_chunks must be a positive int, got {self.loss_chunks!r}")
+    if self.attention_chunk is not None and (
+        not isinstance(self.attention_chunk, int) or self.attention_chunk < 1):
+      raise ValueError(f"attention_chunk must be None or a positive int (queries per chunk), "
+                       f"got {self.attention_chunk!r}")
 
   @property
   def head_size(self) -> int:
@@ -170,7 +180,7 @@ class Llama(nnx.Module):
             config.hidden, config.num_heads, config.num_kv_heads, config.mlp_width,
             head_dim=config.head_size, norm_eps=config.layer_norm_eps,
             rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
-            linear_keep_ratio=config.linear_keep_ratio, dtype=config.dtype,
+            query_chunk=config.attention_chunk, linear_keep_ratio=config.linear_keep_ratio, dtype=config.dtype,
             param_dtype=config.param_dtype, out_init=out_init, rngs=rngs,
         ),
         config.num_layers, scan_layers=config.scan_layers,

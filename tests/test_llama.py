@@ -256,3 +256,22 @@ def test_the_capacity_search_counts_parameters_as_the_model_does():
   scale_64 = oom_reports.llama_family(64)  # llama3_8b's width, twice its depth
   assert (scale_64.hidden, scale_64.num_heads, scale_64.num_kv_heads, scale_64.mlp_dim) == (
       4096, 32, 8, 14336)
+
+
+def test_chunked_attention_has_the_same_loss_and_gradients():
+  batch = {"tokens": tokens(2, 33)}
+
+  def loss_and_grads(**overrides):
+    model = models.create("llama_test", scan_layers=True, remat="full", rngs=nnx.Rngs(0),
+                          **overrides)
+    loss_fn, params = models.split_loss_fn(model)
+    return jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+
+  loss, grads = loss_and_grads()
+  for chunk in (8, 5):  # 5 does not divide 32 tokens: attended whole
+    chunked, chunked_grads = loss_and_grads(attention_chunk=chunk)
+    np.testing.assert_allclose(chunked, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+                 chunked_grads, grads)
+  with pytest.raises(ValueError, match="attention_chunk"):
+    models.get_config("llama_test", attention_chunk=0)
