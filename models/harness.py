@@ -15,7 +15,8 @@ in that command.
 - A training run: `TrainConfig` and `train` (models.train, models.validate and
   its study, models.demo), checkpointed and resumed with `CheckpointOptions`
   (`models.checkpoint`), with the pieces the planner compiles on their own
-  (`make_optimizer`, `make_train_step`, `model_config_of`).
+  (`make_optimizer`, `make_train_step` and, on a mesh, `train_step_shardings`,
+  `model_config_of`).
 - The accumulation methods the benchmarks compare (`models.bench` describes
   each): `make_step(method, loss_fn, ...)`, `split_model`, the floor a method
   is held to (`floor_for`) and interleaved step timing (`measure_throughput`),
@@ -323,7 +324,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """The optimizer of a run; every one counts its schedule in mini-batches."""
   schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   if config.optimizer == "adama":
-    quantization = optax_adama.BlockQuantization() if config.quantize_moments else None
+    # The release folds one layer's slice of the stack's moments at a time: its
+    # 8-bit blocks must not straddle layers (release_step refuses them).
+    quantization = (optax_adama.BlockQuantization(layer_aligned=config.release)
+                    if config.quantize_moments else None)
     return optax_adama.adamaw(
         schedule, weight_decay=config.weight_decay,
         num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
@@ -373,18 +377,45 @@ def model_config_of(config: TrainConfig) -> models.Config:
 
 
 def make_train_step(config: TrainConfig, model: nnx.Module, loss_fn: Callable,
-                    tx: optax.GradientTransformation) -> Callable:
+                    tx: optax.GradientTransformation, *,
+                    mesh: jax.sharding.Mesh | None = None,
+                    shard_states: str | None = None) -> Callable:
   """The jitted training step: `release_step` on the model's stages, or `microbatch_step`.
 
   Both take and return the same (params, opt_state, batch) and metrics with
   "loss"; the release's loss is the head's (it has no accuracy aux).
+
+  With `mesh` the step is data parallel over its "data" axis and
+  `shard_states` picks the ZeRO stage (None, "zero1", "zero2", "fsdp"; see
+  `optax_adama.sharding`). The plain loss is used under FSDP too: GSPMD
+  gathers each layer where the model's own scan reads it. Place params and
+  state first with `train_step_shardings`.
+  """
+  if mesh is None and shard_states is not None:
+    raise ValueError(f"shard_states={shard_states!r} splits state over a mesh; pass mesh= "
+                     "(a jax.sharding.Mesh with a 'data' axis) or shard_states=None.")
+  on_mesh = {} if mesh is None else {"mesh": mesh, "shard_states": shard_states}
+  if config.release:
+    staged, _ = models.staged_loss(model)
+    return optax_adama.release_step(staged, tx, **on_mesh)
+  return optax_adama.microbatch_step(
+      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
+      accumulation_dtype=config.accumulation_dtype, **on_mesh)
+
+
+def train_step_shardings(config: TrainConfig, model: nnx.Module, params: Any, opt_state: Any,
+                         mesh: jax.sharding.Mesh,
+                         shard_states: str | None) -> optax_adama.sharding.StepShardings:
+  """Where `make_train_step(..., mesh=mesh, shard_states=...)` keeps params and state.
+
+  The release splits a stacked leaf off its layer axis (`release_shardings`),
+  `microbatch_step` along its largest axis under FSDP (`step_shardings`).
   """
   if config.release:
     staged, _ = models.staged_loss(model)
-    return optax_adama.release_step(staged, tx)
-  return optax_adama.microbatch_step(
-      loss_fn, tx, num_micro_batches=config.num_micro_batches, has_aux=True,
-      accumulation_dtype=config.accumulation_dtype)
+    return optax_adama.sharding.release_shardings(staged, params, opt_state, mesh,
+                                                  shard_states=shard_states)
+  return optax_adama.sharding.step_shardings(params, opt_state, mesh, shard_states=shard_states)
 
 
 def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], list[dict]]:

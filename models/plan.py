@@ -3,12 +3,23 @@
     python -m models.plan --preset gpt2_large --budget-gb 24
     python -m models.train --preset gpt2_large --plan 24      # trains with the plan
     python -m models.plan --preset gpt2_small --survey --num-micro-batches 4
+    python -m models.plan --preset llama2_7b --budget-gb 16 --devices 8 \
+        --batch-size 32 --seq-len 2048     # per device, on a mesh of 8 (ZeRO stages)
 
 The search and its step-time predictor are `models.planner` (its docstring
 says what is searched and how time is predicted); `models.train --plan` runs
 the same search. This command prints the plan, or with `--survey` measures
 every activation setting at one N (compile only), and with `--frontier` times
 a survey's settings on this machine and plots memory against step time.
+
+`--devices D` plans data parallel on D devices: the budget is per device, the
+batch the whole mini-batch. Where the process has fewer devices, fake CPU
+devices are made for the compile-only measurements, by setting
+XLA_FLAGS=--xla_force_host_platform_device_count=D before jax initialises,
+with XLA's CPU code generation at its cheapest
+(--xla_backend_optimization_level=0, no expensive LLVM passes: nothing runs,
+and the compiled HLO, its memory and cost analyses and collectives are the
+same; one llama2_7b step compiled in 9 s instead of 15 here).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -150,6 +162,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--bandwidth-gbs", type=float,
                       default=planner.Machine.memory_bandwidth / 1e9)
   parser.add_argument("--host-gbs", type=float, default=planner.Machine.host_bandwidth / 1e9)
+  parser.add_argument("--devices", type=int, default=1,
+                      help="plan data parallel on a mesh of this many devices (ZeRO stages); "
+                           "the budget is per device, --batch-size the whole mini-batch")
+  parser.add_argument("--interconnect-gbs", type=float,
+                      default=planner.Machine.interconnect_bandwidth / 1e9,
+                      help="GB/s a device sends in collectives (with --devices)")
   parser.add_argument("--survey", action="store_true",
                       help="instead: measure every activation setting at one N")
   parser.add_argument("--num-micro-batches", type=int, default=4,
@@ -165,15 +183,55 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.budget_gb is None and not (args.survey or args.frontier):
     parser.error("give --budget-gb (or --survey, or --frontier)")
+  if args.devices < 1:
+    parser.error(f"--devices must be >= 1, got {args.devices}")
+  if args.devices > 1:
+    if args.survey or args.frontier:
+      parser.error("--devices plans on a mesh; --survey and --frontier measure one device")
+    if args.batch_size % args.devices:
+      parser.error(f"--batch-size {args.batch_size} is the whole mini-batch over "
+                   f"{args.devices} devices: pass a multiple of {args.devices}")
+    problem = _make_devices(args.devices)
+    if problem:
+      parser.error(problem)
   return args
+
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Compile only: the CPU's machine code is never run, so XLA skips its costly
+# optimisation (the HLO, memory and cost analyses are unchanged).
+_CHEAP_CODEGEN_FLAGS = ("--xla_backend_optimization_level=0",
+                        "--xla_llvm_disable_expensive_passes=true")
+
+
+def _make_devices(devices: int) -> str | None:
+  """Makes `devices` fake CPU devices where the process's XLA_FLAGS name no
+  device count (XLA reads them as jax initialises: a no-op once it has);
+  returns the one-line problem if there are still too few."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if not any(f.startswith(_DEVICE_COUNT_FLAG) for f in flags):
+    flags += [f"{_DEVICE_COUNT_FLAG}={devices}", *_CHEAP_CODEGEN_FLAGS]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+  if max(len(jax.devices()), len(jax.devices("cpu"))) >= devices:
+    return None
+  return (f"--devices {devices} needs {devices} devices; jax was initialised with "
+          f"{jax.device_count()} before --devices could set XLA_FLAGS. Run it as its own "
+          f"process, or with XLA_FLAGS={_DEVICE_COUNT_FLAG}={devices}")
 
 
 def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Considered]:
   args = _parse_args(argv)
   machine = planner.Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
-                            args.host_gbs * 1e9)
-  header = (f"{args.preset}, batch {args.batch_size}, seq_len {args.seq_len or 'preset'}, "
-            f"on {jax.default_backend()} (compile only); predictor: {machine}")
+                            args.host_gbs * 1e9, args.interconnect_gbs * 1e9)
+  if args.devices > 1:
+    mesh = planner.device_mesh(args.devices)
+    header = (f"{args.preset}, batch {args.batch_size} ({args.batch_size // args.devices} a "
+              f"device), seq_len {args.seq_len or 'preset'}, data parallel on "
+              f"{args.devices} {mesh.devices.flat[0].platform} devices (compile only), budget "
+              f"per device; predictor: {machine}")
+  else:
+    header = (f"{args.preset}, batch {args.batch_size}, seq_len {args.seq_len or 'preset'}, "
+              f"on {jax.default_backend()} (compile only); predictor: {machine}")
   if args.frontier:
     return _frontier(args)
   if args.survey:
@@ -190,14 +248,9 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
   else:
     result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
-                  seq_len=args.seq_len, machine=machine, progress=True)
-    c = result.verified
-    table = (f"{result.table()}\n\nchosen: {result.choice.describe()}: verified "
-             f"{c.device_bytes / 1e9:.2f} GB ({c.device_bytes / c.param_bytes:.2f} P) of "
-             f"{args.budget_gb:g} GB, predicted {result.predicted_s * 1e3:.1f} ms a step\n"
-             f"train with: python -m models.train --preset {args.preset} "
-             f"--batch-size {args.batch_size}"
-             f"{f' --seq-len {args.seq_len}' if args.seq_len else ''} --plan {args.budget_gb:g}")
+                          seq_len=args.seq_len, devices=args.devices, machine=machine,
+                          progress=True)
+    table = f"{result.table()}\n\n{_chosen_lines(args, result, machine)}"
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
                "plan": result.to_dict()}
   print(header)
@@ -209,6 +262,31 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=1, default=str))
   return result
+
+
+def _chosen_lines(args: argparse.Namespace, result: planner.Plan,
+                  machine: planner.Machine) -> str:
+  """The choice, its verified bytes and predicted time, and how to run it."""
+  c, choice = result.verified, result.choice
+  seq = f" --seq-len {args.seq_len}" if args.seq_len else ""
+  if result.devices == 1:
+    return (f"chosen: {choice.describe()}: verified "
+            f"{c.device_bytes / 1e9:.2f} GB ({c.device_bytes / c.param_bytes:.2f} P) of "
+            f"{args.budget_gb:g} GB, predicted {result.predicted_s * 1e3:.1f} ms a step\n"
+            f"train with: python -m models.train --preset {args.preset} "
+            f"--batch-size {args.batch_size}{seq} --plan {args.budget_gb:g}")
+  parts = c.predicted_parts(machine, choice.num_micro_batches)
+  return (f"chosen: {choice.describe(on_mesh=True)}: verified {c.device_bytes / 1e9:.4g} GB a "
+          f"device ({c.device_bytes / (c.param_bytes / result.devices):.2f} "
+          f"P/{result.devices}) of {args.budget_gb:g} GB, predicted "
+          f"{result.predicted_s * 1e3:.4g} ms a step ("
+          + ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in parts.items()
+                      if seconds) + ")\n"
+          f"run with: harness.make_train_step(run, model, loss_fn, tx, mesh=mesh, "
+          f"shard_states={choice.shard_states!r}) on a {result.devices}-device 'data' mesh, params and state "
+          f"placed by harness.train_step_shardings, run = planner.train_config("
+          f"{args.preset!r}, chosen.choice, batch_size={args.batch_size}, "
+          f"seq_len={args.seq_len}) (models.train runs one device)")
 
 
 def _frontier(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""The plan search: the N, remat, savers and moments that fit a memory budget.
+"""The plan search: the N, remat, savers, moments and ZeRO stage that fit a memory budget.
 
     chosen = planner.plan("gpt2_large", 24e9, batch_size=8)
     chosen.choice.train_overrides()   # the models.train flags of the choice
+    planner.plan("llama2_7b", 16e9, batch_size=32, seq_len=2048, devices=8)  # per device
 
 Two commands run it: `python -m models.plan` (which prints the plan, or
 surveys and times every setting) and `python -m models.train --plan
@@ -49,6 +50,31 @@ forward), then bfloat16 and 8-bit moments (with the chunks). Narrower moments
 change the optimizer's numerics, so they are a memory lever, not a speed one.
 The fastest predicted candidate wins and is compiled once more, uncached, to
 verify it fits.
+
+On a mesh (`devices` > 1; the budget is per device, `batch_size` the whole
+mini-batch over all devices) each candidate also has a ZeRO stage,
+`shard_states` None (data parallel: params and moments whole on every
+device), "zero1", "zero2" or "fsdp" (`optax_adama.sharding`), and the step is
+`make_train_step(..., mesh=, shard_states=)` compiled for placed abstract
+arguments (`harness.train_step_shardings`) on a one-axis mesh of that many
+devices (fake CPU devices where the process has them: `python -m
+models.plan --devices 8` makes them). Memory is one device's compiled bytes.
+N ranges over the divisors that still give every device whole rows of each
+micro-batch. A stage is skipped without compiling where what it keeps whole
+on every device, whatever N and remat, exceeds the budget (the params under
+zero1/zero2, params and moments with no stage); the table says so. The
+search above runs per stage, over `MESH_ACTIVATION_SETTINGS` by default, with
+the loss in chunks only where a mesh step traces it (`chunked_loss_traces`:
+the plain loss under FSDP). The predictor adds, per device, the folds of its
+share of the moments (1/D under a stage) and the collectives:
+`optax_adama.memory.collective_bytes` of the compiled step (which weights
+each collective by the trip counts of the loops around it, so every
+micro-batch and layer is counted) converted to what one device sends on a
+ring (all-reduce 2 (D-1)/D of the array, all-gather, reduce-scatter and
+all-to-all (D-1)/D), over `Machine.interconnect_bandwidth`. The terms are
+summed, not overlapped: an upper bound where XLA hides collectives behind
+compute. Flops are per device (XLA's cost analysis of the partitioned step;
+the layer and loss-chunk completions compiled for one device's rows).
 """
 
 from __future__ import annotations
@@ -87,8 +113,19 @@ ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
     ("none", None), ("none", 4), ("dots_no_batch", None), ("dots", None),
     ("minimal", None), ("offload", None), ("full", None), (RELEASE, None),
 )
+# On a mesh, a small default, so a 7-8B plan compiles in minutes: "full" keeps
+# each layer's input, "minimal" also its matmul outputs (less recompute), the
+# release also drops each layer's gradient. "none" and "dots" keep more than
+# "minimal", which already needs 29.6 GB a device for llama2_7b at one
+# 2,048-token row (FSDP, N = 4), and every setting costs ~10-25 s a compile
+# here per N, stage and moments tried. Measured on 2 shared cores: llama2_7b on
+# 8 x 16 GB, 14 compiles in 4.7 min; llama3_8b on 8 x 80 GB, 39 in 11.7 min.
+MESH_ACTIVATION_SETTINGS: tuple[tuple[str, int | None], ...] = (
+    ("minimal", None), ("full", None), (RELEASE, None))
 # Moment storage, most precise first: the planner narrows only to fit.
 MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
+# ZeRO stages on a mesh (optax_adama.sharding), least split first; one device: None.
+SHARD_STAGES: tuple[str | None, ...] = (None, "zero1", "zero2", "fsdp")
 # GPT's LM-head loss over this many chunks of tokens (`models.savers.
 # chunked_cross_entropy`): the same loss up to summation order, one chunk's
 # logits alive instead of all (0.83 P a copy on GPT-2 small at 2,048 tokens), for
@@ -102,14 +139,18 @@ class Machine:
   """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
 
   Attributes:
-    peak_flops: float32 flop/s.
+    peak_flops: float32 flop/s (per device).
     memory_bandwidth: device memory bytes/s.
     host_bandwidth: bytes/s each way between device and pinned host memory.
+    interconnect_bandwidth: bytes/s one device sends to the others in a
+      collective, on a mesh. 100 GB/s: the order of a TPU core's ICI or a
+      GPU's NVLink share; PCIe-only GPUs and hosts over a network are slower.
   """
 
   peak_flops: float = 80e12
   memory_bandwidth: float = 1.0e12
   host_bandwidth: float = 25e9
+  interconnect_bandwidth: float = 100e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +163,8 @@ class Candidate:
   moments: str = "float32"  # one of MOMENT_STORAGES
   loss_chunks: int = 1
   linear_keep_ratio: float | None = None  # sampled MLP projection; plan --survey only
+  # ZeRO stage on a mesh: None (data parallel, or one device), "zero1", "zero2", "fsdp".
+  shard_states: str | None = None
 
   def saver_names(self) -> list[str]:
     names = []
@@ -133,26 +176,35 @@ class Candidate:
       names.append(f"sampled dW {self.linear_keep_ratio:g}")
     return names
 
-  def describe(self) -> str:
+  def describe(self, *, on_mesh: bool = False) -> str:
+    """"N=2 remat=full savers=- moments=float32", with " stage=fsdp" on a mesh
+    (" stage=dp" for data parallel: params and moments whole on every device)."""
     activations = RELEASE if self.remat == RELEASE else f"remat={self.remat}"
+    stage = ""
+    if on_mesh or self.shard_states is not None:
+      stage = f" stage={self.shard_states or 'dp'}"
     return (f"N={self.num_micro_batches} {activations} "
             f"savers={' + '.join(self.saver_names()) or '-'} "
-            f"moments={self.moments}")
+            f"moments={self.moments}{stage}")
 
   def label(self) -> str:
     """The activation setting alone: "none + gelu 4-bit", "release", "full"."""
     return " + ".join([self.remat] + self.saver_names())
 
   def train_overrides(self) -> dict[str, Any]:
-    """The `models.harness.TrainConfig` fields of this setting."""
+    """The `models.harness.TrainConfig` fields of this setting, and with a ZeRO
+    stage `shard_states`: not a field, `harness.make_train_step`'s argument (with
+    its `mesh`; `models.train` runs one device). Pop it before `TrainConfig(**...)`.
+    """
     narrow = "bfloat16" if self.moments == "bfloat16" else None
     release = self.remat == RELEASE
+    stage = {} if self.shard_states is None else {"shard_states": self.shard_states}
     return {"num_micro_batches": self.num_micro_batches,
             "remat": "none" if release else self.remat, "release": release,
             "gelu_bits": self.gelu_bits, "loss_chunks": self.loss_chunks,
             "linear_keep_ratio": self.linear_keep_ratio,
             "mu_dtype": narrow, "nu_dtype": narrow,
-            "quantize_moments": self.moments == "8bit", "scan_layers": True}
+            "quantize_moments": self.moments == "8bit", "scan_layers": True, **stage}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +216,16 @@ class Measurement:
     host_bytes: the same over the host_* fields (offloaded activations).
     param_bytes: P, bytes of one float32 copy of the params.
     state_bytes: bytes of the optimizer state (m, v in their storage).
-    flops: predicted flops of the whole step (all micro-batches and layers).
+    flops: predicted flops of the whole step (all micro-batches and layers),
+      on one device of a mesh.
     bytes_accessed: predicted memory traffic of the whole step, bytes.
     compile_s: seconds spent compiling.
+    collective_bytes: on a mesh, the bytes of the arrays the step's
+      collectives make or take apart (`optax_adama.memory.collective_bytes`,
+      every loop trip counted).
+    link_bytes: what one device sends for them on a ring (module docstring).
+    state_shards: devices the moments are split over (each folds its share);
+      1 on one device and with no ZeRO stage.
   """
 
   device_bytes: int
@@ -176,13 +235,22 @@ class Measurement:
   flops: float
   bytes_accessed: float
   compile_s: float
+  collective_bytes: int = 0
+  link_bytes: float = 0.0
+  state_shards: int = 1
+
+  def predicted_parts(self, machine: Machine, num_micro_batches: int) -> dict[str, float]:
+    """The roofline's terms, seconds: compute, folds, host (offloaded
+    activations) and collectives (see the module docstring)."""
+    fold_bytes = (self.param_bytes + 2 * self.state_bytes) / self.state_shards
+    return {"compute": self.flops / machine.peak_flops,
+            "folds": num_micro_batches * fold_bytes / machine.memory_bandwidth,
+            "host": num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth,
+            "collectives": self.link_bytes / machine.interconnect_bandwidth}
 
   def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
-    """The roofline step time (see the module docstring), seconds."""
-    fold_bytes = self.param_bytes + 2 * self.state_bytes
-    return (self.flops / machine.peak_flops
-            + num_micro_batches * fold_bytes / machine.memory_bandwidth
-            + num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth)
+    """The roofline step time: the sum of `predicted_parts`, seconds."""
+    return sum(self.predicted_parts(machine, num_micro_batches).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,31 +271,69 @@ class Considered:
 
 
 @dataclasses.dataclass(frozen=True)
+class Skipped:
+  """A ZeRO stage the planner did not compile: what it keeps whole on every
+  device, whatever N and remat, is over the budget.
+
+  Attributes:
+    shard_states: the stage (None: data parallel).
+    moments: the moment storage it was skipped with; None: with every storage
+      (zero1 and zero2 keep only the params whole).
+    replicated_bytes: those whole bytes on every device.
+  """
+
+  shard_states: str | None
+  moments: str | None
+  replicated_bytes: int
+
+  def describe(self) -> str:
+    what = ("params" if self.moments is None
+            else f"params and {self.moments} moments")
+    return (f"stage={self.shard_states or 'dp'} moments={self.moments or 'any'}, every N and "
+            f"remat: {what} whole on every device")
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-  """The planner's answer and why: every candidate it compiled."""
+  """The planner's answer and why: every candidate it compiled (and, on a mesh,
+  every stage it skipped)."""
 
   preset: str
-  budget_bytes: int
-  batch_size: int
+  budget_bytes: int  # per device
+  batch_size: int  # the whole mini-batch, over all devices
   seq_len: int | None
   choice: Candidate
   verified: Measurement  # the choice compiled again, uncached
   predicted_s: float
   considered: tuple[Considered, ...]
+  devices: int = 1
+  skipped: tuple[Skipped, ...] = ()
 
   def table(self) -> str:
-    """Markdown: every candidate compiled, best predicted first; the choice marked."""
-    p = self.verified.param_bytes
-    lines = ["| candidate | device memory | host memory | predicted step | fits |",
+    """Markdown: every candidate compiled, best predicted first; the choice marked.
+
+    Memory is one device's; on a mesh in units of P/D, one device's share of
+    the params. Stages skipped without compiling come last.
+    """
+    on_mesh = self.devices > 1
+    unit, unit_name = self.verified.param_bytes / self.devices, (
+        f"P/{self.devices}" if on_mesh else "P")
+    memory = "memory per device" if on_mesh else "device memory"
+    lines = [f"| candidate | {memory} | host memory | predicted step | fits |",
              "|---|---|---|---|---|"]
     for row in sorted(self.considered, key=lambda r: (not r.fits, r.predicted_s)):
       mark = " **(chosen)**" if row.candidate == self.choice else ""
       m = row.measurement
       lines.append(
-          f"| {row.candidate.describe()}{mark} | {m.device_bytes / 1e9:.4g} GB "
-          f"({m.device_bytes / p:.2f} P) | {m.host_bytes / 1e9:.4g} GB "
+          f"| {row.candidate.describe(on_mesh=on_mesh)}{mark} | {m.device_bytes / 1e9:.4g} GB "
+          f"({m.device_bytes / unit:.2f} {unit_name}) | {m.host_bytes / 1e9:.4g} GB "
           f"| {row.predicted_s * 1e3:.4g} ms | {'yes' if row.fits else 'no'}"
           f"{'' if row.measurable else ' (offload not measurable here)'} |")
+    for skipped in self.skipped:
+      lines.append(f"| {skipped.describe()} | {skipped.replicated_bytes / 1e9:.4g} GB "
+                   f"({skipped.replicated_bytes / unit:.2f} {unit_name}) whole, over the "
+                   f"{self.budget_bytes / 1e9:.4g} GB budget | - | - | no: skipped, not "
+                   "compiled |")
     return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:
@@ -246,8 +352,42 @@ def train_config(preset: str, candidate: Candidate, *, batch_size: int,
   """The `models.train` run of a candidate (so the plan compiles what train runs)."""
   kind = model_kind(models.get_config(preset))
   extra = {} if seq_len is None else {"seq_len": seq_len}
+  overrides = candidate.train_overrides()
+  overrides.pop("shard_states", None)  # make_train_step's argument, not a field
   return harness.TrainConfig(model=kind, preset=preset, batch_size=batch_size,
-                             **extra, **candidate.train_overrides())
+                             **extra, **overrides)
+
+
+def device_mesh(devices: int) -> jax.sharding.Mesh:
+  """A one-axis ("data") mesh of `devices` devices: the default backend's where
+  it has that many, else the CPU's (fake devices: compile only).
+
+  Raises:
+    ValueError: if neither has that many, naming the flag that makes them.
+  """
+  for backend in (None, "cpu"):
+    found = jax.devices(backend)
+    if len(found) >= devices:
+      return jax.make_mesh((devices,), ("data",), devices=found[:devices],
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  raise ValueError(
+      f"a plan on devices={devices} needs {devices} devices; this process has "
+      f"{jax.device_count()}. Start it with XLA_FLAGS=--xla_force_host_platform_device_count="
+      f"{devices} (before jax initialises), as `python -m models.plan --devices {devices}` "
+      "does.")
+
+
+# What one device sends, per byte of a collective's array, on a ring of D devices.
+def _ring_factor(kind: str, devices: int) -> float:
+  if kind == "collective-permute":
+    return 1.0
+  share = (devices - 1) / devices
+  return 2 * share if kind == "all-reduce" else share
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
 
 
 def _cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
@@ -256,7 +396,7 @@ def _cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
 
 
 def measure(preset: str, candidate: Candidate, *, batch_size: int,
-            seq_len: int | None) -> Measurement:
+            seq_len: int | None, devices: int = 1) -> Measurement:
   """Compiles a candidate's AdamA step (compile only) and measures it.
 
   Args:
@@ -264,6 +404,8 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
     candidate: the setting to compile.
     batch_size: the mini-batch (sequences or images); split into N micro-batches.
     seq_len: tokens per sequence (text models); None: the preset's context.
+    devices: compiled data parallel on a mesh of this many (`device_mesh`)
+      with the candidate's ZeRO stage; memory and flops are one device's.
 
   Returns:
     Its `Measurement`.
@@ -275,12 +417,20 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
   model = models.create_abstract(config)
   loss_fn, params = models.split_loss_fn(model, has_aux=True)
   tx = harness.make_optimizer(run)
-  step = harness.make_train_step(run, model, loss_fn, tx)
+  mesh = None if devices == 1 else device_mesh(devices)
+  step = harness.make_train_step(run, model, loss_fn, tx, mesh=mesh,
+                                 shard_states=candidate.shard_states)
   batch = harness.abstract_batch(config, batch_size, seq_len)
   state = jax.eval_shape(tx.init, params)
+  args = (params, state)
+  if mesh is not None:
+    shardings = harness.train_step_shardings(run, model, params, state, mesh,
+                                             candidate.shard_states)
+    args = (_placed(params, shardings.params), _placed(state, shardings.opt_state))
   start = time.perf_counter()
-  compiled = step.lower(params, state, batch).compile()
-  micro_batch_size = batch_size // run.num_micro_batches
+  compiled = step.lower(*args, batch).compile()
+  # The layer and chunk completions are one device's share of a micro-batch.
+  micro_batch_size = batch_size // run.num_micro_batches // devices
   # XLA counts a loop body once: complete the layer scan (and the loss's chunk
   # scan) with one more body's work, compiled alone, per uncounted iteration.
   # The release recomputes each layer in its backward scan, as remat "full".
@@ -294,6 +444,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
   memory = compiled.memory_analysis()
   extra_layers, extra_chunks = config.num_layers - 1, run.loss_chunks - 1
   n = run.num_micro_batches
+  collectives = optax_adama.memory.collective_bytes(compiled).by_kind
   return Measurement(
       device_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                        + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
@@ -303,7 +454,9 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
       state_bytes=optax_adama.memory.tree_bytes(state),
       flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
       bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
-      compile_s=compile_s)
+      compile_s=compile_s, collective_bytes=sum(collectives.values()),
+      link_bytes=sum(nbytes * _ring_factor(kind, devices) for kind, nbytes in collectives.items()),
+      state_shards=devices if candidate.shard_states is not None else 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,12 +523,15 @@ def plan(
     *,
     batch_size: int,
     seq_len: int | None = None,
+    devices: int = 1,
     machine: Machine = Machine(),
-    activation_settings: Sequence[tuple[str, int | None]] = ACTIVATION_SETTINGS,
+    activation_settings: Sequence[tuple[str, int | None]] | None = None,
     moment_storages: Sequence[str] = MOMENT_STORAGES,
     loss_chunks: Sequence[int] | None = None,
+    shard_stages: Sequence[str | None] | None = None,
     measure_fn: Callable[[Candidate], Measurement] | None = None,
     verify_fn: Callable[[Candidate], Measurement] | None = None,
+    replicated_fn: Callable[[str | None, str], int] | None = None,
     progress: bool = False,
 ) -> Plan:
   """The fastest predicted AdamA step of `preset` that fits `budget_bytes`.
@@ -385,27 +541,51 @@ def plan(
 
   Args:
     preset: a key of `models.PRESETS`.
-    budget_bytes: device memory budget, bytes.
-    batch_size: the mini-batch; N ranges over its divisors.
+    budget_bytes: memory budget of each device, bytes.
+    batch_size: the mini-batch over all devices; N ranges over its divisors
+      that leave every device whole rows of each micro-batch.
     seq_len: tokens per sequence (text models); None: the preset's context.
+    devices: plan data parallel on a mesh of this many devices (one process
+      needs as many devices: `device_mesh`).
     machine: the rates of the time predictor.
-    activation_settings: (remat, gelu_bits) pairs to consider.
+    activation_settings: (remat, gelu_bits) pairs to consider; None:
+      `ACTIVATION_SETTINGS` on one device, `MESH_ACTIVATION_SETTINGS` on a mesh.
     moment_storages: moment storages to consider, most precise first.
     loss_chunks: LM-head loss chunk counts to consider, 1 first; None: (1,
-      LOSS_CHUNKS) for a GPT whose sequence length they divide, else (1,).
+      LOSS_CHUNKS) for a causal LM whose sequence length they divide, else (1,).
+    shard_stages: ZeRO stages to consider; None: (None,) on one device,
+      `SHARD_STAGES` on a mesh.
     measure_fn: `measure_fn(candidate) -> Measurement`; pass a cached one to
       share compiles between calls (tests do).
     verify_fn: measures the choice once more; default: `measure`, uncached.
+    replicated_fn: `replicated_fn(shard_states, moments) -> bytes` kept whole
+      on every device (a stage is skipped where they exceed the budget);
+      default: `replicated_bytes` of the preset. Used on a mesh only.
     progress: print each compile to stderr.
 
   Returns:
     The `Plan`: its choice was compiled again and fits.
 
   Raises:
-    ValueError: if no candidate fits (the message gives the smallest measured).
+    ValueError: if no candidate fits (the message gives the smallest measured),
+      for a batch that gives some device no rows, or for a ZeRO stage on one
+      device.
   """
+  if devices < 1:
+    raise ValueError(f"devices must be >= 1, got {devices}.")
+  on_mesh = devices > 1
+  if shard_stages is None:
+    shard_stages = SHARD_STAGES if on_mesh else (None,)
+  for stage in shard_stages:
+    if stage not in SHARD_STAGES or (stage is not None and not on_mesh):
+      raise ValueError(f"shard_states {stage!r} is not a stage of {devices} device(s): use "
+                       f"{SHARD_STAGES if on_mesh else (None,)} (a ZeRO stage needs devices > 1).")
+  if activation_settings is None:
+    activation_settings = MESH_ACTIVATION_SETTINGS if on_mesh else ACTIVATION_SETTINGS
   if measure_fn is None:
-    measure_fn = cached_measure(preset, batch_size=batch_size, seq_len=seq_len)
+    measure_fn = cached_measure(preset, batch_size=batch_size, seq_len=seq_len, devices=devices)
+  if replicated_fn is None:
+    replicated_fn = functools.partial(replicated_bytes, preset)
   considered: dict[Candidate, Considered] = {}
 
   def consider(candidate: Candidate) -> Considered:
@@ -418,47 +598,112 @@ def plan(
           measurable=candidate.remat != "offload" or measurement.host_bytes > 0)
       if progress:
         row = considered[candidate]
-        print(f"  {candidate.describe()}: {measurement.device_bytes / 1e9:.2f} GB, "
-              f"{row.predicted_s * 1e3:.1f} ms, compiled in {measurement.compile_s:.1f} s",
-              file=sys.stderr)
+        print(f"  {candidate.describe(on_mesh=on_mesh)}: "
+              f"{measurement.device_bytes / 1e9:.2f} GB, {row.predicted_s * 1e3:.1f} ms, "
+              f"compiled in {measurement.compile_s:.1f} s", file=sys.stderr)
     return considered[candidate]
 
   if loss_chunks is None:
     loss_chunks = default_loss_chunks(preset, seq_len)
-  splits = divisors(batch_size)
+  # Each device takes an equal share of every micro-batch's rows.
+  splits = [n for n in divisors(batch_size) if (batch_size // n) % devices == 0]
+  if not splits:
+    raise ValueError(f"batch_size={batch_size} does not give each of {devices} devices whole "
+                     f"rows; pass a multiple of {devices}.")
   fitting: list[Considered] = []
-  for remat, gelu_bits in activation_settings:
-    # Smallest fitting N with each memory lever; each must beat the last.
-    upper = len(splits)
-    for moments, chunks in memory_levers(moment_storages, loss_chunks):
-      def candidate(i: int) -> Candidate:
-        return Candidate(splits[i], remat, gelu_bits, moments, chunks)
-      index = _smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
-      if index is not None:
-        found = considered[candidate(index)]
-        if found.measurable:
-          fitting.append(found)
-        upper = index
-      if upper == 0:
-        break
+  skipped: list[Skipped] = []
+  for stage in shard_stages:
+    storages = list(moment_storages)
+    if on_mesh:  # skip the storages whose replicated part alone is over the budget
+      whole = {moments: replicated_fn(stage, moments) for moments in moment_storages}
+      over = [moments for moments in moment_storages if whole[moments] > budget_bytes]
+      storages = [moments for moments in moment_storages if moments not in over]
+      if over and stage in ("zero1", "zero2"):  # the params alone, whatever the moments
+        skipped.append(Skipped(stage, None, whole[over[0]]))
+      else:
+        skipped += [Skipped(stage, moments, whole[moments]) for moments in over]
+      if progress and over:
+        print(f"  stage={stage or 'dp'}: skipped with {', '.join(over)} moments "
+              f"({min(whole[m] for m in over) / 1e9:.2f} GB or more whole on every device)",
+              file=sys.stderr)
+    if not storages:
+      continue
+    for remat, gelu_bits in activation_settings:
+      chunk_counts = loss_chunks
+      if on_mesh and not chunked_loss_traces(stage, remat):
+        chunk_counts = (1,)
+      # Smallest fitting N with each memory lever; each must beat the last.
+      upper = len(splits)
+      for moments, chunks in memory_levers(storages, chunk_counts):
+        def candidate(i: int) -> Candidate:
+          return Candidate(splits[i], remat, gelu_bits, moments, chunks, shard_states=stage)
+        index = _smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
+        if index is not None:
+          found = considered[candidate(index)]
+          if found.measurable:
+            fitting.append(found)
+          upper = index
+        if upper == 0:
+          break
+  where = f" on {devices} devices" if on_mesh else ""
+  if not fitting and not considered:
+    least = min(skipped, key=lambda s: s.replicated_bytes)
+    raise ValueError(
+        f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset}{where}: every stage keeps more "
+        f"whole on each device, the least {least.describe()} ({least.replicated_bytes / 1e9:.3g} "
+        "GB). Raise the budget or add shard_states='fsdp'.")
   if not fitting:
     smallest = min(considered.values(), key=lambda r: r.measurement.device_bytes)
     raise ValueError(
-        f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset} at batch {batch_size}: the "
-        f"smallest step measured is {smallest.candidate.describe()} at "
+        f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset} at batch {batch_size}{where}: "
+        f"the smallest step measured is {smallest.candidate.describe(on_mesh=on_mesh)} at "
         f"{smallest.measurement.device_bytes / 1e9:.3g} GB. Raise the budget or the "
         "batch's divisibility (a larger N), or shorten the sequences.")
   precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
   best = min(fitting, key=lambda r: (r.predicted_s, precision[r.candidate.moments],
                                      r.candidate.loss_chunks))
   if verify_fn is None:
-    verify_fn = functools.partial(measure, preset, batch_size=batch_size, seq_len=seq_len)
+    verify_fn = functools.partial(measure, preset, batch_size=batch_size, seq_len=seq_len,
+                                  devices=devices)
   verified = verify_fn(best.candidate)
   if verified.device_bytes > budget_bytes:
-    raise RuntimeError(f"the chosen {best.candidate.describe()} measured "
+    raise RuntimeError(f"the chosen {best.candidate.describe(on_mesh=on_mesh)} measured "
                        f"{verified.device_bytes:,} B on recompiling, over the budget.")
   return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
-              best.predicted_s, tuple(considered.values()))
+              best.predicted_s, tuple(considered.values()), devices, tuple(skipped))
+
+
+def chunked_loss_traces(shard_states: str | None, remat: str) -> bool:
+  """Whether a mesh step with the loss in chunks traces: only the plain loss
+  under FSDP, which GSPMD partitions. Every other mesh step (data parallel,
+  zero1, zero2, and the release under any stage) runs the loss inside
+  `shard_map`, where `models.savers.chunked_cross_entropy`'s scan starts
+  from an unvarying zero carry and JAX refuses it ("the manual axis types do
+  not match"). Making that zero from the features (so it varies as they
+  do) would lift this; tests/test_plan.py fails when it is lifted, to drop
+  this rule then.
+  """
+  return shard_states == "fsdp" and remat != RELEASE
+
+
+def replicated_bytes(preset: str, shard_states: str | None, moments: str) -> int:
+  """Bytes a stage keeps whole on every device whatever N and remat: params and
+  optimizer state with no stage (data parallel), the params under "zero1" and
+  "zero2", none under "fsdp". From abstract shapes: nothing is compiled."""
+  if shard_states == "fsdp":
+    return 0
+  param_bytes, state_bytes = _whole_bytes(preset, moments)
+  return param_bytes + state_bytes if shard_states is None else param_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _whole_bytes(preset: str, moments: str) -> tuple[int, int]:
+  """(params, optimizer state) bytes of `preset` with `moments` storage."""
+  run = train_config(preset, Candidate(1, moments=moments), batch_size=1, seq_len=None)
+  _, params = models.split_loss_fn(models.create_abstract(harness.model_config_of(run)),
+                                   has_aux=True)
+  state = jax.eval_shape(harness.make_optimizer(run).init, params)
+  return optax_adama.memory.tree_bytes(params), optax_adama.memory.tree_bytes(state)
 
 
 def default_loss_chunks(preset: str, seq_len: int | None) -> tuple[int, ...]:
@@ -495,12 +740,12 @@ def _smallest_fitting(fits: Callable[[int], bool], upper: int) -> int | None:
   return high
 
 
-def cached_measure(preset: str, *, batch_size: int,
-                   seq_len: int | None) -> Callable[[Candidate], Measurement]:
-  """`measure` for one preset and batch, with each candidate compiled once."""
+def cached_measure(preset: str, *, batch_size: int, seq_len: int | None,
+                   devices: int = 1) -> Callable[[Candidate], Measurement]:
+  """`measure` for one preset, batch and mesh size, with each candidate compiled once."""
 
   @functools.lru_cache(maxsize=None)
   def measure_candidate(candidate: Candidate) -> Measurement:
-    return measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
+    return measure(preset, candidate, batch_size=batch_size, seq_len=seq_len, devices=devices)
 
   return measure_candidate

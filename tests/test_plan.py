@@ -3,19 +3,26 @@
 The search is tested on a synthetic memory/time model (no compiles, so every
 budget can be tried) against exhaustive enumeration; the compile-only
 measurements on the 1-layer and 2-layer presets; the whole planner on gpt_test
-with a budget between its smallest and largest step (slow).
+with a budget between its smallest and largest step (slow). On a mesh: the
+search with synthetic steps, then llama_test compiled on 8 CPU devices in a
+subprocess (this file run as a script), under a budget only FSDP meets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 import models
 import optax_adama
+from conftest import REPO, xla_flags
 from models import harness, plan, planner, train
 
 MACHINE = planner.Machine(peak_flops=1.0, memory_bandwidth=1e12, host_bandwidth=1.0)
@@ -273,3 +280,227 @@ def test_survey_measures_what_the_savers_save():
   whole, chunked = plan.survey("gpt_test", candidates, batch_size=4, seq_len=32)
   assert chunked.measurement.device_bytes < whole.measurement.device_bytes
   assert chunked.predicted_s > 0 and chunked.candidate == candidates[1]
+
+
+# On a mesh. The search with synthetic steps (no compiles): per-device memory
+# = what a stage keeps whole + its shares + activations of a device's rows;
+# time = compute + N collectives of the stage (AdamA reduces every micro-batch).
+MESH_DEVICES = 8
+WHOLE_PARAMS, MESH_STATE = 8.0, {"float32": 16.0, "bfloat16": 8.0, "8bit": 4.0}
+MESH_ACTIVATIONS = {"full": 0.5, planner.RELEASE: 0.25}  # MB a row
+MESH_COMPUTE = {"full": 10.0, planner.RELEASE: 10.0}
+MESH_COLLECTIVES = {None: 2.0, "zero1": 2.0, "zero2": 1.0, "fsdp": 3.0}
+
+
+def synthetic_whole(stage, moments):
+  return int(1e6 * {None: WHOLE_PARAMS + MESH_STATE[moments], "zero1": WHOLE_PARAMS,
+                    "zero2": WHOLE_PARAMS, "fsdp": 0.0}[stage])
+
+
+def synthetic_mesh_step(candidate: planner.Candidate) -> planner.Measurement:
+  stage, moments = candidate.shard_states, candidate.moments
+  shares = {None: 0.0, "zero1": MESH_STATE[moments] / 8 + WHOLE_PARAMS,  # gradient whole
+            "zero2": (MESH_STATE[moments] + WHOLE_PARAMS) / 8,
+            "fsdp": (MESH_STATE[moments] + 2 * WHOLE_PARAMS) / 8}[stage]
+  rows = 32 // candidate.num_micro_batches // MESH_DEVICES
+  memory = (synthetic_whole(stage, moments) / 1e6 + shares
+            + MESH_ACTIVATIONS[candidate.remat] * rows)
+  seconds = (MESH_COMPUTE[candidate.remat]
+             + candidate.num_micro_batches * MESH_COLLECTIVES[stage])
+  return planner.Measurement(device_bytes=int(memory * 1e6), host_bytes=0, param_bytes=8 * 10**6,
+                             state_bytes=0, flops=seconds, bytes_accessed=0.0, compile_s=0.0)
+
+
+def synthetic_mesh_plan(budget_bytes: float, calls: list | None = None) -> planner.Plan:
+  def steps(candidate):
+    if calls is not None:
+      calls.append(candidate)
+    return synthetic_mesh_step(candidate)
+
+  return planner.plan("llama_test", budget_bytes, batch_size=32, devices=MESH_DEVICES,
+                      machine=MACHINE, loss_chunks=(1,),
+                      activation_settings=(("full", None), (planner.RELEASE, None)),
+                      measure_fn=steps, verify_fn=steps, replicated_fn=synthetic_whole)
+
+
+def test_mesh_plan_skips_replicated_stages_and_keeps_rows_on_every_device():
+  # 12.5 MB a device: data parallel keeps 24 MB (f32) or 16 MB (bf16) whole:
+  # skipped with those, never compiled; with 8-bit moments (12 MB) it fits.
+  calls = []
+  result = synthetic_mesh_plan(12.5e6, calls)
+  assert {c.num_micro_batches for c in calls} <= {1, 2, 4}  # 32 rows: 4, 2 or 1 a device
+  assert not any(c.shard_states is None and c.moments in ("float32", "bfloat16") for c in calls)
+  assert {(s.shard_states, s.moments) for s in result.skipped} == {(None, "float32"),
+                                                                   (None, "bfloat16")}
+  # zero2 at N = 1: 8 + 3 + 4 rows' activations, and the fewest collectives.
+  assert result.choice == planner.Candidate(1, planner.RELEASE, shard_states="zero2")
+  assert any(c.shard_states is None and c.moments == "8bit" for c in calls)
+  assert result.table().count("skipped, not compiled") == 2
+  # Below the params, zero1 and zero2 are skipped once each, whatever the moments.
+  low = synthetic_mesh_plan(7e6)
+  assert low.choice.shard_states == "fsdp"
+  assert {(s.shard_states, s.moments) for s in low.skipped} >= {("zero1", None), ("zero2", None)}
+
+
+def test_mesh_plan_refuses_what_a_mesh_cannot_run():
+  with pytest.raises(ValueError, match="batch_size=12 does not give each of 8 devices"):
+    planner.plan("llama_test", 1e9, batch_size=12, devices=8, measure_fn=synthetic_mesh_step)
+  with pytest.raises(ValueError, match="shard_states 'fsdp' is not a stage of 1 device"):
+    planner.plan("llama_test", 1e9, batch_size=8, shard_stages=("fsdp",),
+                 measure_fn=synthetic_mesh_step)
+  with pytest.raises(ValueError, match="every stage keeps more whole on each device"):
+    planner.plan("llama_test", 1e6, batch_size=32, devices=8, shard_stages=("zero1", "zero2"),
+                 measure_fn=synthetic_mesh_step, replicated_fn=synthetic_whole)
+
+
+def test_the_stage_reaches_make_train_step_and_not_train_config():
+  candidate = planner.Candidate(2, planner.RELEASE, shard_states="fsdp")
+  assert candidate.train_overrides()["shard_states"] == "fsdp"
+  assert "shard_states" not in planner.Candidate(2).train_overrides()  # models.train's flags
+  assert planner.train_config("llama_test", candidate, batch_size=16, seq_len=16).release
+  assert candidate.describe().endswith("stage=fsdp")
+  assert planner.Candidate(2).describe(on_mesh=True).endswith("stage=dp")
+  assert planner.Candidate(2).describe() == "N=2 remat=none savers=- moments=float32"
+  with pytest.raises(ValueError, match="shard_states='zero2' splits state over a mesh"):
+    harness.make_train_step(harness.TrainConfig(), None, None, None, shard_states="zero2")
+
+
+def test_mesh_predictor_adds_sharded_folds_and_collectives():
+  m = planner.Measurement(device_bytes=0, host_bytes=0, param_bytes=8, state_bytes=16, flops=0.0,
+                          bytes_accessed=0.0, compile_s=0.0, link_bytes=300.0, state_shards=8)
+  machine = planner.Machine(peak_flops=1.0, memory_bandwidth=1.0, host_bandwidth=1.0,
+                            interconnect_bandwidth=100.0)
+  # Two folds of one device's eighth of P + 2 S (40 / 8), and 300 bytes at 100 B/s.
+  assert m.predicted_parts(machine, 2) == {"compute": 0.0, "folds": 10.0, "host": 0.0,
+                                           "collectives": 3.0}
+  assert m.predicted_s(machine, 2) == 13.0
+
+
+def test_plan_devices_in_a_process_without_them_is_a_one_line_error(monkeypatch, capsys):
+  if max(len(jax.devices()), len(jax.devices("cpu"))) >= MESH_DEVICES:
+    pytest.skip("this process has 8 devices")
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after
+  with pytest.raises(SystemExit) as exit_info:
+    plan.main(["--preset", "llama_test", "--budget-gb", "1", "--devices", "8",
+               "--batch-size", "8"])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--devices 8 needs 8 devices" in error and "XLA_FLAGS=" in error
+
+
+# On 8 CPU devices, compiled: one subprocess (this file run as a script).
+# llama_test (1 layer scanned), 8 sequences of 32 tokens (N = 1: a row a
+# device), the release with float32 moments: four compiles of some 8 s here.
+
+
+def _mesh_worker() -> dict:
+  out = {}
+  kwargs = {"batch_size": MESH_DEVICES, "seq_len": 32}
+  measure_fn = planner.cached_measure("llama_test", devices=MESH_DEVICES, **kwargs)
+  settings = {"devices": MESH_DEVICES, "activation_settings": ((planner.RELEASE, None),),
+              "moment_storages": ("float32",), "loss_chunks": (1,), "measure_fn": measure_fn}
+  with jax.numpy_dtype_promotion("standard"):  # models.train's schedule: float ** int32
+    bytes_of = {stage: measure_fn(planner.Candidate(1, planner.RELEASE, shard_states=stage))
+                .device_bytes for stage in ("zero2", "fsdp")}
+    # Between FSDP's step and ZeRO-2's: only FSDP fits (ZeRO-1 keeps more).
+    budget = (bytes_of["fsdp"] + bytes_of["zero2"]) / 2
+    result = planner.plan("llama_test", budget, **kwargs, **settings)
+    out["budget"], out["bytes_of"] = budget, bytes_of
+    out["choice"] = dataclasses.asdict(result.choice)
+    out["verified"] = dataclasses.asdict(result.verified)
+    chosen = next(r for r in result.considered if r.candidate == result.choice)
+    out["chosen_bytes"] = chosen.measurement.device_bytes
+    out["rows"] = [(r.candidate.shard_states, r.measurement.device_bytes, r.fits)
+                   for r in result.considered]
+    out["skipped"] = [dataclasses.asdict(s) for s in result.skipped]
+    out["table"] = result.table()
+    out["parts"] = result.verified.predicted_parts(planner.Machine(), 1)
+    try:
+      planner.plan("llama_test", 0.9 * min(bytes_of.values()), **kwargs, **settings)
+    except ValueError as error:
+      out["nothing_fits"] = str(error)
+    # The rule of planner.chunked_loss_traces, checked against the step itself.
+    out["chunked_traces"] = {}
+    for stage, remat in (("zero2", "full"), ("fsdp", planner.RELEASE)):
+      run = planner.train_config("llama_test", planner.Candidate(1, remat, loss_chunks=4),
+                                 **kwargs)
+      model = models.create_abstract(harness.model_config_of(run))
+      loss_fn, params = models.split_loss_fn(model, has_aux=True)
+      tx = harness.make_optimizer(run)
+      mesh = planner.device_mesh(MESH_DEVICES)
+      step = harness.make_train_step(run, model, loss_fn, tx, mesh=mesh, shard_states=stage)
+      batch = harness.abstract_batch(harness.model_config_of(run), MESH_DEVICES, 32)
+      try:
+        step.lower(params, jax.eval_shape(tx.init, params), batch)
+        traced = True
+      except TypeError as error:
+        traced = "manual axis types do not match" not in str(error)
+      out["chunked_traces"][f"{stage}/{remat}"] = traced
+  return out
+
+
+@pytest.fixture(scope="module")
+def eight_device_plan():
+  env = dict(os.environ, XLA_FLAGS=xla_flags(MESH_DEVICES), JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                       env.get("PYTHONPATH", "")])
+  result = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_mesh_plan_picks_the_only_stage_that_fits_and_verifies_its_bytes(eight_device_plan):
+  run = eight_device_plan
+  assert run["choice"]["shard_states"] == "fsdp", run["rows"]
+  assert run["verified"]["device_bytes"] == run["chosen_bytes"] <= run["budget"]
+  assert all(not fits for stage, _, fits in run["rows"] if stage != "fsdp"), run["rows"]
+  # Data parallel keeps params and float32 moments whole: over the budget, not compiled.
+  assert [(s["shard_states"], s["moments"]) for s in run["skipped"]] == [(None, "float32")]
+  assert None not in {stage for stage, _, _ in run["rows"]}
+  assert "stage=fsdp **(chosen)**" in run["table"] and "skipped, not compiled" in run["table"]
+  # FSDP gathers each layer and reduce-scatters its gradient: collectives in the time.
+  assert run["verified"]["link_bytes"] > run["verified"]["param_bytes"] > 0
+  assert run["parts"]["collectives"] > 0 and run["verified"]["state_shards"] == MESH_DEVICES
+
+
+def test_mesh_plan_nothing_fits_names_the_smallest_step(eight_device_plan):
+  smallest = min(eight_device_plan["bytes_of"].values())
+  message = eight_device_plan["nothing_fits"]
+  assert "on 8 devices: the smallest step measured is N=1 release" in message, message
+  assert "stage=fsdp" in message and f"{smallest / 1e9:.3g} GB" in message, message
+
+
+def test_the_chunked_loss_rule_matches_what_traces(eight_device_plan):
+  # When models.savers' chunked loss traces under shard_map, this fails:
+  # then drop planner.chunked_loss_traces' rule.
+  for key, traced in eight_device_plan["chunked_traces"].items():
+    stage, remat = key.split("/")
+    assert traced == planner.chunked_loss_traces(stage, remat), key
+
+
+@pytest.mark.slow
+def test_plan_command_makes_its_devices_and_writes_the_mesh_plan(tmp_path):
+  """`python -m models.plan --devices 8` in a process whose flags name no device
+  count: it makes 8 CPU devices and searches the four stages (some 13 compiles)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(), JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+  paths = tmp_path / "plan.json", tmp_path / "plan.md"
+  # 10 MB a device: every stage fits at N = 1 (the 1-layer step is ~2-4 MB).
+  result = subprocess.run(
+      [sys.executable, "-m", "models.plan", "--preset", "llama_test", "--budget-gb", "0.01",
+       "--devices", "8", "--batch-size", "8", "--seq-len", "32", "--json", str(paths[0]),
+       "--markdown", str(paths[1])],
+      env=env, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  written = json.loads(paths[0].read_text())
+  assert "data parallel on 8 cpu devices" in written["header"]
+  chosen = written["plan"]
+  assert chosen["devices"] == 8 and chosen["verified"]["device_bytes"] <= 0.01e9
+  stages = {row["candidate"]["shard_states"] for row in chosen["considered"]}
+  assert stages == set(planner.SHARD_STAGES) and not chosen["skipped"]
+  assert "run with: harness.make_train_step" in paths[1].read_text()
+
+
+if __name__ == "__main__":
+  print(json.dumps(_mesh_worker(), default=str))
