@@ -63,9 +63,8 @@ N ranges over the divisors that still give every device whole rows of each
 micro-batch. A stage is skipped without compiling where what it keeps whole
 on every device, whatever N and remat, exceeds the budget (the params under
 zero1/zero2, params and moments with no stage); the table says so. The
-search above runs per stage, over `MESH_ACTIVATION_SETTINGS` by default, with
-the loss in chunks only where a mesh step traces it (`chunked_loss_traces`:
-the plain loss under FSDP). The predictor adds, per device, the folds of its
+search above runs per stage, over `MESH_ACTIVATION_SETTINGS` by default. The
+predictor adds, per device, the folds of its
 share of the moments (1/D under a stage) and the collectives:
 `optax_adama.memory.collective_bytes` of the compiled step (which weights
 each collective by the trip counts of the loops around it, so every
@@ -630,8 +629,6 @@ def plan(
       continue
     for remat, gelu_bits in activation_settings:
       chunk_counts = loss_chunks
-      if on_mesh and not chunked_loss_traces(stage, remat):
-        chunk_counts = (1,)
       # Smallest fitting N with each memory lever; each must beat the last.
       upper = len(splits)
       for moments, chunks in memory_levers(storages, chunk_counts):
@@ -671,19 +668,6 @@ def plan(
                        f"{verified.device_bytes:,} B on recompiling, over the budget.")
   return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
               best.predicted_s, tuple(considered.values()), devices, tuple(skipped))
-
-
-def chunked_loss_traces(shard_states: str | None, remat: str) -> bool:
-  """Whether a mesh step with the loss in chunks traces: only the plain loss
-  under FSDP, which GSPMD partitions. Every other mesh step (data parallel,
-  zero1, zero2, and the release under any stage) runs the loss inside
-  `shard_map`, where `models.savers.chunked_cross_entropy`'s scan starts
-  from an unvarying zero carry and JAX refuses it ("the manual axis types do
-  not match"). Making that zero from the features (so it varies as they
-  do) would lift this; tests/test_plan.py fails when it is lifted, to drop
-  this rule then.
-  """
-  return shard_states == "fsdp" and remat != RELEASE
 
 
 def replicated_bytes(preset: str, shard_states: str | None, moments: str) -> int:

@@ -414,6 +414,8 @@ def chunked_cross_entropy(
     return jax.tree.map(jnp.add, totals, sums), None
 
   chunks = (features.reshape(num_chunks, -1, hidden), labels.reshape(num_chunks, -1))
-  zero = jnp.zeros((), jnp.float32)
+  # zeros_like of the features: under shard_map the carry then varies over the
+  # devices as the sums do (a plain constant does not, and the scan refuses it).
+  zero = jnp.zeros_like(features[0, 0], jnp.float32)
   (nll, correct), _ = jax.lax.scan(body, (zero, zero), chunks)
   return nll / num_tokens, correct / num_tokens

@@ -419,7 +419,7 @@ def _mesh_worker() -> dict:
       planner.plan("llama_test", 0.9 * min(bytes_of.values()), **kwargs, **settings)
     except ValueError as error:
       out["nothing_fits"] = str(error)
-    # The rule of planner.chunked_loss_traces, checked against the step itself.
+    # The loss in chunks on the mesh steps that run it inside shard_map.
     out["chunked_traces"] = {}
     for stage, remat in (("zero2", "full"), ("fsdp", planner.RELEASE)):
       run = planner.train_config("llama_test", planner.Candidate(1, remat, loss_chunks=4),
@@ -471,12 +471,12 @@ def test_mesh_plan_nothing_fits_names_the_smallest_step(eight_device_plan):
   assert "stage=fsdp" in message and f"{smallest / 1e9:.3g} GB" in message, message
 
 
-def test_the_chunked_loss_rule_matches_what_traces(eight_device_plan):
-  # When models.savers' chunked loss traces under shard_map, this fails:
-  # then drop planner.chunked_loss_traces' rule.
+def test_the_chunked_loss_traces_on_every_mesh_step(eight_device_plan):
+  # Its scan's carry starts from zeros of the features, which vary over the
+  # devices inside shard_map as the chunk sums do (a constant carry was refused).
+  assert eight_device_plan["chunked_traces"], eight_device_plan
   for key, traced in eight_device_plan["chunked_traces"].items():
-    stage, remat = key.split("/")
-    assert traced == planner.chunked_loss_traces(stage, remat), key
+    assert traced, key
 
 
 @pytest.mark.slow
