@@ -109,6 +109,7 @@ def test_the_waiting_llama_small_command_is_the_gpt2_small_pair_on_a_llama():
   assert script_pattern_matches(out.rsplit("/", 1)[1].replace("_adama", "_adam"))
 
 
+@pytest.mark.slow  # 48 s on 2 cores; the pair's command is checked by the parse test above
 def test_make_gpu_convergence_trains_a_llama_pair_that_tables_as_its_own_cell(tmp_path):
   # The target itself on llama_test, two steps of N = 2 x 2 sequences of 16 tokens.
   raw = tmp_path / "raw"

@@ -156,7 +156,7 @@ def test_loss_chunks_train_gpt_as_the_whole_logits_do(tmp_path):
     runs.append(json.loads(out.read_text()))
   # The same sums in another order; three steps of lr 1e-3-scale updates.
   np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
-  with pytest.raises(ValueError, match="loss_chunks is GPT's"):
+  with pytest.raises(ValueError, match="loss_chunks is a causal LM's"):
     harness.train(harness.TrainConfig(model="bert", loss_chunks=2))
 
 
