@@ -24,6 +24,11 @@ import optax_adama
 from models import layers
 
 KINDS = ("gpt", "bert", "vit", "llama")
+# The Llama's training step and layouts are also checked in tests/test_llama.py
+# (release against the unrolled fused step, a model that learns) and
+# tests/test_llama_checkpoint.py (scanned against unrolled logits): here with
+# the slow tests, to keep the default suite's time.
+KINDS_LLAMA_SLOW = ("gpt", "bert", "vit", pytest.param("llama", marks=pytest.mark.slow))
 CAUSAL_LMS = (models.GPTConfig, models.LlamaConfig)
 
 
@@ -116,7 +121,7 @@ def test_bert_pooler_shape():
   assert model.pool(model.encode(tokens)).shape == (4, config.hidden)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_LLAMA_SLOW)
 def test_loss_fn_matches_module_and_adam_step_lowers_loss(kind):
   config = smoke_config(kind)
   model = models.create(config, rngs=nnx.Rngs(0))
@@ -541,7 +546,7 @@ def unstacked_params(scanned: nnx.State, num_layers: int) -> nnx.State:
   return nnx.State({**scanned, "blocks": nnx.State(layers_list)})
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS_LLAMA_SLOW)
 def test_scan_layers_equals_unrolled(kind):
   config = smoke_config(kind, num_layers=3)
   batch = make_batch(config)
