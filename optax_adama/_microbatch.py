@@ -286,6 +286,20 @@ def _mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> _
                     _sharding.num_devices(mesh, data_axis))
 
 
+def _split_params_placement(loss_and_grads, shardings, mesh, data_axis) -> _Placement:
+  """The placement of the FSDP steps: rows over ``data_axis``, and params kept
+  split as ``shardings`` says after each update."""
+  def apply_updates(params, updates, emitted):
+    del emitted
+    params = _steps.apply_updates(params, updates)
+    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
+
+  return _Placement(
+      loss_and_grads, shardings,
+      lambda micro_batches: _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis),
+      apply_updates, _sharding.num_devices(mesh, data_axis))
+
+
 def _fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> _Placement:
   """FSDP for a plain loss: GSPMD gathers each param where the model reads it.
 
@@ -309,15 +323,7 @@ def _fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> _Placement:
     grads = jax.lax.with_sharding_constraint(grads, shardings(params, None).grads)
     return loss, aux, grads
 
-  def apply_updates(params, updates, emitted):
-    del emitted
-    params = _steps.apply_updates(params, updates)
-    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
-
-  return _Placement(
-      loss_and_grads, shardings,
-      lambda micro_batches: _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis),
-      apply_updates, _sharding.num_devices(mesh, data_axis))
+  return _split_params_placement(loss_and_grads, shardings, mesh, data_axis)
 
 
 def _staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> _Placement:
@@ -376,15 +382,7 @@ def _staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> _Pla
     return _shard_mapped(local, mesh, data_axis, has_aux, param_specs, param_specs,
                          params, micro_batch)
 
-  def apply_updates(params, updates, emitted):
-    del emitted
-    params = _steps.apply_updates(params, updates)
-    return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
-
-  return _Placement(
-      loss_and_grads, shardings,
-      lambda micro_batches: _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis),
-      apply_updates, num_devices)
+  return _split_params_placement(loss_and_grads, shardings, mesh, data_axis)
 
 
 def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,
