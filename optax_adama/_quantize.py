@@ -83,17 +83,25 @@ class BlockQuantization:
       they hold a negligible share of the bytes and a large share of the
       sensitivity.
     code_dtype: the 8-bit float the codes are stored in.
-    layer_aligned: tile each index of a leaf's leading axis (each layer of a
-      stacked leaf ``[num_layers, ...]``) with whole blocks of its own, so
-      that a layer's slice of the moment is a contiguous run of blocks:
-      what :func:`release_step` needs to fold 8-bit moments one layer at a
-      time. The blocks then divide the slice exactly (at most
+    layer_aligned: how a leaf of rank 2 or more is laid out in blocks.
+      ``True``: each index of its leading axis (each layer of a stacked leaf
+      ``[num_layers, ...]``) is tiled by whole blocks of its own, so that a
+      layer's slice of the moment is a contiguous run of blocks: what
+      :func:`release_step` needs to fold 8-bit moments one layer at a time
+      in place. The blocks then divide the slice exactly (at most
       ``block_size`` elements each, fewer where the slice's size asks, or
       where fewer give a block count divisible by 8, which a mesh of up to
-      8 devices splits whole); a
-      slice with no such tiling into blocks of at least ``block_size // 8``
-      elements (a prime size, say) keeps its leaf in ``mu_dtype`` /
-      ``nu_dtype``. 1-D leaves are laid out as without it.
+      8 devices splits whole); a slice with no such tiling into blocks of
+      at least ``block_size // 8`` elements (a prime size, say) keeps its
+      leaf in ``mu_dtype`` / ``nu_dtype``. ``False``: the whole leaf is
+      flattened into even blocks (blocks may straddle layers). ``None``
+      (the default): the tiling of ``True`` where the slice has one with
+      blocks of at least ``block_size // 8`` elements (every layer of a
+      transformer stack), so the layout follows a stack's layers without
+      knowing which leaves are stacked; the layout of ``False`` otherwise
+      (narrow rows, which would pay a scale per few elements), which
+      :func:`release_step` folds through a float32 copy of that leaf.
+      1-D leaves are laid out as with ``False``.
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
@@ -107,7 +115,7 @@ class BlockQuantization:
   block_size: int = 2048
   min_size: int = 4096
   code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn
-  layer_aligned: bool = False
+  layer_aligned: Optional[bool] = None
 
   def __post_init__(self):
     if self.block_size < 1:
@@ -120,23 +128,29 @@ class BlockQuantization:
     """Whether a leaf of ``shape`` is stored in 8 bits."""
     if math.prod(shape) < max(self.min_size, 1):
       return False
-    return not self._aligns(shape) or _exact_block_len(
-        math.prod(shape[1:]), self.block_size) is not None
+    # Only an explicit layer_aligned=True keeps a leaf with no tiling dense.
+    return self.layer_aligned is not True or len(shape) < 2 or self._aligns(shape)
 
   def layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
     """``(num_blocks, block_len)`` of a leaf of ``shape`` (all its blocks)."""
     if self._aligns(shape):
       slice_size = math.prod(shape[1:])
       block_len = _exact_block_len(slice_size, self.block_size)
-      if block_len is None:
-        raise ValueError(
-            f"a layer-aligned leaf of shape {shape} has no tiling into blocks of "
-            f"{self.block_size // 8}-{self.block_size} elements; it is not quantized.")
       return shape[0] * (slice_size // block_len), block_len
+    if self.layer_aligned is True and len(shape) >= 2:
+      raise ValueError(
+          f"a layer-aligned leaf of shape {shape} has no tiling into blocks of "
+          f"{self.block_size // 8}-{self.block_size} elements; it is not quantized.")
     return block_layout(math.prod(shape), self.block_size)
 
   def _aligns(self, shape: tuple[int, ...]) -> bool:
-    return self.layer_aligned and len(shape) >= 2
+    """Whether a leaf of ``shape`` gets the layer-aligned tiling."""
+    if self.layer_aligned is False or len(shape) < 2:
+      return False
+    block_len = _exact_block_len(math.prod(shape[1:]), self.block_size)
+    if self.layer_aligned is None:  # not rows so narrow that scales would cost
+      return block_len is not None and block_len >= max(1, self.block_size // 8)
+    return block_len is not None
 
   def blocks_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The codes' shape for a leaf of ``shape``.

@@ -167,7 +167,6 @@ def release_step(
   def step(params, opt_state, batch):
     staged.check_stack(params)
     _check_is_state_of_tx(opt_state, parts.inner)
-    _release_fold.check_moments(staged, params, _adama.adama_of(opt_state))
     shardings = slices = None
     if mesh is not None:
       shardings = _step_shardings(staged, parts, params, opt_state, mesh, shard_states,

@@ -31,20 +31,30 @@ is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
 
 
 def check_moments(staged: _staged.StagedLoss, params, state: ScaleByAdamAState) -> None:
-  """Raises for 8-bit stacked moments whose blocks straddle layers (on a mesh,
+  """On a mesh: raises for 8-bit stacked moments whose blocks straddle layers
+  (one device folds those through a float32 copy: :func:`_straddling_in_float32`;
   :func:`release_shardings` checks that each device holds whole blocks)."""
   _, stacked_params = staged.split(params)
   for moment in (state.mu, state.nu):
     _, stacked = staged.split(moment)
     leaves = jax.tree.structure(stacked_params).flatten_up_to(stacked)
     for param, leaf in zip(jax.tree.leaves(stacked_params), leaves):
-      if is_quantized(leaf) and not _layer_aligned(leaf, jnp.shape(param)):
+      if straddles(leaf, jnp.shape(param)):
         raise NotImplementedError(
-            "release_step folds the stack's moments one layer slice at a time, "
-            f"and the 8-bit blocks of a stacked leaf of shape {jnp.shape(param)} "
-            "straddle layers. Lay the blocks out per layer with "
-            "BlockQuantization(layer_aligned=True), or keep the stack's moments "
-            "dense (mu_dtype / nu_dtype float32 or bfloat16).")
+            "release_step(mesh=...) folds each device's part of a layer's slice "
+            "of the stack's moments, and the 8-bit blocks of a stacked leaf of "
+            f"shape {jnp.shape(param)} straddle layers (its layers are narrower "
+            "than block_size // 8, or BlockQuantization(layer_aligned=False)). "
+            "Keep that leaf's moments dense (BlockQuantization(min_size=...) above "
+            "its size) or lay its blocks out per layer with "
+            "BlockQuantization(layer_aligned=True).")
+
+
+def straddles(moment, shape) -> bool:
+  """Whether ``moment`` is 8-bit with blocks that straddle the layers of a
+  stacked leaf of ``shape`` (not :class:`BlockQuantization`'s layer-aligned
+  layout)."""
+  return is_quantized(moment) and not _layer_aligned(moment, shape)
 
 
 def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
@@ -249,6 +259,17 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   seeds = reductions.layer_seeds(_adama.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
   offloaded = list(zip(*map(stacked_def.flatten_up_to, offloaded)))
+  # On one device, 8-bit leaves whose blocks straddle layers are folded
+  # through float32 copies (see _straddling_in_float32); a mesh refuses them.
+  shapes = [jnp.shape(p) for p in jax.tree.leaves(stacked)]
+  whole = [reductions is ONE_DEVICE and straddles(m, shape)
+           for m, shape in zip(mu_leaves, shapes)]
+  stored = (mu_leaves, nu_leaves)
+  mu_leaves, nu_leaves = (
+      _straddling_in_float32(moments, shapes, [flags[k] for flags in offloaded], whole, order)
+      for k, (moments, order) in enumerate(zip(stored, (1, 2))))
+  offloaded_stored = offloaded
+  offloaded = [(False, False) if w else flags for w, flags in zip(whole, offloaded)]
 
   def release_layer(carry, xs):
     x_grad, mus, nus, floors = carry
@@ -287,8 +308,42 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
       release_layer, (x_grad, mu_leaves, nu_leaves, floor_leaves),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
   floor_stacked = None if floor_leaves is None else stacked_def.unflatten(floor_leaves)
+  mu_leaves, nu_leaves = (
+      _restored(folded, like, [flags[k] for flags in offloaded_stored], whole, order,
+                [pair[k] for pair in seeds])
+      for k, (folded, like, order) in enumerate(zip(
+          (mu_leaves, nu_leaves), stored, (1, 2))))
   return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
           floor_stacked, jnp.all(layer_finite))
+
+
+def _straddling_in_float32(moments: list, shapes: list, offloaded: list, whole: list,
+                           order: int) -> list:
+  """The stacked moment leaves, those marked ``whole`` as float32 values in
+  their param's shape (v, not its stored root), on the device.
+
+  Their 8-bit blocks straddle layers, so a layer's slice cannot be folded and
+  requantized in place: the layer scan folds the float32 copy (a leaf's
+  worth of float32 while the micro-batch runs: the default layout leaves
+  only layers narrower than ``block_size // 8`` so) and :func:`_restored`
+  quantizes it once, after the scan, as the fused step does each fold.
+  """
+  return [_quantize.from_blocks(_adama._load(_offload.to_device(m, off), order), shape)
+          if w else m for m, shape, off, w in zip(moments, shapes, offloaded, whole)]
+
+
+def _restored(folded: list, stored: list, offloaded: list, whole: list, order: int,
+              seeds: list) -> list:
+  """Inverse of :func:`_straddling_in_float32` after the fold: each ``whole``
+  leaf quantized like its ``stored`` moment (with the leaf's own seed, as
+  ``scale_by_adama`` rounds it) and sent back where it lives."""
+  def quantized(value, like, off, seed):
+    blocks = _quantize.to_blocks(value, *like.codes.shape)
+    absmax = _quantize.block_absmax(blocks)
+    return _offload.to_host(_adama._store(blocks, like, order, seed, absmax), off)
+
+  return [quantized(x, like, off, seed) if w else x
+          for x, like, off, w, seed in zip(folded, stored, offloaded, whole, seeds)]
 
 
 def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
