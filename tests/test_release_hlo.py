@@ -1,0 +1,122 @@
+"""The release step's compiled layer loop: only in-place writes of the stack's buffers.
+
+`release_step` folds each layer's gradient into its slice of the stacked m
+and v inside the reverse layer scan. The fold must update that slice in
+place (a dynamic-update-slice fusion): a copy of a whole stacked buffer, or
+any whole-stack elementwise op, inside the loop costs the stack's bytes once
+per layer (L times the work) and makes the step slower as the model deepens.
+These tests read the optimized HLO of a small scanned stack and check every
+instruction of every loop body that produces a buffer of a stacked shape.
+"""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_adama
+
+NUM_LAYERS = 6
+WIDTH = 128
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(
+    r"^(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(.*?(?:calls=%?([\w.\-]+))?")
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+  """Instruction lines of each computation of an HLO module's text."""
+  comps, current = {}, None
+  for line in hlo_text.splitlines():
+    match = _COMPUTATION.match(line)
+    if match and not line.startswith(" "):
+      current = comps.setdefault(match.group(1), [])
+    elif current is not None and line.startswith("  ") and " = " in line:
+      current.append(line.strip())
+  return comps
+
+
+def loop_body_writes(hlo_text: str, stacked_shapes: set) -> collections.Counter:
+  """``(opcode, root opcode)`` counts of the loop bodies' instructions whose
+  result has one of ``stacked_shapes`` (a fusion's root opcode: its kind of
+  write; an in-place layer write is a ``dynamic-update-slice``)."""
+  comps = computations(hlo_text)
+  bodies = {m.group(1) for lines in comps.values() for line in lines
+            for m in [re.search(r" while\(.*body=%?([\w.\-]+)", line)] if m}
+  writes = collections.Counter()
+  for body in bodies:
+    for line in comps[body]:
+      match = _INSTRUCTION.match(line)
+      if not match or match.group(4) in ("parameter", "get-tuple-element", "bitcast"):
+        continue
+      shape = tuple(int(d) for d in match.group(3).split(",") if d)
+      if shape not in stacked_shapes:
+        continue
+      calls = re.search(r"calls=%?([\w.\-]+)", line)
+      root = ""
+      if calls:
+        root_line = next(x for x in comps[calls.group(1)] if x.startswith("ROOT"))
+        root = _INSTRUCTION.match(root_line).group(4)
+      writes[match.group(4), root] += 1
+  return writes
+
+
+def _staged_mlp():
+  return optax_adama.StagedLoss(
+      embed=lambda outer, b: b["x"],
+      block=lambda layer, x, b: jnp.tanh(x @ layer["w"] + layer["b"][None, :]),
+      head=lambda outer, x, b: jnp.mean((x - b["y"]) ** 2), layers="stack")
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+PARAMS = _abstract({"stack": {"w": jnp.zeros((NUM_LAYERS, WIDTH, WIDTH)),
+                              "b": jnp.zeros((NUM_LAYERS, WIDTH))}})
+BATCH = _abstract({"x": jnp.zeros((32, WIDTH)), "y": jnp.zeros((32, WIDTH))})
+STACKED = {(NUM_LAYERS, WIDTH, WIDTH), (NUM_LAYERS, WIDTH)}
+
+
+def _compiled(step, tx):
+  # optax's own bias correction computes float ** int32 (see conftest).
+  with jax.numpy_dtype_promotion("standard"):
+    return step.lower(PARAMS, jax.eval_shape(tx.init, PARAMS), BATCH).compile()
+
+
+def test_release_loop_bodies_write_the_stack_in_place_only():
+  tx = optax_adama.adama(1e-3, num_micro_batches=4)
+  text = _compiled(optax_adama.release_step(_staged_mlp(), tx), tx).as_text()
+  writes = loop_body_writes(text, STACKED)
+  # m and v of both stacked leaves, each layer's slice written in place (and
+  # the forward scan's saved inputs, which have another shape).
+  assert writes[("fusion", "dynamic-update-slice")] >= 4, writes
+  assert set(writes) == {("fusion", "dynamic-update-slice")}, writes
+
+
+def test_the_check_sees_a_whole_stack_update_in_a_loop():
+  # The reference the check must catch: a loop that rewrites the whole stack
+  # each iteration (what scan accumulation does once per micro-batch, adding
+  # the stack's gradient into its accumulator).
+  tx = optax.adam(1e-3)
+  step = optax_adama.microbatch_step(_staged_mlp(), tx, num_micro_batches=4,
+                                     update_every_micro_batch=False)
+  writes = loop_body_writes(_compiled(step, tx).as_text(), STACKED)
+  assert set(writes) - {("fusion", "dynamic-update-slice")}, writes
+
+
+def test_release_costs_no_more_flops_than_scan_accumulation():
+  # Each layer's forward is recomputed in the release's backward, as remat
+  # "full" recomputes it; nothing more (XLA counts a loop body once).
+  tx = optax_adama.adama(1e-3, num_micro_batches=4)
+  release = _compiled(optax_adama.release_step(_staged_mlp(), tx), tx)
+  adam = optax.adam(1e-3)
+  remat_block = jax.checkpoint(_staged_mlp().block)
+  staged = optax_adama.StagedLoss(_staged_mlp().embed, remat_block, _staged_mlp().head,
+                                  layers="stack")
+  accumulation = _compiled(optax_adama.microbatch_step(
+      staged, adam, num_micro_batches=4, update_every_micro_batch=False), adam)
+  flops = lambda compiled: compiled.cost_analysis()["flops"]
+  assert flops(release) <= 1.02 * flops(accumulation), (flops(release), flops(accumulation))
