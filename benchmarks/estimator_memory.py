@@ -27,7 +27,7 @@ from models import harness
 
 def estimator_totals(preset: str, batch_size: int, num_micro_batches: int = 4, *,
                      scan_layers: bool = False, remat: str = "none",
-                     estimators: Sequence[str] = optax_adama.NU_ESTIMATORS,
+                     estimators: Sequence[str] = optax_adama.contrib.NU_ESTIMATORS,
                      **overrides) -> dict[str, int]:
   """Compiled total bytes of one step per estimator (and step, if scanned).
 
@@ -44,7 +44,7 @@ def estimator_totals(preset: str, batch_size: int, num_micro_batches: int = 4, *
   batch = harness.abstract_batch(config, batch_size, None)
   totals = {}
   for estimator in estimators:
-    tx = optax_adama.adama(1e-3, num_micro_batches=num_micro_batches, nu_estimator=estimator)
+    tx = optax_adama.contrib.adama(1e-3, num_micro_batches=num_micro_batches, nu_estimator=estimator)
     state = jax.eval_shape(tx.init, params)
     steps = {estimator: optax_adama.microbatch_step(loss_fn, tx)}
     if scan_layers:
@@ -65,8 +65,8 @@ def main() -> None:
                       help="gpt presets: the LM head's loss over this many chunks of tokens")
   parser.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default="float32",
                       help="compute dtype (params and moments float32)")
-  parser.add_argument("--estimators", nargs="+", default=list(optax_adama.NU_ESTIMATORS),
-                      choices=("auto",) + optax_adama.NU_ESTIMATORS)
+  parser.add_argument("--estimators", nargs="+", default=list(optax_adama.contrib.NU_ESTIMATORS),
+                      choices=("auto",) + optax_adama.contrib.NU_ESTIMATORS)
   args = parser.parse_args()
   for preset in args.presets:
     totals = estimator_totals(preset, args.batch_size, scan_layers=args.scan_layers,

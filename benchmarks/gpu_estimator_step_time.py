@@ -38,7 +38,7 @@ def build(case, method, lr=1e-4):
   else:
     storage, estimator = method.split(":")
     quantization = optax_adama.BlockQuantization() if storage == "8bit" else None
-    tx = optax_adama.adama(lr, num_micro_batches=n, nu_estimator=estimator,
+    tx = optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator=estimator,
                            quantization=quantization)
     step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=n)
   state = tx.init(params)

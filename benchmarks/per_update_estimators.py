@@ -13,7 +13,7 @@ mini-batch, and every arm is trained through
 
 - ``multisteps``: ``optax.MultiSteps(optax.adamw(lr), every_k_schedule=N)``,
   Adam with gradient accumulation;
-- ``mean``, ``sum``, ``momentum``: ``optax_adama.adamaw(lr, num_micro_batches=N,
+- ``mean``, ``sum``, ``momentum``: ``optax_adama.contrib.adamaw(lr, num_micro_batches=N,
   nu_estimator=...)`` ("split" needs the micro-batch's half difference, which
   this path does not pass).
 
@@ -90,7 +90,7 @@ def draw(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
 def make_tx(arm: str, learning_rate: float, num_micro_batches: int):
   if arm == BASELINE:
     return optax.MultiSteps(optax.adamw(learning_rate), every_k_schedule=num_micro_batches)
-  return optax_adama.adamaw(learning_rate, num_micro_batches=num_micro_batches,
+  return optax_adama.contrib.adamaw(learning_rate, num_micro_batches=num_micro_batches,
                             nu_estimator=arm)
 
 
@@ -246,7 +246,7 @@ def markdown(result: dict) -> str:
       "`nnx.Optimizer(model, tx, wrt=nnx.Param)` with one `optimizer.update(model, grads)` "
       f"per micro-batch: `{BASELINE}` is "
       f"`optax.MultiSteps(optax.adamw(lr), every_k_schedule={s['num_micro_batches']})`, the "
-      "others `optax_adama.adamaw(lr, num_micro_batches=N, nu_estimator=...)`; weight "
+      "others `optax_adama.contrib.adamaw(lr, num_micro_batches=N, nu_estimator=...)`; weight "
       "decay 1e-4 (both defaults). Same initial weights and micro-batches per seed for every arm.",
       "",
       "Training loss: the mean of the micro-batch losses (each before its update) over "

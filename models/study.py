@@ -13,7 +13,7 @@ flags a best that sits on the edge of the grid. Every finished run is appended
 to a JSON-lines file and skipped when the command runs again, so the grid can
 be grown over several invocations (`--seeds` at the best rates only: `--best-seeds`).
 
-`rho` runs `optax_adama.diagnose_second_moment` along Adam's path on each
+`rho` runs `optax_adama.diagnostics.diagnose_second_moment` along Adam's path on each
 model and plots rho = v_estimator / v_adam over training. With `--rows` it
 measures every (model, N, micro-batch size) cell instead, appends one JSON row
 per cell (rho's and the step ratio |u| / |u_adam|'s quantiles, raw per-step
@@ -456,7 +456,7 @@ def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[int | 
 
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
                 steps: int, seed: int = 0,
-                follow: str = "adam") -> optax_adama.SecondMomentDiagnosis:
+                follow: str = "adam") -> optax_adama.diagnostics.SecondMomentDiagnosis:
   """rho along Adam's path (or `follow`'s: an estimator's) on one of our tiny models."""
   config = Run(model_kind, "adam", num_micro_batches, micro_batch_size,
                BASE[model_kind]["learning_rate"], seed, steps).config()
@@ -466,7 +466,7 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
   stream, _ = harness.make_data(config, model_config)
   batches: Iterator[Any] = (next(stream) for _ in range(steps))
   with jax.numpy_dtype_promotion("standard"):
-    return optax_adama.diagnose_second_moment(
+    return optax_adama.diagnostics.diagnose_second_moment(
         loss_fn, params, batches, num_micro_batches=num_micro_batches,
         learning_rate=config.learning_rate, has_aux=True, follow=follow)
 
@@ -485,7 +485,7 @@ def rho_cell_key(model_kind: str, num_micro_batches: int, micro_batch_size: int,
 
 
 def rho_row(model_kind: str, micro_batch_size: int, steps: int, seed: int, follow: str,
-            diagnosis: optax_adama.SecondMomentDiagnosis, seconds: float,
+            diagnosis: optax_adama.diagnostics.SecondMomentDiagnosis, seconds: float,
             command: str) -> dict[str, Any]:
   """One cell's row: the summary quantiles (second-half medians) and the raw
   per-step quantiles of rho and of the step ratio, for every estimator."""
@@ -571,7 +571,7 @@ def tails_markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> s
       "",
       *[f"    {c}" for c in commands],
       "",
-      "Along Adam's path (`optax_adama.diagnose_second_moment`), after every "
+      "Along Adam's path (`optax_adama.diagnostics.diagnose_second_moment`), after every "
       "mini-batch: rho = v / v_adam over all coordinates, and the step ratio "
       "|u| / |u_adam| with u = m_hat / (sqrt(v_hat) + eps), v_hat as AdamA reads it "
       "(`\"split\"`'s at least m_hat^2 and at least its floor, the factored "
@@ -630,7 +630,7 @@ def run_rho_rows(model_kinds: Sequence[str], num_micro_batches: Sequence[int],
         table_path.write_text(tails_markdown(results["rows"], results["commands"]))
 
 
-def plot_rho(diagnoses: dict[str, optax_adama.SecondMomentDiagnosis], path: Path) -> None:
+def plot_rho(diagnoses: dict[str, optax_adama.diagnostics.SecondMomentDiagnosis], path: Path) -> None:
   """Median rho, its interquartile band and its 5th percentile (the coordinates whose
   steps most exceed Adam's) over training, per model and estimator."""
   import matplotlib
@@ -669,7 +669,7 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0],
                       help="study: seeds of every run; rho: the first is its seed")
-  parser.add_argument("--follow", choices=("adam",) + optax_adama.NU_ESTIMATORS,
+  parser.add_argument("--follow", choices=("adam",) + optax_adama.contrib.NU_ESTIMATORS,
                       default="adam", help="rho: whose path to follow (default: Adam's)")
   parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
                       help="extra seeds, run at each arm's best rate only")

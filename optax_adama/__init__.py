@@ -9,26 +9,25 @@ holds what a training script types; the subsystems are public submodules:
 * :mod:`optax_adama.sharding`: data parallel, ZeRO and FSDP shardings;
 * :mod:`optax_adama.schedules`: schedules that count mini-batches;
 * :mod:`optax_adama.diagnostics`: does AdamA's v track Adam's on your model?
+* :mod:`optax_adama.contrib`: research estimators of v, useful but not settled;
 * :mod:`optax_adama.nnx`: train a Flax NNX model in place with the fused step
   (needs Flax, ``pip install 'optax_adama[flax]'``; imported on first use).
 """
 
+from optax_adama import contrib
 from optax_adama import diagnostics
 from optax_adama import memory
 from optax_adama import moments
 from optax_adama import schedules
 from optax_adama import sharding
-from optax_adama._adama import MiniBatchChainState
-from optax_adama._adama import NU_ESTIMATORS
+from optax_adama._chain import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._adama import adama
-from optax_adama._adama import adamaw
+from optax_adama._chain import adama
+from optax_adama._chain import adamaw
 from optax_adama._adama import find_adama_state
 from optax_adama._adama import has_updated
-from optax_adama._adama import mini_batch_chain
+from optax_adama._chain import mini_batch_chain
 from optax_adama._adama import scale_by_adama
-from optax_adama._diagnose import SecondMomentDiagnosis
-from optax_adama._diagnose import diagnose_second_moment
 from optax_adama._low_rank import low_rank
 from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_report
@@ -60,7 +59,6 @@ __all__ = (
     "mini_batch_chain",
     "ScaleByAdamAState",
     "MiniBatchChainState",
-    "NU_ESTIMATORS",
     "has_updated",
     "find_adama_state",
     # Training steps.
@@ -75,11 +73,10 @@ __all__ = (
     "low_rank",
     "offload_moments",
     # Measuring.
-    "diagnose_second_moment",
-    "SecondMomentDiagnosis",
     "memory_report",
     "MemoryReport",
     # Submodules.
+    "contrib",
     "diagnostics",
     "memory",
     "moments",

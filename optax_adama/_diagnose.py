@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adama._adama import DEFAULT_NU_ESTIMATOR
-from optax_adama._adama import NU_ESTIMATORS
-from optax_adama._adama import check_num_micro_batches
-from optax_adama._adama import complex_leaf_names
+from optax_adama._estimators import DEFAULT_NU_ESTIMATOR
+from optax_adama._estimators import NU_ESTIMATORS
+from optax_adama._checks import check_num_micro_batches
+from optax_adama._checks import complex_leaf_names
 from optax_adama import _floor
 from optax_adama import _steps
 

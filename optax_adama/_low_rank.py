@@ -35,7 +35,7 @@ import optax
 from optax.contrib import GaLoreDimensionNumbers
 from optax.contrib import GaLoreState
 
-from optax_adama._adama import complex_leaf_names
+from optax_adama._checks import complex_leaf_names
 from optax_adama._adama import find_adama_state
 
 __all__ = ["low_rank", "low_rank_mask"]

@@ -20,12 +20,14 @@ import optax
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _estimators
+from optax_adama import _chain
 from optax_adama import _offload
 from optax_adama import _schedules
 from optax_adama import _sharding
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._adama import check_num_micro_batches
+from optax_adama._checks import check_num_micro_batches
 from optax_adama._adama import find_adama_state
 from optax_adama._staged import StagedLoss
 from optax_adama._release_mesh import stack_shardings
@@ -472,12 +474,12 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   as that wrapper's ``update`` brings them.
   """
   to_device, to_host = _offload.moves(parts.offload_min_size)
-  name = _adama.adama_of(opt_state).nu_estimator
+  name = _chain.adama_of(opt_state).nu_estimator
   state, split = _steps.resolve_halves(
-      _adama.adama_of(opt_state), micro_batches, placement.num_devices)
+      _chain.adama_of(opt_state), micro_batches, placement.num_devices)
   # "momentum" folds as "sum" and adds its m_hat**2 term once, after the scan.
   # (Offloaded moments are all on the device for the update below anyway.)
-  momentum_after = _adama.adds_momentum_after_fold(state, per_layer_offload=False)
+  momentum_after = _estimators.adds_momentum_after_fold(state, per_layer_offload=False)
   fold_config = (dataclasses.replace(parts.config, nu_estimator="sum") if momentum_after
                  else parts.config)
 
@@ -489,16 +491,16 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   state, outputs = jax.lax.scan(body, state, micro_batches)
   state = to_device(state)
   if momentum_after:
-    state = _adama.add_momentum_term(state, parts.config)
+    state = _estimators.add_momentum_term(state, parts.config)
   updates = _adama.emitted_direction(state, params, parts.config)
   inner_state = None
   if parts.inner is not None:
     # value=: what optax.contrib.reduce_on_plateau reads, the mini-batch's loss.
-    updates, inner_state = _adama.per_mini_batch_update(
-        parts.inner, updates, state, to_device(_adama.inner_of(opt_state)), params,
+    updates, inner_state = _chain.per_mini_batch_update(
+        parts.inner, updates, state, to_device(_chain.inner_of(opt_state)), params,
         value=_steps.mean_finite_loss(outputs[0]))
   params = placement.apply_updates(params, updates, _adama.emitted(state))
-  opt_state = _adama.with_adama(opt_state, _adama.with_estimator(state, name), inner_state)
+  opt_state = _chain.with_adama(opt_state, _estimators.with_estimator(state, name), inner_state)
   return params, to_host(opt_state), outputs
 
 

@@ -22,7 +22,7 @@ Two formats:
   float8 code is a dynamic-exponent code like bitsandbytes' dynamic map: 3
   mantissa bits at every magnitude over 5.5 decades below the block's absmax,
   rather than a linear code that rounds everything below absmax / 255 to zero.
-  v is stored as ``sqrt(v)`` (its sign kept: see ``_adama._load``), so its
+  v is stored as ``sqrt(v)`` (its sign kept: see ``_fold.load``), so its
   codes span 11 decades of v: a small v next to a large one in the same
   block does not become zero (which would turn ``m / (sqrt(v) + eps)`` into
   ``m / eps``).

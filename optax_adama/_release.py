@@ -7,7 +7,7 @@ as one array, and AdamA has to keep a stack-sized gradient alive to fold it.
 from each layer's saved input, takes the `jax.vjp` of that layer, folds its
 parameter cotangent into the layer's slice of m and v (in place, in the scan
 carry) and passes the input cotangent on. One layer's gradient is alive at a
-time. The math is `scale_by_adama`'s, leaf by leaf (`_adama.fold_leaf`, the fold kernel), and so are
+time. The math is `scale_by_adama`'s, leaf by leaf (`_fold.fold_leaf`, the fold kernel), and so are
 the counters and the emitted direction.
 
 The pieces: :mod:`optax_adama._staged` (the loss's form),
@@ -27,6 +27,9 @@ import optax
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
+from optax_adama import _estimators
+from optax_adama import _fold
+from optax_adama import _chain
 from optax_adama import _floor
 from optax_adama import _offload
 from optax_adama import _release_fold
@@ -34,7 +37,7 @@ from optax_adama import _release_mesh
 from optax_adama import _sharding
 from optax_adama import _staged
 from optax_adama import _steps
-from optax_adama._adama import MiniBatchChainState
+from optax_adama._chain import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
 
 __all__ = ["release_step"]
@@ -174,11 +177,11 @@ def release_step(
       slices = _release_mesh.moment_slices(staged, params, opt_state, _sharding.auto_mesh(mesh),
                                            shard_states, data_axis)
       params, opt_state = _constrained((params, opt_state), shardings)
-    state = _adama.adama_of(opt_state)
+    state = _chain.adama_of(opt_state)
     micro_batches = _micro_batches(state, batch, mesh, data_axis)
     resolved, _ = _steps.resolve_halves(
         state, micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
-    momentum_after = _adama.adds_momentum_after_fold(
+    momentum_after = _estimators.adds_momentum_after_fold(
         resolved, per_layer_offload=parts.offload_min_size is not None)
     fold_parts = parts
     if momentum_after:  # fold as "sum"; the m_hat**2 term follows the scan
@@ -189,16 +192,16 @@ def release_step(
                       data_axis, shardings, slices, offloaded)
     folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
     if momentum_after:
-      folded = _adama.add_momentum_term(folded, parts.config)
+      folded = _estimators.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
-        staged, parts, params, folded, _adama.inner_of(opt_state),
+        staged, parts, params, folded, _chain.inner_of(opt_state),
         _steps.mean_finite_loss(losses),
         _sharded_update(staged, slices, shard_states, mesh, data_axis), offloaded,
         None if mesh is None else _split_by_layer(
-            staged, slices, _release_mesh.partition_specs(_adama.adama_of(shardings.opt_state)),
+            staged, slices, _release_mesh.partition_specs(_chain.adama_of(shardings.opt_state)),
             mesh, data_axis))
-    opt_state = _adama.with_adama(
-        opt_state, _adama.with_estimator(folded, state.nu_estimator), inner_state)
+    opt_state = _chain.with_adama(
+        opt_state, _estimators.with_estimator(folded, state.nu_estimator), inner_state)
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
@@ -225,7 +228,7 @@ def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_a
   """:func:`release_shardings` as the step keeps them: under
   :func:`offload_moments` the state leaves it offloads in host memory (decided
   by each whole leaf's size, as ``init`` places them, not by where they are)."""
-  _release_fold.check_moments(staged, params, _adama.adama_of(opt_state))
+  _release_fold.check_moments(staged, params, _chain.adama_of(opt_state))
   shardings = _release_mesh.stage_shardings(staged, params, opt_state, mesh, shard_states,
                                             data_axis, align_blocks=True)
   return _offload.keep_offloaded(shardings, opt_state, parts.offload_min_size)
@@ -233,7 +236,7 @@ def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_a
 
 def _check_is_state_of_tx(opt_state, inner) -> None:
   chained = isinstance(opt_state, MiniBatchChainState)
-  if not isinstance(_adama.adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
+  if not isinstance(_chain.adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
     raise TypeError(
         f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
         "pass tx.init(params).")
@@ -251,7 +254,7 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
   ``offloaded``: :func:`_release_fold.offloaded_state` of the whole state.
   """
   def fold(state, micro_batch):
-    if _adama.takes_halves(state):
+    if _estimators.takes_halves(state):
       # Halved before the devices take their rows: each device then holds
       # rows of both halves, and the halves are the micro-batch's own.
       micro_batch = _steps.halves(micro_batch)
@@ -261,7 +264,7 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
     else:
       state, loss, aux = _release_mesh.data_parallel_fold(
           staged, parts, has_aux, mesh, shard_states, data_axis,
-          _adama.with_estimator(_release_mesh.partition_specs(_adama.adama_of(shardings.opt_state)),
+          _estimators.with_estimator(_release_mesh.partition_specs(_chain.adama_of(shardings.opt_state)),
                                 state.nu_estimator),
           _release_mesh.partition_specs(shardings.params),
           _release_mesh.partition_specs(slices), offloaded, params, state,
@@ -309,7 +312,7 @@ def _apply_emitted(staged, parts, params, state, inner_state, loss, sharded_upda
     return split(apply, params, state, inner_state, loss)
   updates = _adama.emitted_direction(state, params, parts.config)
   if parts.inner is not None:
-    updates, inner_state = _adama.per_mini_batch_update(
+    updates, inner_state = _chain.per_mini_batch_update(
         parts.inner, updates, state, inner_state, params, value=loss)
   if sharded_update is None:
     return _steps.apply_updates(params, updates), inner_state
@@ -356,7 +359,7 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
 
   def run(apply_by_layer, params, state, inner_state, loss):
     replicated = jax.tree.map(lambda _: PartitionSpec(), inner_state)
-    specs = _adama.with_estimator(state_specs, state.nu_estimator)
+    specs = _estimators.with_estimator(state_specs, state.nu_estimator)
     # Gathered leaves are the same on every device (see _release_mesh.apply_sharded_updates).
     return jax.shard_map(
         lambda p, st, i, l: apply_by_layer(p, st, i, l, split=split), mesh=mesh,
@@ -400,14 +403,14 @@ def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=N
 
   def leaf_direction(m, v, p, floor, m_offloaded, v_offloaded):
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
-    return _adama.gated_direction_of_leaf(m, v, p, emit, direction, floor)
+    return _fold.gated_direction_of_leaf(m, v, p, emit, direction, floor)
 
   def chained(outer, stacked, outer_params, stacked_params):
     """``inner`` on the tree of ``outer`` and ``stacked`` updates."""
     updates = _staged.like(params, staged.merge(outer, stacked))
     if inner is None:
       return updates, inner_state
-    return _adama.per_mini_batch_update(
+    return _chain.per_mini_batch_update(
         inner, updates, state, inner_state,
         _staged.like(params, staged.merge(outer_params, stacked_params)), value=loss)
 
@@ -417,7 +420,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=N
   (mu_off_outer, mu_off_stacked), (nu_off_outer, nu_off_stacked) = map(
       staged.split, offloaded[:2])
   outer_def, stacked_def = jax.tree.structure(outer), jax.tree.structure(stacked)
-  if _adama.floors_split(state):
+  if _estimators.floors_split(state):
     floor_outer, floor_stacked = staged.split(_offload.to_device(state.nu_floor, offloaded[2]))
     outer_floors = split.outer(
         [_floor.floor_estimate(f) for f in outer_def.flatten_up_to(floor_outer)])

@@ -1,7 +1,7 @@
 """One micro-batch of the release: the reverse layer scan and its folds.
 
 From each layer's saved input, the `jax.vjp` of that layer; its parameter
-cotangent folded into the layer's slice of m and v (`_adama.fold_leaf`, 8-bit
+cotangent folded into the layer's slice of m and v (`_fold.fold_leaf`, 8-bit
 and offloaded moments too), its input cotangent passed on. On one device as
 it is; on a mesh inside `shard_map`, each device on its rows, with the
 collectives of its ZeRO stage handed in as :class:`Reductions`
@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_adama import _adama
+from optax_adama import _estimators
+from optax_adama import _fold
 from optax_adama import _floor
 from optax_adama import _offload
 from optax_adama import _quantize
@@ -109,7 +111,7 @@ class Reductions(NamedTuple):
   layer_grads: Callable[[list[jax.Array]], list[jax.Array]]
   all_finite: Callable[[jax.Array], jax.Array]
   # ("outer" or "layer", leaf index) -> the fold's whole_block_absmax for it
-  # (see _adama.fold_leaf): a pmax where the mesh splits the leaf's blocks.
+  # (see _fold.fold_leaf): a pmax where the mesh splits the leaf's blocks.
   whole_block_absmax: Callable[[str, int], Callable[[jax.Array], jax.Array]]
   # Lists of (m, v) seed pairs, one per leaf (the stack's, or the stack's
   # then the outer leaves'): each device's own where it holds a slice.
@@ -150,7 +152,7 @@ def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offl
   each gradient leaf is taken per half, folded as their mean and half
   difference and dropped.
   """
-  halves = _adama.takes_halves(state)
+  halves = _estimators.takes_halves(state)
   per_half = lambda fn, in_axes: jax.vmap(fn, in_axes) if halves else fn
   outer, stacked = staged.split(params)
   outer = reductions.outer_params(outer)  # FSDP: gathered for the micro-batch
@@ -176,8 +178,8 @@ def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offl
   # "split"'s floor: decayed once here, then each gradient adds its part
   # (on the device throughout: offloaded, it comes in whole).
   floor_offloaded = offloaded[2]
-  floor_outer, floor_stacked = (None, None) if not _adama.floors_split(state) else staged.split(
-      _adama.decayed_floor(state._replace(
+  floor_outer, floor_stacked = (None, None) if not _estimators.floors_split(state) else staged.split(
+      _estimators.decayed_floor(state._replace(
           nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
   x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
@@ -256,7 +258,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   floor_leaves = None if floor_stacked is None else stacked_def.flatten_up_to(floor_stacked)
   # One seed pair per leaf, as scale_by_adama draws them; a layer's slice
   # mixes in its index so no two layers share rounding noise.
-  seeds = reductions.layer_seeds(_adama.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
+  seeds = reductions.layer_seeds(_fold.leaf_seeds(parts.config, state, mu_leaves, nu_leaves))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
   offloaded = list(zip(*map(stacked_def.flatten_up_to, offloaded)))
   # On one device, 8-bit leaves whose blocks straddle layers are folded
@@ -287,7 +289,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
       layer_seeds = tuple(
           None if s is None else _quantize.mix_seed(s, layer) for s in leaf_seeds)
       # Offloaded moments: only this layer's slice comes to the device.
-      m, v, leaf_finite = _adama.fold_leaf(
+      m, v, leaf_finite = _fold.fold_leaf(
           grad, _offload.to_device(layer_slice(mu, layer, num_layers), mu_off),
           _offload.to_device(layer_slice(nu, layer, num_layers), nu_off),
           state, parts.config, layer_seeds, d,
@@ -297,7 +299,7 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
       finite.append(leaf_finite)
     if floors is not None:
       increments = reductions.layer_floors(
-          [_adama.floor_increment(g, d, state, parts.config, n)
+          [_estimators.floor_increment(g, d, state, parts.config, n)
            for g, d, n in zip(layer_grads, differences, leaf_shapes)], leaf_shapes)
       floors = [_floor.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
     # The flags leave as scan outputs, not carry: under shard_map they vary
@@ -328,7 +330,7 @@ def _straddling_in_float32(moments: list, shapes: list, offloaded: list, whole: 
   only layers narrower than ``block_size // 8`` so) and :func:`_restored`
   quantizes it once, after the scan, as the fused step does each fold.
   """
-  return [_quantize.from_blocks(_adama._load(_offload.to_device(m, off), order), shape)
+  return [_quantize.from_blocks(_fold.load(_offload.to_device(m, off), order), shape)
           if w else m for m, shape, off, w in zip(moments, shapes, offloaded, whole)]
 
 
@@ -340,7 +342,7 @@ def _restored(folded: list, stored: list, offloaded: list, whole: list, order: i
   def quantized(value, like, off, seed):
     blocks = _quantize.to_blocks(value, *like.codes.shape)
     absmax = _quantize.block_absmax(blocks)
-    return _offload.to_host(_adama._store(blocks, like, order, seed, absmax), off)
+    return _offload.to_host(_fold._store(blocks, like, order, seed, absmax), off)
 
   return [quantized(x, like, off, seed) if w else x
           for x, like, off, w, seed in zip(folded, stored, offloaded, whole, seeds)]
@@ -364,7 +366,7 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
   flags = list(zip(*map(outer_def.flatten_up_to, offloaded)))
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
   num_stacked = len(stacked_mus)
-  outer_seeds = reductions.outer_seeds(_adama.leaf_seeds(
+  outer_seeds = reductions.outer_seeds(_fold.leaf_seeds(
       parts.config, state, stacked_mus + mus, stacked_nus + nus))
   folded = [
       _fold_offloaded_leaf(g, m, v, flag, state, parts, leaf_seeds, d,
@@ -374,7 +376,7 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
   new_mus, new_nus, finite = zip(*folded) if folded else ((), (), ())
   if floor_outer is not None:
     increments = reductions.outer_floors(
-        [_adama.floor_increment(g, d, state, parts.config, n)
+        [_estimators.floor_increment(g, d, state, parts.config, n)
          for g, d, n in zip(grads, differences, leaf_shapes)], leaf_shapes)
     floor_outer = outer_def.unflatten([
         _floor.add_floor(f, inc)
@@ -394,11 +396,11 @@ def offloaded_state(state, parts):
 
 def _fold_offloaded_leaf(grad, mu, nu, offloaded, state, parts, seeds, half_difference=None,
                          whole_block_absmax=identity):
-  """:func:`_adama.fold_leaf` of a whole leaf (or this device's slice of it),
+  """:func:`_fold.fold_leaf` of a whole leaf (or this device's slice of it),
   its moments brought in and sent back where ``offloaded = (m's, v's flags)``
   says they live in host memory."""
   mu_off, nu_off = offloaded
-  m, v, finite = _adama.fold_leaf(
+  m, v, finite = _fold.fold_leaf(
       grad, _offload.to_device(mu, mu_off), _offload.to_device(nu, nu_off), state,
       parts.config, seeds, half_difference, whole_block_absmax)
   return _offload.to_host(m, mu_off), _offload.to_host(v, nu_off), finite

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_adama import _adama
+from optax_adama import _estimators
+from optax_adama import _chain
 from optax_adama import _floor
 from optax_adama import _offload
 from optax_adama import _quantize
@@ -103,7 +104,7 @@ def release_shardings(
     (None, 'data')
   """
   check_release_stage(mesh, shard_states)
-  state = _adama.adama_of(opt_state)
+  state = _chain.adama_of(opt_state)
   if isinstance(state, ScaleByAdamAState):
     _release_fold.check_moments(staged, params, state)
   shardings = stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
@@ -174,7 +175,7 @@ def stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
   if shard_states is None:
     return base
   split = lambda tree: _stack_aware_shardings(staged, tree, mesh, data_axis)
-  state = _adama.adama_of(opt_state)
+  state = _chain.adama_of(opt_state)
   slices = split(params)
   if isinstance(state, ScaleByAdamAState):
     if align_blocks:
@@ -182,13 +183,13 @@ def stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
       moments = lambda tree: _moment_shardings(slices, params, tree)
     else:
       moments = split
-    state_shardings = _adama.adama_of(base.opt_state)._replace(
+    state_shardings = _chain.adama_of(base.opt_state)._replace(
         mu=moments(state.mu), nu=moments(state.nu))
     if not align_blocks:
       state_shardings = _sharding.block_aligned_moments(
           state_shardings, state, params, slices, mesh, data_axis)
-    opt_state_shardings = _adama.with_adama(
-        base.opt_state, state_shardings, _adama.inner_of(base.opt_state))
+    opt_state_shardings = _chain.with_adama(
+        base.opt_state, state_shardings, _chain.inner_of(base.opt_state))
   else:
     opt_state_shardings = base.opt_state
   grads = slices if shard_states in ("zero2", "fsdp") else base.grads
@@ -202,7 +203,7 @@ def moment_slices(staged, params, opt_state, mesh, shard_states, data_axis):
   if shard_states is None:
     return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
   slices = _stack_aware_shardings(staged, params, mesh, data_axis)
-  state = _adama.adama_of(opt_state)
+  state = _chain.adama_of(opt_state)
   return _block_aligned_slices(staged, slices, params, state.mu, mesh, data_axis)
 
 
@@ -283,7 +284,7 @@ def data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
                                              offloaded, reductions)
 
   replicated = PartitionSpec()
-  halves = _adama.takes_halves(state)  # [2, rows, ...]: each half's rows split
+  halves = _estimators.takes_halves(state)  # [2, rows, ...]: each half's rows split
   rows = PartitionSpec(None, data_axis) if halves else PartitionSpec(data_axis)
   return jax.shard_map(
       local, mesh=mesh, in_specs=(param_specs, state_specs, rows),

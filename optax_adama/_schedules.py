@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_adama import _adama
-from optax_adama._adama import check_num_micro_batches
+from optax_adama._checks import check_num_micro_batches
 
 __all__ = ["MiniBatchScheduleState", "mini_batch_schedule", "inject_hyperparams"]
 

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_adama import _adama
-from optax_adama._adama import check_num_micro_batches
+from optax_adama import _estimators
+from optax_adama._checks import check_num_micro_batches
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -116,14 +117,14 @@ def resolve_halves(state, micro_batches, num_devices: int = 1):
   "auto" takes them where the rows halve and is "mean" elsewhere (one
   example per micro-batch, an odd count). The returned state carries the
   resolved estimator; hand it back under its own name with
-  ``_adama.with_estimator``.
+  ``_estimators.with_estimator``.
   """
-  if not _adama.wants_halves(state):
+  if not _estimators.wants_halves(state):
     return state, False
   if state.nu_estimator == "split":
     check_halvable(micro_batches, num_devices)
   halves = _halvable(micro_batches, num_devices)
-  return _adama.resolve_estimator(state, halves), halves
+  return _estimators.resolve_estimator(state, halves), halves
 
 
 def halves(micro_batch):

@@ -58,15 +58,15 @@ def _adama_state(state):
   return found
 
 
-@pytest.mark.parametrize("nu_estimator", optax_adama.NU_ESTIMATORS)
+@pytest.mark.parametrize("nu_estimator", optax_adama.contrib.NU_ESTIMATORS)
 @pytest.mark.parametrize("make", ["adam", "adamw"])
 def test_one_micro_batch_matches_optax(make, nu_estimator):
   params = _params()
   if make == "adam":
-    ours = optax_adama.adama(0.05, num_micro_batches=1, nu_estimator=nu_estimator)
+    ours = optax_adama.contrib.adama(0.05, num_micro_batches=1, nu_estimator=nu_estimator)
     ref = optax.adam(0.05)
   else:
-    ours = optax_adama.adamaw(0.05, weight_decay=0.1, num_micro_batches=1,
+    ours = optax_adama.contrib.adamaw(0.05, weight_decay=0.1, num_micro_batches=1,
                               nu_estimator=nu_estimator)
     ref = optax.adamw(0.05, weight_decay=0.1)
   got, _ = _run_adama(ours, params, 25, 1)
@@ -79,7 +79,7 @@ def test_one_micro_batch_matches_optax(make, nu_estimator):
 # from m_hat**2, exact at N = 1 only (test_one_micro_batch_matches_optax).
 def test_identical_micro_batches_match_optax_adam():
   params = _params()
-  ours = optax_adama.adama(0.05, num_micro_batches=4, nu_estimator="mean")
+  ours = optax_adama.adama(0.05, num_micro_batches=4)
   same = lambda p, s, m: _grads(p, s)  # every micro-batch has the same gradient
   got, _ = _run_adama(ours, params, 25, 4, same)
   want = _run_optax(optax.adam(0.05), params, 25, lambda p, s: _grads(p, s))
@@ -89,8 +89,7 @@ def test_identical_micro_batches_match_optax_adam():
 def test_adamaw_mask_and_weight_decay_once_per_mini_batch():
   params = _params()
   mask = {"dense": {"w": True, "b": False}, "scale": False}
-  ours = optax_adama.adamaw(0.05, weight_decay=0.3, num_micro_batches=3, mask=mask,
-                            nu_estimator="mean")
+  ours = optax_adama.adamaw(0.05, weight_decay=0.3, num_micro_batches=3, mask=mask)
   same = lambda p, s, m: _grads(p, s)
   got, _ = _run_adama(ours, params, 10, 3, same)
   ref = optax.adamw(0.05, weight_decay=0.3, mask=mask)
@@ -163,7 +162,7 @@ def test_moments_and_params_match_float64_reference(
   # count = mini-batches done (an int32 array; cast for strict promotion).
   schedule = lambda count: 0.01 * (1.0 + jnp.asarray(count, jnp.float32))
   lrs = [0.01 * (1.0 + t) for t in range(num_steps)]
-  tx = optax_adama.adama(
+  tx = optax_adama.contrib.adama(
       schedule, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches,
       nu_estimator=nu_estimator)
   got, state = _run_adama(
@@ -230,7 +229,7 @@ def test_split_estimator_matches_float64_reference(
              for _ in range(num_micro_batches)] for _ in range(num_steps)]
   halves = [[[(a.astype(np.float32), b.astype(np.float32)) for a, b in pair]
              for pair in micro] for micro in halves]
-  tx = optax_adama.adama(lr, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches,
+  tx = optax_adama.contrib.adama(lr, b1=b1, b2=b2, eps=eps, num_micro_batches=num_micro_batches,
                          nu_estimator="split")
   got, state = [jnp.asarray(p) for p in params], None
   state = tx.init(got)
@@ -258,7 +257,7 @@ def test_split_floor_is_factored_as_adafactor_for_large_leaves():
   halves = [[[tuple((mean + 3 * rng.normal(size=s)).astype(np.float32) for _ in range(2))
               for s in shapes for mean in [0.1 * rng.normal(size=s)]]
              for _ in range(n)] for _ in range(num_steps)]
-  tx = optax_adama.adama(lr, num_micro_batches=n, nu_estimator="auto")  # "split" given halves
+  tx = optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator="auto")  # "split" given halves
   got = [jnp.asarray(p) for p in params]
   state = tx.init(got)
   floor_shapes = [(f.rows.shape, f.cols.shape) for f in state.adama.nu_floor]
@@ -278,7 +277,7 @@ def test_split_floor_is_factored_as_adafactor_for_large_leaves():
                                            1e-8, floor_read=read)
     assert max(np.max(np.abs(g - o)) for g, o in zip(got, other)) > 1e-3
   # split_floor=False keeps no floor and steps as the reference without one.
-  tx = optax_adama.adama(lr, num_micro_batches=n, nu_estimator="auto", split_floor=False)
+  tx = optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator="auto", split_floor=False)
   got = [jnp.asarray(p) for p in params]
   state = tx.init(got)
   assert state.adama.nu_floor == ()
@@ -289,7 +288,8 @@ def test_split_floor_is_factored_as_adafactor_for_large_leaves():
       got = optax.apply_updates(got, updates)
   chex.assert_trees_all_close(got, other, rtol=1e-5, atol=1e-5)
   with pytest.raises(TypeError, match="split_floor must be True or False"):
-    optax_adama.adama(lr, num_micro_batches=n, split_floor="no")
+    optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator="split",
+                              split_floor="no")
 
 
 @pytest.mark.parametrize("num_micro_batches", [2, 4, 8])
@@ -301,7 +301,7 @@ def test_split_estimator_expects_adams_second_moment(num_micro_batches):
   n, coords, sigma = num_micro_batches, 200_000, 1.0
   rng = np.random.default_rng(0)
   mu = rng.uniform(-1.0, 1.0, coords)
-  tx = optax_adama.scale_by_adama(b2=0.5, num_micro_batches=n, nu_estimator="split")
+  tx = optax_adama.contrib.scale_by_adama(b2=0.5, num_micro_batches=n, nu_estimator="split")
   state = tx.init({"w": jnp.zeros(coords)})
   for _ in range(n):
     a, b = (mu + np.sqrt(2) * sigma * rng.normal(size=coords) for _ in range(2))
@@ -318,14 +318,14 @@ def test_split_estimator_expects_adams_second_moment(num_micro_batches):
 
 
 def test_split_estimator_rejects_what_it_cannot_take():
-  tx = optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="split")
+  tx = optax_adama.contrib.adama(0.1, num_micro_batches=2, nu_estimator="split")
   params = {"w": jnp.ones(3)}
   with pytest.raises(ValueError, match="needs update\\(..., half_difference=d\\)"):
     tx.update(params, tx.init(params), params)
   with pytest.raises(ValueError, match="nu_estimator must be one of"):
-    optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="splits")
+    optax_adama.contrib.adama(0.1, num_micro_batches=2, nu_estimator="splits")
   # N = 1 is Adam: no halves needed.
-  one = optax_adama.adama(0.1, num_micro_batches=1, nu_estimator="split")
+  one = optax_adama.contrib.adama(0.1, num_micro_batches=1, nu_estimator="split")
   updates, _ = one.update(params, one.init(params), params)
   # float32 0.999 is 0.99900001: 1 - b2 is off by 1.3e-5 relative, the step
   # by half that through the square root.
@@ -356,7 +356,7 @@ def test_schedule_counts_mini_batches():
   def schedule(count):
     return 0.1 / (1.0 + jnp.asarray(count, jnp.float32))
   params = {"w": jnp.zeros(2)}
-  tx = optax_adama.adama(schedule, num_micro_batches=3, nu_estimator="mean")
+  tx = optax_adama.adama(schedule, num_micro_batches=3)
   ref = optax.adam(schedule)
   state, ref_state = tx.init(params), ref.init(params)
   for step in range(3):
@@ -496,7 +496,7 @@ def _complex_grads(params, step, micro=0):
 @pytest.mark.parametrize("nu_estimator", ["mean", "sum", "momentum"])
 def test_complex_params_step_as_optax_adam(nu_estimator):
   params = _complex_params()
-  ours = optax_adama.adama(0.05, num_micro_batches=1, nu_estimator=nu_estimator)
+  ours = optax_adama.contrib.adama(0.05, num_micro_batches=1, nu_estimator=nu_estimator)
   got, state = _run_adama(ours, params, 25, 1, _complex_grads)
   want = _run_optax(optax.adam(0.05), params, 25, lambda p, s: _complex_grads(p, s))
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
@@ -551,7 +551,7 @@ def test_real_params_with_complex_moments_match_optax_without_warnings():
   dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)
   assert dtypes(updates) == dtypes(ref_updates)
   # "momentum" at N > 1 adds |m_hat|**2 of the complex m to the real v.
-  momentum = optax_adama.adama(0.05, num_micro_batches=3, mu_dtype=jnp.complex64,
+  momentum = optax_adama.contrib.adama(0.05, num_micro_batches=3, mu_dtype=jnp.complex64,
                                nu_estimator="momentum")
   state = momentum.init(params)
   for micro in range(6):
@@ -571,7 +571,7 @@ def test_complex_updates_turn_with_the_gradients_phase(nu_estimator):
   grads = [_complex_grads(params, step, micro) for step in range(3) for micro in range(3)]
   runs = []
   for make_grads in (lambda g: g, turn):
-    tx = optax_adama.adama(0.05, num_micro_batches=3, nu_estimator=nu_estimator)
+    tx = optax_adama.contrib.adama(0.05, num_micro_batches=3, nu_estimator=nu_estimator)
     state, total = tx.init(params), jax.tree.map(jnp.zeros_like, params)
     for g in grads:
       updates, state = tx.update(make_grads(g), state, params)
@@ -636,13 +636,13 @@ def test_complex_params_refuse_eight_bit_moments_and_split_naming_the_leaf():
     eight_bit.init(params)
   for estimator in ("split", "auto"):
     with pytest.raises(TypeError, match=r"\['w'\] \(complex64\).*nu_estimator=\"mean\""):
-      optax_adama.adama(0.05, num_micro_batches=2, nu_estimator=estimator).init(params)
+      optax_adama.contrib.adama(0.05, num_micro_batches=2, nu_estimator=estimator).init(params)
   wide = {"w": jax.lax.complex(jnp.ones((8, 8)), jnp.ones((8, 8)))}
   with pytest.raises(TypeError, match=r"low_rank projects real matrices.*\['w'\]"):
     optax_adama.low_rank(optax_adama.adama(0.05, num_micro_batches=2), rank=2,
                          refresh_period=10, min_size=16).init(wide)
   with pytest.raises(TypeError, match=r"measures real params.*\['w'\]"):
-    optax_adama.diagnose_second_moment(lambda p, b: 0.0, params, [], num_micro_batches=2)
+    optax_adama.diagnostics.diagnose_second_moment(lambda p, b: 0.0, params, [], num_micro_batches=2)
 
 
 def test_nonfinite_entries_never_reach_moments_and_are_counted():
@@ -1026,7 +1026,7 @@ def test_nu_estimators_order_v_as_their_expectations_say():
   num_micro, mu, sigma, steps = 4, 1.0, 2.0, 300
   params = {"w": jnp.zeros(4096)}
   def v_after(nu_estimator):
-    tx = optax_adama.scale_by_adama(num_micro_batches=num_micro, nu_estimator=nu_estimator)
+    tx = optax_adama.contrib.scale_by_adama(num_micro_batches=num_micro, nu_estimator=nu_estimator)
     def mini_batch(state, step):
       def micro(state, i):
         key = jax.random.fold_in(jax.random.key(3), step * num_micro + i)
@@ -1046,7 +1046,7 @@ def test_nu_estimators_order_v_as_their_expectations_say():
 
 def test_nu_estimator_is_checked():
   with pytest.raises(ValueError, match="nu_estimator must be one of .* got 'median'"):
-    optax_adama.adama(0.1, num_micro_batches=2, nu_estimator="median")
+    optax_adama.contrib.adama(0.1, num_micro_batches=2, nu_estimator="median")
 
 
 _DTYPE_CASES = [(p, g, m) for p in ("float32", "bfloat16") for g in ("float32", "bfloat16")

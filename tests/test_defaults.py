@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import optax_adama
-from optax_adama import _adama
+from optax_adama import _chain
+from optax_adama import _fold
 
 from conftest import MLP
 import test_release
@@ -35,14 +36,17 @@ def _run_fused(tx, batch_size, steps=3, num_micro_batches=4):
 
 
 def _adamaw(nu_estimator=None, **options):
-  kwargs = {} if nu_estimator is None else {"nu_estimator": nu_estimator}
-  return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4, **kwargs, **options)
+  """The default (``None``), or a named estimator from optax_adama.contrib."""
+  if nu_estimator is None:
+    return optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4, **options)
+  return optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=4,
+                                    nu_estimator=nu_estimator, **options)
 
 
 def test_the_default_estimator_is_mean_everywhere():
   params = {"w": jnp.ones(3)}
   for make in (optax_adama.adama, optax_adama.adamaw):
-    state = _adama.adama_of(make(1e-3, num_micro_batches=4).init(params))
+    state = _chain.adama_of(make(1e-3, num_micro_batches=4).init(params))
     assert state.nu_estimator == "mean"
     assert state.nu_floor == ()  # no state beyond m and v
   assert optax_adama.scale_by_adama(num_micro_batches=4).init(params).nu_estimator == "mean"
@@ -53,8 +57,8 @@ def test_fused_default_is_mean_for_every_micro_batch_size(batch_size):
   params, state = _run_fused(_adamaw(), batch_size)
   ref_params, ref_state = _run_fused(_adamaw("mean"), batch_size)
   chex.assert_trees_all_equal(params, ref_params)  # the same program: bitwise
-  chex.assert_trees_all_equal(_adama.adama_of(state).nu, _adama.adama_of(ref_state).nu)
-  assert _adama.adama_of(state).nu_estimator == "mean"
+  chex.assert_trees_all_equal(_chain.adama_of(state).nu, _chain.adama_of(ref_state).nu)
+  assert _chain.adama_of(state).nu_estimator == "mean"
 
 
 def test_fused_estimators_without_halves_compile_to_the_default_s_memory():
@@ -91,8 +95,8 @@ def test_fused_auto_equals_the_estimator_its_micro_batches_allow(batch_size, sam
   ref_params, ref_state = _run_fused(_adamaw(same_as), batch_size)
   # The same program: bitwise.
   chex.assert_trees_all_equal(params, ref_params)
-  chex.assert_trees_all_equal(_adama.adama_of(state).nu, _adama.adama_of(ref_state).nu)
-  assert _adama.adama_of(state).nu_estimator == "auto"  # the name it came with
+  chex.assert_trees_all_equal(_chain.adama_of(state).nu, _chain.adama_of(ref_state).nu)
+  assert _chain.adama_of(state).nu_estimator == "auto"  # the name it came with
 
 
 def test_fused_auto_differs_from_mean_where_it_splits():
@@ -122,13 +126,13 @@ def test_per_update_path_bitwise(name, same_as):
     u_mean, s_mean = mean.update(grads, s_mean, p_mean)
     chex.assert_trees_all_equal(u_default, u_mean)
     p_default = p_mean = optax.apply_updates(p_default, u_default)
-  assert _adama.adama_of(s_default).nu_estimator == (name or "mean")
+  assert _chain.adama_of(s_default).nu_estimator == (name or "mean")
 
 
 def test_per_update_auto_takes_a_half_difference_when_given():
   params = {"w": jnp.array([1.0, -2.0, 3.0])}
-  default = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="auto")
-  split = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split")
+  default = optax_adama.contrib.scale_by_adama(num_micro_batches=2, nu_estimator="auto")
+  split = optax_adama.contrib.scale_by_adama(num_micro_batches=2, nu_estimator="split")
   s_default, s_split = default.init(params), split.init(params)
   for i in range(4):
     g = {"w": jnp.array([0.3, -1.0, 2.0]) * (i + 1)}
@@ -146,20 +150,20 @@ def test_release_bitwise(name, same_as):
   runs = {}
   for key in (name, same_as):
     tx = (optax_adama.adama(1e-2, num_micro_batches=2) if key is None else
-          optax_adama.adama(1e-2, num_micro_batches=2, nu_estimator=key))
+          optax_adama.contrib.adama(1e-2, num_micro_batches=2, nu_estimator=key))
     step = optax_adama.release_step(staged, tx)
     p, s = jax.tree.map(jnp.array, params), tx.init(params)
     for seed in range(2):
       p, s, _ = step(p, s, test_release.make_batch(seed, size=8))
     runs[key] = (p, s)
   chex.assert_trees_all_equal(runs[name][0], runs[same_as][0])
-  assert _adama.adama_of(runs[name][1]).nu_estimator == (name or "mean")
+  assert _chain.adama_of(runs[name][1]).nu_estimator == (name or "mean")
 
 
 def test_eight_bit_moments_take_split_and_keep_a_negative_v():
   """8-bit v is stored as a signed root: "split"'s dips below zero survive."""
   quantization = optax_adama.BlockQuantization(block_size=64, min_size=64)
-  tx = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split",
+  tx = optax_adama.contrib.scale_by_adama(num_micro_batches=2, nu_estimator="split",
                                   quantization=quantization, b2=0.5,
                                   stochastic_rounding=False)
   params = {"w": jnp.zeros(256)}
@@ -167,12 +171,12 @@ def test_eight_bit_moments_take_split_and_keep_a_negative_v():
   # Half differences larger than the gradient: the fold of v goes negative.
   g = {"w": jnp.linspace(-1.0, 1.0, 256)}
   d = {"w": jnp.full(256, 3.0)}
-  dense = optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="split", b2=0.5)
+  dense = optax_adama.contrib.scale_by_adama(num_micro_batches=2, nu_estimator="split", b2=0.5)
   dense_state = dense.init(params)
   for _ in range(2):
     _, state = tx.update(g, state, half_difference=d)
     _, dense_state = dense.update(g, dense_state, half_difference=d)
-  v = _adama._load(state.nu["w"], 2).reshape(-1)[:256]
+  v = _fold.load(state.nu["w"], 2).reshape(-1)[:256]
   assert float(jnp.max(dense_state.nu["w"])) < 0  # every coordinate dipped
   # float8 e4m3 keeps 3 mantissa bits of the root: rounded to nearest, at
   # most 2**-4 relative on the root, (1 + 2**-4)**2 - 1 = 0.129 on v.
@@ -191,7 +195,7 @@ def test_eight_bit_default_trains_like_float32_default():
     for i in range(200):
       params, state, metrics = step(params, state, mlp.batch(i % 20, 8))
     losses[name] = float(metrics["loss"])
-  assert _adama.adama_of(state).nu_estimator == "mean"
+  assert _chain.adama_of(state).nu_estimator == "mean"
   # 8-bit moments round m and sqrt(v) to 3 mantissa bits per block; over 200
   # steps on this MLP the loss lands within 10% of the float32 run's.
   assert abs(losses["8bit"] - losses["f32"]) <= 0.1 * losses["f32"], losses

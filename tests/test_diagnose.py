@@ -31,7 +31,7 @@ def _batches(num_steps, *, identical_micro_batches):
 
 
 def test_identical_micro_batches_make_mean_exact_and_sum_n_times_small():
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, _batches(20, identical_micro_batches=True),
       num_micro_batches=NUM_MICRO)
   # All g_i equal: mean of squares = square of mean, exactly (float32 sums).
@@ -48,7 +48,7 @@ def test_identical_micro_batches_make_mean_exact_and_sum_n_times_small():
 
 
 def test_noise_dominated_gradients_make_mean_about_n_times_adam():
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, _batches(200, identical_micro_batches=False),
       num_micro_batches=NUM_MICRO, learning_rate=1e-4)
   # Independent zero-mean micro-batch gradients: E[mean of g_i^2] = sigma^2,
@@ -67,14 +67,14 @@ def test_noise_dominated_gradients_make_mean_about_n_times_adam():
 def test_split_is_left_out_where_micro_batches_do_not_halve():
   batches = [{"x": b["x"][:12], "y": b["y"][:12]}
              for b in _batches(3, identical_micro_batches=False)]
-  diagnosis = optax_adama.diagnose_second_moment(  # micro-batches of 3 rows
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(  # micro-batches of 3 rows
       loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO)
   assert set(diagnosis.rho) == {"mean", "sum", "momentum"}
 
 
 def test_empty_batches_raise():
   with pytest.raises(ValueError, match="batches is empty"):
-    optax_adama.diagnose_second_moment(
+    optax_adama.diagnostics.diagnose_second_moment(
         loss_fn, {"w": jnp.zeros(DIM)}, [], num_micro_batches=NUM_MICRO)
 
 
@@ -83,10 +83,10 @@ def test_following_an_estimator_is_adamas_own_path(estimator):
   """follow=e takes the steps AdamA with nu_estimator=e takes on the same batches."""
   batches = _batches(12, identical_micro_batches=False)
   params = {"w": jnp.zeros(DIM)}
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, params, batches, num_micro_batches=NUM_MICRO, learning_rate=0.05,
       follow=estimator)
-  tx = optax_adama.adama(0.05, num_micro_batches=NUM_MICRO, nu_estimator=estimator)
+  tx = optax_adama.contrib.adama(0.05, num_micro_batches=NUM_MICRO, nu_estimator=estimator)
   step = optax_adama.microbatch_step(loss_fn, tx)
   state, losses = tx.init(params), []
   for batch in batches:
@@ -94,7 +94,7 @@ def test_following_an_estimator_is_adamas_own_path(estimator):
     losses.append(float(metrics["loss"]))
   # Same math, folds summed in another order: float32 rounding only.
   np.testing.assert_allclose(diagnosis.losses, losses, rtol=1e-5)
-  adams_path = optax_adama.diagnose_second_moment(
+  adams_path = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO,
       learning_rate=0.05)
   assert np.max(np.abs(adams_path.losses - diagnosis.losses)) > 1e-3
@@ -103,18 +103,18 @@ def test_following_an_estimator_is_adamas_own_path(estimator):
 def test_follow_rejects_what_it_cannot_follow():
   batches = _batches(2, identical_micro_batches=False)
   with pytest.raises(ValueError, match="follow must be"):
-    optax_adama.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, batches,
+    optax_adama.diagnostics.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, batches,
                                        num_micro_batches=NUM_MICRO, follow="adamw")
   odd = [{"x": b["x"][:12], "y": b["y"][:12]} for b in batches]  # 3 rows a micro-batch
   with pytest.raises(ValueError, match="even number of rows"):
-    optax_adama.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, odd,
+    optax_adama.diagnostics.diagnose_second_moment(loss_fn, {"w": jnp.zeros(DIM)}, odd,
                                        num_micro_batches=NUM_MICRO, follow="split")
 
 
 def test_summary_says_where_the_default_steps_short_of_adam():
   # Pure noise across micro-batches: "mean"'s v (mu^2 + sigma^2) is near N
   # times Adam's (mu^2 + sigma^2 / N), so its steps are near 1/sqrt(N) of Adam's.
-  noisy = optax_adama.diagnose_second_moment(
+  noisy = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, _batches(40, identical_micro_batches=False),
       num_micro_batches=NUM_MICRO, learning_rate=1e-4)
   rho = noisy.median("mean")
@@ -123,7 +123,7 @@ def test_summary_says_where_the_default_steps_short_of_adam():
   assert f"The default ('mean') keeps v at {rho:.2f}x Adam's" in text
   assert f"the rate times {np.sqrt(rho):.2f} gives Adam's median step" in text
   # Identical micro-batches: "mean" is Adam's v exactly, and the summary adds nothing.
-  exact = optax_adama.diagnose_second_moment(
+  exact = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, _batches(40, identical_micro_batches=True),
       num_micro_batches=NUM_MICRO, learning_rate=1e-4)
   assert "The default" not in exact.summary()
@@ -135,7 +135,7 @@ def test_summary_says_where_a_suggested_estimator_runs():
   # "momentum" keeps v near 1/N of Adam's; "mean" is exact.
   batches = _batches(40, identical_micro_batches=True)
   batches = [{"x": b["x"], "y": b["y"] * (-1) ** step} for step, b in enumerate(batches)]
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros(DIM)}, batches, num_micro_batches=NUM_MICRO,
       learning_rate=1e-4)
   assert diagnosis.median("momentum") < 0.5

@@ -72,7 +72,7 @@ def _assert_same_model(model, want, batches, atol=1e-6):
     "mean", pytest.param("momentum", marks=pytest.mark.slow),
     pytest.param("split", marks=pytest.mark.slow)])
 def test_nnx_optimizer_matches_microbatch_step(nu_estimator):
-  tx = optax_adama.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+  tx = optax_adama.contrib.adamaw(3e-3, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                           nu_estimator=nu_estimator)
   batches = _batches(3)
   model = models.create("gpt_test", rngs=nnx.Rngs(0))
@@ -107,7 +107,7 @@ class _MLP(linen.Module):
 def test_linen_train_state_matches_microbatch_step():
   # Both sides name the estimator they share ("mean": one update per
   # micro-batch, no halves and no per-mini-batch term).
-  tx = optax_adama.adama(1e-2, num_micro_batches=NUM_MICRO, nu_estimator="mean")
+  tx = optax_adama.adama(1e-2, num_micro_batches=NUM_MICRO)
   module = _MLP()
   x = np.linspace(-1, 1, 4 * BATCH, dtype=np.float32).reshape(-1, 4)
   batch = {"x": jnp.asarray(x), "y": jnp.asarray(np.sin(x.sum(1, keepdims=True)))}

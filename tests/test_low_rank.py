@@ -161,7 +161,7 @@ def test_half_difference_is_projected_with_the_gradients_projector():
   # "split" at N = 2 on a tall, a wide and a 1-D leaf: low_rank's AdamA state
   # is AdamA's fed P^T g and P^T d (g P and d P on the wide leaf), with P the
   # low_rank state's projector, refreshed from g alone.
-  make = lambda estimator: optax_adama.scale_by_adama(
+  make = lambda estimator: optax_adama.contrib.scale_by_adama(
       num_micro_batches=2, nu_estimator=estimator)
   tx = optax_adama.low_rank(make("split"), rank=3, refresh_period=1, min_size=0)
   without_d = optax_adama.low_rank(make("mean"), rank=3, refresh_period=1, min_size=0)

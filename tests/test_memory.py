@@ -36,7 +36,7 @@ def test_adama_step_is_at_the_floor_and_below_accumulation(setup):
   # The floor is "mean"'s: "split" (the default here) holds a leaf's two
   # halves' gradients at its fold, one leaf more (test_defaults.py).
   adama, adama_state = _report(
-      optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="mean"),
+      optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO),
       params, batch)
   accumulation, _ = _report(optax.adam(1e-3), params, batch)
   multisteps, _ = _report(optax.MultiSteps(optax.adam(1e-3), NUM_MICRO), params, batch)
@@ -110,8 +110,7 @@ def test_scanned_layers_make_the_stack_one_gradient_leaf():
            "y": jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)}
   reports = {}
   # "mean": with "split" the stack's two halves' gradients are two such leaves.
-  for name, tx in [("adama", optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
-                                               nu_estimator="mean")),
+  for name, tx in [("adama", optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)),
                    ("accumulation", optax.adam(1e-3))]:
     step = optax_adama.microbatch_step(stacked_loss, tx, num_micro_batches=NUM_MICRO)
     with jax.numpy_dtype_promotion("standard"):

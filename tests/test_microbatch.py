@@ -46,8 +46,7 @@ def _per_micro_batch_reference(tx, params, state, batch, num_micro_batches):
 def test_fused_step_equals_per_micro_batch_path(num_micro_batches):
   # Both sides run "mean": the reference passes no half difference, and
   # "auto" would read "split" in the fused step (test_defaults.py).
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches,
-                          nu_estimator="mean")
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches)
   params = _params()
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches)
   fused_params, fused_state = _copy(params), tx.init(params)
@@ -66,7 +65,7 @@ def test_fused_step_equals_per_micro_batch_path(num_micro_batches):
 
 @pytest.mark.parametrize("num_micro_batches", [2, 3])
 def test_split_estimator_step_equals_per_micro_batch_halves(num_micro_batches):
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches,
+  tx = optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches,
                           nu_estimator="split")
   params = _params()
   step = optax_adama.microbatch_step(loss_fn, tx)
@@ -98,9 +97,9 @@ def test_bare_adama_folds_then_updates_once_as_chained_adama_updates_per_micro_b
   # The same results (float32 rounding, as above), a dropped micro-batch and
   # a schedule included.
   schedule = optax.linear_schedule(1e-2, 1e-3, 4)
-  bare = optax_adama.adamaw(schedule, weight_decay=0.1, num_micro_batches=3,
+  bare = optax_adama.contrib.adamaw(schedule, weight_decay=0.1, num_micro_batches=3,
                             nu_estimator=nu_estimator)
-  chained = optax.chain(optax_adama.adamaw(schedule, weight_decay=0.1, num_micro_batches=3,
+  chained = optax.chain(optax_adama.contrib.adamaw(schedule, weight_decay=0.1, num_micro_batches=3,
                                            nu_estimator=nu_estimator))
   results = []
   for tx in (bare, chained):
@@ -140,7 +139,7 @@ def test_bare_adama_scan_carries_the_state_not_the_params():
   carries, totals = {}, {}
   # "mean" on both: the chained path takes one update per micro-batch, where
   # "auto" reads "mean"; the bare fold would read "split".
-  make = lambda: optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator="mean")
+  make = lambda: optax_adama.adama(1e-3, num_micro_batches=4)
   for name, tx in {"bare": make(), "chained": optax.chain(make())}.items():
     step = optax_adama.microbatch_step(model.loss, tx)
     state = jax.eval_shape(tx.init, params)
@@ -152,7 +151,7 @@ def test_bare_adama_scan_carries_the_state_not_the_params():
 
 
 def test_split_estimator_needs_even_micro_batches():
-  tx = optax_adama.adama(1e-2, num_micro_batches=4, nu_estimator="split")
+  tx = optax_adama.contrib.adama(1e-2, num_micro_batches=4, nu_estimator="split")
   step = optax_adama.microbatch_step(loss_fn, tx)
   params = _params()
   with pytest.raises(ValueError, match="micro-batch size must be even, got 3"):
@@ -273,7 +272,7 @@ def test_bf16_params_with_float32_moments_in_scan():
 
 def test_nonfinite_loss_micro_batch_is_dropped_whole():
   # Against a per-update reference without halves: "mean" on both sides.
-  tx = optax_adama.adama(1e-2, num_micro_batches=3, nu_estimator="mean")
+  tx = optax_adama.adama(1e-2, num_micro_batches=3)
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=3)
   batch = _batch(0)
   # Row 1 goes to micro-batch 1 (rows 1::3): a NaN input poisons its loss.
@@ -460,7 +459,7 @@ def test_bfloat16_accumulator_halves_the_accumulator():
 
 def _estimator_totals(loss_fn, params, batch, estimators):
   def total(nu_estimator):
-    tx = optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator=nu_estimator)
+    tx = optax_adama.contrib.adama(1e-3, num_micro_batches=4, nu_estimator=nu_estimator)
     step = optax_adama.microbatch_step(loss_fn, tx)
     return optax_adama.memory_report(step, params, jax.eval_shape(tx.init, params),
                                      batch).total_bytes
@@ -471,7 +470,7 @@ def test_every_nu_estimator_steps_in_the_same_memory():
   model = MLP(num_layers=8, width=256)  # one layer's leaf is P / 8
   params, batch = model.abstract_params(), model.abstract_batch(32)
   P = optax_adama.memory.tree_bytes(params)
-  totals = _estimator_totals(model.loss, params, batch, optax_adama.NU_ESTIMATORS)
+  totals = _estimator_totals(model.loss, params, batch, optax_adama.contrib.NU_ESTIMATORS)
   # 1% of P allows scalars, not a leaf.
   assert abs(totals["sum"] - totals["mean"]) < 0.01 * P
   # The momentum term reads the folded m of a leaf beside its in-place
@@ -490,7 +489,7 @@ def test_split_estimator_costs_at_most_two_leaves_in_an_mlp():
   model = MLP(num_layers=8, width=256)
   params, batch = model.abstract_params(), model.abstract_batch(32)
   P = optax_adama.memory.tree_bytes(params)
-  tx = optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator="split")
+  tx = optax_adama.contrib.adama(1e-3, num_micro_batches=4, nu_estimator="split")
   floor_bytes = optax_adama.memory.tree_bytes(jax.eval_shape(tx.init, params).adama.nu_floor)
   # Rows and columns of each w, each b whole: 1.2% of P at width 256.
   assert 8 * (256 + 256 + 256) * 4 <= floor_bytes < 0.013 * P

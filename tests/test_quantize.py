@@ -146,9 +146,9 @@ def test_eight_bit_fold_tracks_the_float32_fold():
   # The fold's rounding alone: "mean", whose v is the folded squares only
   # ("momentum" adds m_hat**2 from the rounded m, a second source).
   ref_updates, ref_state = _run(
-      optax_adama.scale_by_adama(num_micro_batches=4, nu_estimator="mean"), 60)
+      optax_adama.scale_by_adama(num_micro_batches=4), 60)
   tx = optax_adama.scale_by_adama(
-      num_micro_batches=4, quantization=optax_adama.BlockQuantization(), nu_estimator="mean")
+      num_micro_batches=4, quantization=optax_adama.BlockQuantization())
   updates, state = _run(tx, 60)
   mu, nu = state.mu, state.nu
   assert isinstance(mu["w"], optax_adama.moments.QuantizedArray)
@@ -200,8 +200,7 @@ def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
   params, batch = MODEL.abstract_params(), MODEL.abstract_batch(BATCH)
   # "mean", the estimator of the floor (the default's halves: test_defaults.py).
   tx = optax_adama.adama(
-      1e-3, num_micro_batches=NUM_MICRO, quantization=optax_adama.BlockQuantization(),
-      nu_estimator="mean")
+      1e-3, num_micro_batches=NUM_MICRO, quantization=optax_adama.BlockQuantization())
   state = jax.eval_shape(tx.init, params)
   P = optax_adama.memory.tree_bytes(params)
   adama_state = optax_adama.find_adama_state(state)
@@ -212,7 +211,7 @@ def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
   report = optax_adama.memory_report(step, params, state, batch)
   floor = optax_adama.memory.memory_floor(
       _mlp_loss, params, state, batch, num_micro_batches=NUM_MICRO)
-  float32 = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="mean")
+  float32 = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)
   report32 = optax_adama.memory_report(
       optax_adama.microbatch_step(_mlp_loss, float32, num_micro_batches=NUM_MICRO),
       params, jax.eval_shape(float32.init, params), batch)
@@ -229,7 +228,7 @@ def test_eight_bit_state_shrinks_and_keeps_the_memory_floor():
 def test_bfloat16_moments_step_memory():
   params, batch = MODEL.abstract_params(), MODEL.abstract_batch(BATCH)
   # "mean", the floor's estimator (the default's halves: test_defaults.py).
-  tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="mean",
+  tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO,
                          mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
   state = jax.eval_shape(tx.init, params)
   P = optax_adama.memory.tree_bytes(params)
@@ -287,8 +286,7 @@ def test_tiny_gpt_eight_bit_final_loss_within_one_percent():
   # measured on "mean": 8-bit rounding alone. (Under "momentum", the default then,
   # the two runs part ways on GPT's plateau: 2.4349 against 2.5109, the
   # 8-bit run 3.0% lower.)
-  kwargs = dict(preset="gpt_tiny", steps=300, batch_size=32, seq_len=64, eval_batches=16,
-                nu_estimator="mean")
+  kwargs = dict(preset="gpt_tiny", steps=300, batch_size=32, seq_len=64, eval_batches=16)
   loss32 = _train_gpt(False, **kwargs)
   loss8 = _train_gpt(True, **kwargs)
   assert abs(loss8 - loss32) <= 0.01 * loss32, (loss8, loss32)
@@ -311,9 +309,9 @@ def _v_ratio_on_noisy_gradients(num_mini_batches):
   # "mean": v is the folded squares alone, so the ratio is the rounding's
   # ("momentum" adds m_hat**2 from the rounded m as well).
   dense = jax.jit(lambda: run(optax_adama.scale_by_adama(
-      num_micro_batches=num_micro_batches, nu_estimator="mean")))()
+      num_micro_batches=num_micro_batches)))()
   quantized = jax.jit(lambda: run(optax_adama.scale_by_adama(
-      num_micro_batches=num_micro_batches, nu_estimator="mean",
+      num_micro_batches=num_micro_batches,
       quantization=optax_adama.BlockQuantization())))()
   sqrt_v = _quantize.dequantize_blocks(quantized.nu["w"])
   return float(jnp.mean(sqrt_v**2) / jnp.mean(dense.nu["w"]))

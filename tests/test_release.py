@@ -82,9 +82,9 @@ def run_both(tx, batches, *, has_aux=False):
 @pytest.mark.parametrize("num_micro_batches, nu_estimator", [
     pytest.param(n, estimator, marks=() if n == 3 or estimator in ("mean", "split")
                  else pytest.mark.slow)
-    for n in (1, 3, 4) for estimator in optax_adama.NU_ESTIMATORS])
+    for n in (1, 3, 4) for estimator in optax_adama.contrib.NU_ESTIMATORS])
 def test_equals_microbatch_step(num_micro_batches, nu_estimator):
-  tx = optax_adama.adamaw(
+  tx = optax_adama.contrib.adamaw(
       1e-2, weight_decay=0.1, num_micro_batches=num_micro_batches, nu_estimator=nu_estimator)
   # 24 rows: micro-batches of 24, 8 and 6, each of two halves for "split".
   batches = [make_batch(seed, size=24) for seed in range(3)]
@@ -157,7 +157,7 @@ def test_unsupported_combinations_raise():
   with pytest.raises(ValueError, match="needs a mesh"):
     optax_adama.release_step(
         staged, optax_adama.adama(1e-2, num_micro_batches=2), shard_states="zero1")
-  split_tx = optax_adama.adama(1e-2, num_micro_batches=4, nu_estimator="split")
+  split_tx = optax_adama.contrib.adama(1e-2, num_micro_batches=4, nu_estimator="split")
   with pytest.raises(ValueError, match="micro-batch size must be even, got 3"):
     optax_adama.release_step(staged, split_tx)(params, split_tx.init(params), make_batch(0))
   tx = optax_adama.adama(
@@ -242,7 +242,7 @@ def _decay_matrices(params):
                                mask=_decay_matrices),
     lambda: optax_adama.adama(optax.linear_schedule(1e-2, 0.0, 4), num_micro_batches=2,
                               quantization=LAYER_ALIGNED),
-    lambda: optax_adama.scale_by_adama(num_micro_batches=2, nu_estimator="momentum"),
+    lambda: optax_adama.contrib.scale_by_adama(num_micro_batches=2, nu_estimator="momentum"),
 ], ids=["adamaw-mask", "adama-8bit-schedule", "scale_by_adama-momentum"])
 def test_offloaded_moments_equal_on_device_moments(make_tx):
   """Moments in host memory, a layer's slice brought in per fold and update:
@@ -338,7 +338,7 @@ def test_release_memory_is_well_below_the_fused_step():
            "y": shape((batch_size, width), jnp.float32)}
   # The floor below is "mean"'s; the default's halves add a layer's second
   # gradient in the release, the stack's in the fused step (test_defaults.py).
-  tx = optax_adama.adama(1e-3, num_micro_batches=4, nu_estimator="mean")
+  tx = optax_adama.adama(1e-3, num_micro_batches=4)
   state = jax.eval_shape(tx.init, params)
   release = optax_adama.memory_report(optax_adama.release_step(staged, tx), params, state, batch)
   fused = optax_adama.memory_report(optax_adama.microbatch_step(staged, tx), params, state, batch)
@@ -351,7 +351,7 @@ def test_release_memory_is_well_below_the_fused_step():
   # 8-bit moments, blocks laid out per layer: m and v are 2 bytes a
   # parameter (+ a scale per 2048) instead of 8, about 1.5 P less.
   tx_8bit = optax_adama.adama(
-      1e-3, num_micro_batches=4, nu_estimator="mean",
+      1e-3, num_micro_batches=4,
       quantization=optax_adama.BlockQuantization(layer_aligned=True))
   state_8bit = jax.eval_shape(tx_8bit.init, params)
   release_8bit = optax_adama.memory_report(

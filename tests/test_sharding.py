@@ -136,8 +136,7 @@ def _worker(full):
   # "mean": the same math on 1 and 8 devices up to the order of the sums.
   # "split" amplifies that rounding where its v cancels; it has its own
   # tolerance below (zero2_split).
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
-                          nu_estimator="mean")
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
   ref = _run(tx, _params())
   for stage in STAGES:
     params, state, metrics, compiled = _run(
@@ -185,7 +184,7 @@ def _worker(full):
   }
   # "split" under ZeRO-2: each micro-batch's two halves, each half's rows
   # over the devices.
-  split = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+  split = optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                              nu_estimator="split")
   split_ref = _run(split, _params(), steps=2)
   params, state, metrics, _ = _run(
@@ -235,7 +234,7 @@ def _explicit_worker():
       return _steps_of(step, params, tx.init(params),
                        lambda seed: jax.device_put(batch(seed), batch_sharding))
 
-  adamaw = lambda estimator: optax_adama.adamaw(
+  adamaw = lambda estimator: optax_adama.contrib.adamaw(
       1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO, nu_estimator=estimator)
   def diff(case):
     if case == "split":
@@ -489,7 +488,7 @@ def _release_worker(mesh, full):
   # "auto"'s floor where it is factored (a stack of 128 x 128 kernels,
   # split over the devices along a side): each device's part of a row or
   # column sum is put together inside shard_map. Two steps, as "split".
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+  tx = optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                           nu_estimator="auto")
   single, runs = release_runs(
       tx, FLOOR_STAGES, lambda: test_release.make_params(width=128),
@@ -506,7 +505,7 @@ def _release_worker(mesh, full):
 
   on_device = {}  # estimator -> (tx, one device's run, the mesh's runs)
   for estimator, stages in (RELEASE_CASES if full else SMOKE_RELEASE_CASES).items():
-    tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
+    tx = optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
                             nu_estimator=estimator)
     # "split": two steps (see _assert_split_close), the dropped one first.
     single, runs = release_runs(
@@ -681,7 +680,7 @@ def _release_memory(mesh, stages):
   batch = {"x": shape((256, width), jnp.float32), "y": shape((256, width), jnp.float32)}
   # The release's floor is "mean"'s; the default's halves add one layer's
   # second gradient (test_defaults.py).
-  tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="mean")
+  tx = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO)
   state = jax.eval_shape(tx.init, params)
   placed = lambda tree, shardings: jax.tree.map(
       lambda x, s: shape(x.shape, x.dtype, sharding=s), tree, shardings)
@@ -896,8 +895,7 @@ def test_one_device_mesh_equals_plain_step(stage):
   mesh = jax.make_mesh((1,), ("data",))
   # "mean": equal to 1e-6; "split"'s cancellation amplifies the rounding of
   # the sums (its mesh equality: zero2_split's tolerance).
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO,
-                          nu_estimator="mean")
+  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=NUM_MICRO)
   ref = _run(tx, _params(), steps=2)
   got = _run(tx, _params(), steps=2, mesh=mesh, shard_states=stage)
   chex.assert_trees_all_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
@@ -914,7 +912,7 @@ def test_bad_sharding_options_are_rejected():
         loss_fn, tx, num_micro_batches=2, mesh=mesh, shard_states="zero4")
   with pytest.raises(ValueError, match="not in the mesh"):
     optax_adama.sharding.step_shardings(_params(), None, mesh, data_axis="batch")
-  split = optax_adama.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="split")
+  split = optax_adama.contrib.adama(1e-3, num_micro_batches=NUM_MICRO, nu_estimator="split")
   step = optax_adama.microbatch_step(loss_fn, split, mesh=mesh)
   with pytest.raises(ValueError, match="micro-batch size must be even, got 3"):
     step(_params(), split.init(_params()), MODEL.batch(0, 3 * NUM_MICRO))

@@ -34,8 +34,8 @@ def _hand_step_ratios(batches, n):
   """Adam's path and every estimator's step ratio quantiles, in float64 NumPy."""
   w = np.zeros((DIM, OUT))
   m = np.zeros_like(w)
-  v = {name: np.zeros_like(w) for name in ("adam",) + optax_adama.NU_ESTIMATORS}
-  out = {name: [] for name in optax_adama.NU_ESTIMATORS}
+  v = {name: np.zeros_like(w) for name in ("adam",) + optax_adama.contrib.NU_ESTIMATORS}
+  out = {name: [] for name in optax_adama.contrib.NU_ESTIMATORS}
   for t, batch in enumerate(batches, start=1):
     x, y = np.asarray(batch["x"], np.float64), np.asarray(batch["y"], np.float64)
     grads, diffs = [], []
@@ -69,21 +69,21 @@ def _hand_step_ratios(batches, n):
     u_adam = direction("adam")
     moving = u_adam != 0
     assert 0 < moving.sum() < moving.size  # the zero feature's row is left out
-    for name in optax_adama.NU_ESTIMATORS:
+    for name in optax_adama.contrib.NU_ESTIMATORS:
       ratio = np.abs(direction(name))[moving] / np.abs(u_adam)[moving]
-      out[name].append(np.quantile(ratio, optax_adama.SecondMomentDiagnosis.STEP_QUANTILES))
+      out[name].append(np.quantile(ratio, optax_adama.diagnostics.SecondMomentDiagnosis.STEP_QUANTILES))
     w = w - LR * u_adam
   return {name: np.stack(q) for name, q in out.items()}
 
 
 def test_step_ratio_quantiles_match_a_hand_computation():
   batches = _batches(30)
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros((DIM, OUT))}, batches, num_micro_batches=4,
       learning_rate=LR, b1=B1, b2=B2, eps=EPS)
   expected = _hand_step_ratios(batches, 4)
-  assert set(diagnosis.step_ratio) == set(optax_adama.NU_ESTIMATORS)
-  for name in optax_adama.NU_ESTIMATORS:
+  assert set(diagnosis.step_ratio) == set(optax_adama.contrib.NU_ESTIMATORS)
+  for name in optax_adama.contrib.NU_ESTIMATORS:
     np.testing.assert_allclose(diagnosis.step_ratio[name], expected[name], rtol=2e-4,
                                err_msg=name)
     q99 = expected[name][15:, 1]  # the second half of 30 steps
@@ -99,7 +99,7 @@ def test_step_ratio_quantiles_match_a_hand_computation():
 def test_an_estimator_equal_to_adam_steps_exactly_as_adam():
   # At N = 1 the micro-batch is the mini-batch: "mean", "sum" and "momentum"
   # fold Adam's own g**2, bit for bit. ("split" may differ: its floor.)
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros((DIM, OUT))}, _batches(10), num_micro_batches=1,
       learning_rate=LR, eps=EPS)
   for name in ("mean", "sum", "momentum"):
@@ -117,7 +117,7 @@ def test_default_steps_stay_near_adams_where_the_gradient_is_noise():
     kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(2), step))
     return {"x": jax.random.normal(kx, (64, 32)), "y": jax.random.normal(ky, (64, 16))}
 
-  diagnosis = optax_adama.diagnose_second_moment(
+  diagnosis = optax_adama.diagnostics.diagnose_second_moment(
       loss_fn, {"w": jnp.zeros((32, 16))}, [batch(s) for s in range(200)],
       num_micro_batches=8, learning_rate=1e-2, eps=1e-8)
   assert diagnosis.step_quantile("split", 0.99) <= 1.3
@@ -161,7 +161,7 @@ def test_rho_rows_are_written_once_per_cell_and_judged_against_the_targets(tmp_p
     calls.append((kind, n, size))
     tail = 1.2 if n == 2 else 3.0  # "split" meets the targets at N = 2 only
     step = lambda p99, p999: np.tile([1.0, p99, p999], (steps, 1))
-    return optax_adama.SecondMomentDiagnosis(
+    return optax_adama.diagnostics.SecondMomentDiagnosis(
         num_micro_batches=n, losses=np.ones(steps),
         rho={"mean": np.full((steps, 5), 2.0), "split": np.full((steps, 5), 1.0)},
         step_ratio={"mean": step(0.9, 0.95), "split": step(tail, tail)})
