@@ -81,9 +81,7 @@ STACKED = {(NUM_LAYERS, WIDTH, WIDTH), (NUM_LAYERS, WIDTH)}
 
 
 def _compiled(step, tx):
-  # optax's own bias correction computes float ** int32 (see conftest).
-  with jax.numpy_dtype_promotion("standard"):
-    return step.lower(PARAMS, jax.eval_shape(tx.init, PARAMS), BATCH).compile()
+  return _compiled_for(step, PARAMS, jax.eval_shape(tx.init, PARAMS), BATCH)
 
 
 def test_release_loop_bodies_write_the_stack_in_place_only():
@@ -120,3 +118,46 @@ def test_release_costs_no_more_flops_than_scan_accumulation():
       staged, adam, num_micro_batches=4, update_every_micro_batch=False), adam)
   flops = lambda compiled: compiled.cost_analysis()["flops"]
   assert flops(release) <= 1.02 * flops(accumulation), (flops(release), flops(accumulation))
+
+
+def census(preset: str) -> list[str]:
+  """Scan accumulation against the release on a scanned GPT, compiled (remat
+  full, N = 4 micro-batches of one sequence): flops and bytes (XLA counts a
+  loop body once), memory, and per loop body its fusions and the layer slices
+  it copies out of stacked buffers (``dynamic-slice`` fusions of ``[1, ...]``)."""
+  import models  # pylint: disable=g-import-not-at-top
+  from models import harness  # pylint: disable=g-import-not-at-top
+
+  config = models.get_config(preset, remat="full", scan_layers=True)
+  loss_fn, params = harness.split_model(config)
+  batch = harness.abstract_batch(config, 4, None)
+  lines = []
+  for method in ("scan_accumulation", "adama_release"):
+    step, tx = harness.make_step(method, loss_fn, num_micro_batches=4)
+    compiled = _compiled_for(step, params, jax.eval_shape(tx.init, params), batch)
+    cost = compiled.cost_analysis()
+    report = optax_adama.memory_report(compiled, param_bytes=4 * models.param_count(config))
+    comps = computations(compiled.as_text())
+    bodies = [m.group(1) for lines_ in comps.values() for line in lines_
+              for m in [re.search(r" while\(.*body=%?([\w.\-]+)", line)] if m]
+    per_body = [(sum(" fusion(" in line for line in comps[body]),
+                 sum(bool(re.search(r"dynamic-slice_fusion[.\d]* = f32\[1,", line))
+                     for line in comps[body])) for body in bodies]
+    lines.append(f"{preset} {method}: {cost['flops'] / 1e9:.1f} GFLOP, "
+                 f"{cost['bytes accessed'] / 1e9:.1f} GB accessed (loop bodies once), "
+                 f"{report.in_p(report.total_bytes):.2f} P; per loop body (fusions, layer "
+                 f"slices copied): {per_body}")
+  return lines
+
+
+def _compiled_for(step, params, opt_state, batch):
+  # optax's own bias correction computes float ** int32 (see conftest).
+  with jax.numpy_dtype_promotion("standard"):
+    return step.lower(params, opt_state, batch).compile()
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+
+  for _preset in sys.argv[1:] or ["gpt2_small"]:
+    print("\n".join(census(_preset)), flush=True)

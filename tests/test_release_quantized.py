@@ -193,11 +193,11 @@ def _check_mesh_bounds(out, stages):
   for stage in map(str, stages):
     codes_differ, param_diff = out[stage]["codes_differ"], out[stage]["param_diff"]
     for step in range(num_steps):
-      # At most 0.1% of the codes per step taken (measured on 8 x 256 x 256,
-      # 1.06M codes: 4 after one step, 4,664 (0.44%) after eight).
-      assert codes_differ[step] <= 1e-3 * (step + 1) * out["num_codes"], out
+      # At most 0.2% of the codes per step taken (measured on 8 x 256 x 256,
+      # 1.06M codes, FSDP: 5 after one step, 6,980 (0.66%) after eight).
+      assert codes_differ[step] <= 2e-3 * (step + 1) * out["num_codes"], out
       # Within 8-bit's own rounding of the run (measured: 6.1e-5 against
-      # 1.1e-3 after one step, 5.2e-4 against 1.3e-3 after eight).
+      # 2.2e-4 after one step, 3.5e-4 against 1.4e-3 after eight).
       assert param_diff[step] <= out["to_float32"][step], out
     assert param_diff[-1] <= MESH_LEARNING_RATE * num_steps, out
 
