@@ -1,0 +1,840 @@
+"""Will a model fit? The AdamA step that fits a memory budget, found by compiling it.
+
+:func:`plan` takes a user's ``loss_fn(params, micro_batch)`` (or a
+:class:`StagedLoss`), its params and one mini-batch, as arrays or
+``jax.ShapeDtypeStruct``, and searches what the library switches without
+touching the model: the number of micro-batches N (divisors of the batch's
+rows), the moments' storage (float32, bfloat16, 8-bit blocks), moments kept in
+host memory (:func:`offload_moments`), the gradient release
+(:func:`release_step`, for a :class:`StagedLoss`) and, on a mesh, the ZeRO
+stage. Every candidate is compiled for abstract inputs (nothing is allocated
+or run) and measured as :func:`memory_report` measures: argument + output +
+temp - alias bytes of one device.
+
+Time is a roofline prediction, summed rather than overlapped (an upper bound
+where XLA hides one behind another):
+
+- compute: XLA's ``cost_analysis()`` flops over ``Machine.peak_flops``. XLA
+  counts a loop body once, so the step's flops are taken per micro-batch and
+  multiplied by N, and a :class:`StagedLoss`'s layer scan is completed with
+  one more block's forward and backward, compiled alone (:func:`block_cost`),
+  per uncounted layer. A plain loss's own loops are counted once each: the
+  same for every candidate, so the ranking holds, the absolute time is low;
+- folds: AdamA reads the gradient and m, v and writes m, v once per
+  micro-batch, ``N * (P + 2 * state) / memory_bandwidth`` (a device's share
+  under a ZeRO stage);
+- host: what lives in host memory crosses the link out and back once per
+  micro-batch, ``N * 2 * host_bytes / host_bandwidth``;
+- collectives: :func:`collective_bytes` of the compiled step (every loop trip
+  counted) as one device sends them on a ring, over
+  ``Machine.interconnect_bandwidth``.
+
+The search (:func:`search`, which ``models.planner`` runs for the zoo with its
+remat policies and savers as more activation settings): per ZeRO stage and
+activation setting, the smallest N that fits with the first memory lever, by
+bisection over the divisors (memory falls as N grows, time grows with N: each
+micro-batch pays the fold), then each further lever only where it lets a
+smaller N fit. Exact levers come first (float32 moments, then float32 moments
+in host memory), then narrower moments, which change the optimizer's numerics.
+Compiles are memoised by settings. The fastest predicted candidate wins and is
+compiled once more, uncached, to confirm that it fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_adama import _chain
+from optax_adama import _collectives
+from optax_adama import _memory
+from optax_adama import _microbatch
+from optax_adama import _offload
+from optax_adama import _quantize
+from optax_adama import _release
+from optax_adama import _release_mesh
+from optax_adama import _sharding
+from optax_adama._staged import StagedLoss
+
+__all__ = ["Considered", "Machine", "Measurement", "Plan", "PlanSettings", "Skipped", "block_cost",
+           "compile_for_measurement", "measure_compiled", "plan", "search"]
+
+# Moment storages, most precise first: the planner narrows them only to fit.
+MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
+SHARD_STAGES: tuple[Optional[str], ...] = (None, "zero1", "zero2", "fsdp")
+# The library's activation settings: the loss as given, or the gradient release.
+PLAIN, RELEASE = "plain", "release"
+# offload_moments' default: smaller state leaves stay on the device.
+OFFLOAD_MIN_SIZE = 4096
+# Rates a candidate is measured with; the learning rate changes no buffer.
+_MEASURED_LEARNING_RATE = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
+
+  Attributes:
+    peak_flops: float32 flop/s (per device).
+    memory_bandwidth: device memory bytes/s.
+    host_bandwidth: bytes/s each way between device and pinned host memory.
+    interconnect_bandwidth: bytes/s one device sends to the others in a
+      collective, on a mesh. 100 GB/s: the order of a TPU core's ICI or a
+      GPU's NVLink share; PCIe-only GPUs and hosts over a network are slower.
+  """
+
+  peak_flops: float = 80e12
+  memory_bandwidth: float = 1.0e12
+  host_bandwidth: float = 25e9
+  interconnect_bandwidth: float = 100e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+  """Compile-only numbers of one candidate's step.
+
+  Attributes:
+    device_bytes: argument + output + temp - alias bytes on one device.
+    host_bytes: the same over the host_* fields (what lives in host memory).
+    param_bytes: P, bytes of one copy of the params (whole).
+    state_bytes: bytes of the optimizer state (whole, m and v in their storage).
+    flops: predicted flops of the whole step (all micro-batches and layers),
+      on one device of a mesh.
+    bytes_accessed: XLA's memory traffic of the whole step, recorded, not used
+      (on the CPU backend it counts every unfused elementwise op's traffic).
+    compile_s: seconds spent compiling.
+    collective_bytes: on a mesh, the bytes of the arrays the step's
+      collectives make or take apart (:func:`collective_bytes`).
+    link_bytes: what one device sends for them on a ring.
+    state_shards: devices the moments are split over (each folds its share).
+  """
+
+  device_bytes: int
+  host_bytes: int
+  param_bytes: int
+  state_bytes: int
+  flops: float
+  bytes_accessed: float
+  compile_s: float
+  collective_bytes: int = 0
+  link_bytes: float = 0.0
+  state_shards: int = 1
+
+  def predicted_parts(self, machine: Machine, num_micro_batches: int) -> dict[str, float]:
+    """The roofline's terms, seconds: compute, folds, host and collectives."""
+    fold_bytes = (self.param_bytes + 2 * self.state_bytes) / self.state_shards
+    return {"compute": self.flops / machine.peak_flops,
+            "folds": num_micro_batches * fold_bytes / machine.memory_bandwidth,
+            "host": num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth,
+            "collectives": self.link_bytes / machine.interconnect_bandwidth}
+
+  def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
+    """The roofline step time: the sum of :meth:`predicted_parts`, seconds."""
+    return sum(self.predicted_parts(machine, num_micro_batches).values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Considered:
+  """A candidate the search compiled, and whether it fits.
+
+  ``measurable`` is False where the backend cannot show what the candidate
+  saves (host memory on a backend that counts it as device memory): the
+  search does not choose it.
+  """
+
+  candidate: Any
+  measurement: Measurement
+  predicted_s: float
+  fits: bool
+  measurable: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+  """A ZeRO stage not compiled: what it keeps whole on every device, whatever
+  N, is over the budget.
+
+  Attributes:
+    shard_states: the stage (None: data parallel).
+    moments: the moment storage it was skipped with; None: with every storage
+      (zero1 and zero2 keep only the params whole).
+    replicated_bytes: those whole bytes on every device.
+  """
+
+  shard_states: Optional[str]
+  moments: Optional[str]
+  replicated_bytes: int
+
+  def describe(self) -> str:
+    what = ("params" if self.moments is None
+            else f"params and {self.moments} moments")
+    return (f"stage={self.shard_states or 'dp'} moments={self.moments or 'any'}, every N and "
+            f"remat: {what} whole on every device")
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+  """What :func:`search` compiled: the smallest fitting N per setting and lever
+  (``fitting``), every candidate (``considered``, in compile order) and the
+  stages skipped without compiling."""
+
+  fitting: tuple[Considered, ...]
+  considered: tuple[Considered, ...]
+  skipped: tuple[Skipped, ...]
+
+
+def divisors(n: int) -> list[int]:
+  """The divisors of n, increasing: the N that split a batch of n rows evenly."""
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def smallest_fitting(fits: Callable[[int], bool], upper: int) -> Optional[int]:
+  """Smallest i in [0, upper) with fits(i), for fits monotone in i; None if none."""
+  if upper == 0 or not fits(upper - 1):
+    return None
+  low, high = 0, upper - 1  # fits(high) holds
+  while low < high:
+    mid = (low + high) // 2
+    if fits(mid):
+      high = mid
+    else:
+      low = mid + 1
+  return high
+
+
+def search(
+    *,
+    budget_bytes: float,
+    splits: Sequence[int],
+    stages: Sequence[Optional[str]],
+    activations: Sequence[Any],
+    moment_storages: Sequence[str],
+    levers: Callable[[Sequence[str]], Sequence[Any]],
+    candidate_of: Callable[[int, Any, Any, Optional[str]], Any],
+    measure: Callable[[Any], Measurement],
+    machine: Machine,
+    replicated: Optional[Callable[[Optional[str], str], int]] = None,
+    measurable: Callable[[Any, Measurement], bool] = lambda candidate, measurement: True,
+    describe: Callable[[Any], str] = str,
+    progress: bool = False,
+) -> Search:
+  """The planner's search, over settings it only names (see the module docstring).
+
+  Args:
+    budget_bytes: per device.
+    splits: the N to try, increasing.
+    stages: ZeRO stages (None: data parallel or one device).
+    activations: activation settings (opaque here: the library's plain loss
+      and release, the zoo's remat policies and savers).
+    moment_storages: storages to try, most precise first.
+    levers: the memory levers, in the order to pull them, from the storages
+      left after skipping those a stage cannot hold.
+    candidate_of: ``candidate_of(n, activation, lever, stage)``: hashable,
+      with a ``num_micro_batches`` attribute (n).
+    measure: compiles and measures a candidate (called once per candidate).
+    machine: the predictor's rates.
+    replicated: ``replicated(stage, moments)``, bytes a stage keeps whole on
+      every device; None: no stage is skipped.
+    measurable: whether a measurement shows what its candidate saves.
+    describe: a candidate's one-line name, for ``progress``.
+    progress: print each compile to stderr.
+
+  Returns:
+    A :class:`Search`.
+  """
+  considered: dict[Any, Considered] = {}
+
+  def consider(candidate: Any) -> Considered:
+    if candidate not in considered:
+      measurement = measure(candidate)
+      considered[candidate] = Considered(
+          candidate, measurement,
+          measurement.predicted_s(machine, candidate.num_micro_batches),
+          measurement.device_bytes <= budget_bytes, measurable(candidate, measurement))
+      if progress:
+        print(f"  {describe(candidate)}: {measurement.device_bytes / 1e9:.2f} GB, "
+              f"{considered[candidate].predicted_s * 1e3:.1f} ms, compiled in "
+              f"{measurement.compile_s:.1f} s", file=sys.stderr)
+    return considered[candidate]
+
+  fitting: list[Considered] = []
+  skipped: list[Skipped] = []
+  for stage in stages:
+    storages = list(moment_storages)
+    if replicated is not None:  # skip the storages whose whole part alone is over
+      whole = {moments: replicated(stage, moments) for moments in moment_storages}
+      over = [moments for moments in moment_storages if whole[moments] > budget_bytes]
+      storages = [moments for moments in moment_storages if moments not in over]
+      if over and stage in ("zero1", "zero2"):  # the params alone, whatever the moments
+        skipped.append(Skipped(stage, None, whole[over[0]]))
+      else:
+        skipped += [Skipped(stage, moments, whole[moments]) for moments in over]
+      if progress and over:
+        print(f"  stage={stage or 'dp'}: skipped with {', '.join(over)} moments "
+              f"({min(whole[m] for m in over) / 1e9:.2f} GB or more whole on every device)",
+              file=sys.stderr)
+    if not storages:
+      continue
+    for activation in activations:
+      upper = len(splits)  # each lever must beat the last one's N
+      for lever in levers(storages):
+        def candidate(i: int, lever=lever, activation=activation, stage=stage) -> Any:
+          return candidate_of(splits[i], activation, lever, stage)
+        index = smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
+        if index is not None:
+          found = considered[candidate(index)]
+          if found.measurable:
+            fitting.append(found)
+          upper = index
+        if upper == 0:
+          break
+  return Search(tuple(fitting), tuple(considered.values()), tuple(skipped))
+
+
+def ring_factor(kind: str, devices: int) -> float:
+  """What one device sends, per byte of a collective's array, on a ring of D devices."""
+  if kind == "collective-permute":
+    return 1.0
+  share = (devices - 1) / devices
+  return 2 * share if kind == "all-reduce" else share
+
+
+# Compile only: on the CPU the machine code is never run, so XLA skips its costly
+# optimisation; the HLO, its memory and cost analyses and collectives are the same
+# (MLP steps at N = 4 and 16: equal temp, argument bytes and flops, 3.2 s to compile
+# instead of 6.3 s on 2 shared cores).
+_CHEAP_CPU_CODEGEN = {"xla_backend_optimization_level": 0,
+                      "xla_llvm_disable_expensive_passes": True}
+
+
+def compile_for_measurement(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+  """``lowered.compile()``, with the CPU's code generation at its cheapest."""
+  if jax.default_backend() == "cpu":
+    return lowered.compile(compiler_options=_CHEAP_CPU_CODEGEN)
+  return lowered.compile()
+
+
+def compiled_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
+  """(flops, bytes accessed) of XLA's cost analysis of a compiled program."""
+  analysis = compiled.cost_analysis()
+  return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+
+
+def measure_compiled(
+    compiled: jax.stages.Compiled, *, params: Any, opt_state: Any, flops: float,
+    bytes_accessed: float, compile_s: float, devices: int = 1, state_shards: int = 1,
+) -> Measurement:
+  """A compiled step's :class:`Measurement`: bytes as :func:`memory_report`
+  counts them, collectives from its HLO; ``flops`` as the caller completed them."""
+  report = _memory.memory_report(compiled, param_bytes=_memory.tree_bytes(params))
+  memory = compiled.memory_analysis()
+  collectives = _collectives.collective_bytes(compiled).by_kind
+  return Measurement(
+      device_bytes=report.total_bytes,
+      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
+      param_bytes=report.param_bytes, state_bytes=_memory.tree_bytes(opt_state),
+      flops=flops, bytes_accessed=bytes_accessed, compile_s=compile_s,
+      collective_bytes=sum(collectives.values()),
+      link_bytes=sum(nbytes * ring_factor(kind, devices) for kind, nbytes in collectives.items()),
+      state_shards=state_shards)
+
+
+def block_cost(staged: StagedLoss, params: Any, micro_batch: Any, *,
+               policy: Optional[Callable[..., bool]] = None,
+               remat: bool = False) -> tuple[float, float]:
+  """(flops, bytes accessed) of one block's forward and backward, compiled alone.
+
+  What each layer of the stack beyond the first adds to a step whose layer scan
+  XLA counts once. The program returns the block's output as well as its
+  gradients, so the forward is kept (in the model it feeds the next block); with
+  ``remat`` (or a ``policy``) the block is under ``jax.checkpoint`` with
+  ``prevent_cse=True``, so XLA cannot merge the recomputation into that forward
+  (inside the model's scan it cannot either): the release's work, which
+  recomputes each layer.
+  """
+  outer, stacked = staged.split(params)
+  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+  x = jax.eval_shape(staged.embed, outer, micro_batch)
+
+  def block(layer_params, x):
+    return staged.block(layer_params, x, micro_batch)
+
+  if remat or policy is not None:
+    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
+
+  def forward_and_backward(layer_params, x):
+    out, vjp = jax.vjp(block, layer_params, x)
+    return out, vjp(jax.tree.map(jnp.ones_like, out))
+
+  return compiled_cost(compile_for_measurement(
+      jax.jit(forward_and_backward).lower(layer_params, x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+  """One setting of the step: what the library switches without touching the model.
+
+  Attributes:
+    num_micro_batches: N.
+    moments: AdamA's m and v storage: "float32", "bfloat16" or "8bit" (blocks).
+    offload_moments: m and v kept in host memory (:func:`offload_moments`).
+    release: :func:`release_step` (a :class:`StagedLoss`'s gradient release)
+      in place of :func:`microbatch_step`.
+    shard_states: on a mesh, the ZeRO stage: None (data parallel), "zero1",
+      "zero2" or "fsdp".
+  """
+
+  num_micro_batches: int
+  moments: str = "float32"
+  offload_moments: bool = False
+  release: bool = False
+  shard_states: Optional[str] = None
+
+  def describe(self, *, on_mesh: bool = False) -> str:
+    """"N=2 release moments=bfloat16", "+ offloaded" and " stage=fsdp" as they apply."""
+    stage = f" stage={self.shard_states or 'dp'}" if on_mesh else ""
+    return (f"N={self.num_micro_batches} {RELEASE if self.release else PLAIN} "
+            f"moments={self.moments}{' offloaded' if self.offload_moments else ''}{stage}")
+
+  def optimizer(self, learning_rate: optax.ScalarOrSchedule,
+                **adamaw_kwargs: Any) -> optax.GradientTransformation:
+    """:func:`adamaw` with these moments and N (under :func:`offload_moments` if offloaded).
+
+    Raises:
+      TypeError: for an ``adamaw_kwargs`` the settings choose (N, the moments).
+    """
+    chosen = {"num_micro_batches", "mu_dtype", "nu_dtype", "quantization"} & set(adamaw_kwargs)
+    if chosen:
+      raise TypeError(f"the plan chooses {sorted(chosen)}; pass the other adamaw arguments "
+                      "only (weight_decay, b1, b2, ...).")
+    narrow = jnp.bfloat16 if self.moments == "bfloat16" else None
+    # The default layout tiles each layer of a stacked leaf with its own blocks,
+    # as the release folds them, and any other leaf evenly.
+    quantization = _quantize.BlockQuantization() if self.moments == "8bit" else None
+    tx = _chain.adamaw(learning_rate, num_micro_batches=self.num_micro_batches,
+                       mu_dtype=narrow, nu_dtype=narrow, quantization=quantization,
+                       **adamaw_kwargs)
+    if self.offload_moments:
+      tx = _offload.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
+    return tx
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """:func:`plan`'s answer: the settings, their verified bytes and predicted time.
+
+  Attributes:
+    settings: the chosen :class:`PlanSettings`.
+    device_bytes: the chosen step's compiled bytes on one device, as
+      :func:`memory_report` counts them (compiled once more to confirm).
+    predicted_s: its predicted step time, seconds (the module docstring).
+    budget_bytes: the budget, per device.
+    measurement: the confirming compile's :class:`Measurement`.
+    considered: every candidate compiled.
+    skipped: the ZeRO stages not compiled (their whole part is over budget).
+  """
+
+  settings: PlanSettings
+  device_bytes: int
+  predicted_s: float
+  budget_bytes: int
+  measurement: Measurement
+  considered: tuple[Considered, ...]
+  skipped: tuple[Skipped, ...]
+  loss_fn: Callable[..., Any] = dataclasses.field(repr=False, compare=False)
+  has_aux: bool = False
+  mesh: Optional[jax.sharding.Mesh] = dataclasses.field(default=None, repr=False)
+  data_axis: _sharding.AxisName = "data"
+
+  def optimizer(self, learning_rate: optax.ScalarOrSchedule,
+                **adamaw_kwargs: Any) -> optax.GradientTransformation:
+    """The planned :func:`adamaw` (see :meth:`PlanSettings.optimizer`)."""
+    return self.settings.optimizer(learning_rate, **adamaw_kwargs)
+
+  def step(self, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """The planned jitted step for ``tx`` (from :meth:`optimizer`):
+    ``step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    return _step(self.settings, self.loss_fn, tx, self.has_aux, self.mesh, self.data_axis)
+
+  def shardings(self, params: Any, opt_state: Any) -> _sharding.StepShardings:
+    """On a mesh: where the planned step keeps params and state (place them
+    there first, ``jax.device_put(params, shardings.params)``)."""
+    if self.mesh is None:
+      raise ValueError("this plan runs on one device: nothing to place.")
+    return _shardings(self.settings, self.loss_fn, params, opt_state, self.mesh,
+                      self.data_axis)
+
+  def table(self) -> str:
+    """Markdown: every candidate compiled, best predicted first; the choice marked."""
+    return _table(self)
+
+  def __str__(self) -> str:
+    m, on_mesh = self.measurement, self.mesh is not None
+    where = " a device" if on_mesh else ""
+    return (f"{self.settings.describe(on_mesh=on_mesh)}: {m.device_bytes / 1e9:.4g} GB{where} "
+            f"({m.device_bytes / m.param_bytes:.2f} P) of {self.budget_bytes / 1e9:.4g} GB, "
+            f"predicted {self.predicted_s * 1e3:.4g} ms a step; {len(self.considered)} "
+            "candidates compiled")
+
+
+def _table(chosen: Plan) -> str:
+  on_mesh = chosen.mesh is not None
+  lines = ["| settings | device bytes | P | host bytes | predicted step | fits |",
+           "|---|---|---|---|---|---|"]
+  for row in sorted(chosen.considered, key=lambda r: (not r.fits, r.predicted_s)):
+    m = row.measurement
+    mark = " **(chosen)**" if row.candidate == chosen.settings else ""
+    fits = "yes" if row.fits else "no"
+    if not row.measurable:
+      fits += " (not measurable here)"
+    lines.append(f"| {row.candidate.describe(on_mesh=on_mesh)}{mark} | {m.device_bytes:,} | "
+                 f"{m.device_bytes / m.param_bytes:.2f} | {m.host_bytes:,} | "
+                 f"{row.predicted_s * 1e3:.4g} ms | {fits} |")
+  lines += [f"| {s.describe()} | {s.replicated_bytes:,} whole | - | - | - | no: skipped |"
+            for s in chosen.skipped]
+  return "\n".join(lines)
+
+
+def _step(settings: PlanSettings, loss_fn, tx, has_aux, mesh, data_axis) -> Callable[..., Any]:
+  on_mesh = {} if mesh is None else {"mesh": mesh, "shard_states": settings.shard_states,
+                                     "data_axis": data_axis}
+  if settings.release:
+    return _release.release_step(loss_fn, tx, has_aux=has_aux, **on_mesh)
+  return _microbatch.microbatch_step(loss_fn, tx, num_micro_batches=settings.num_micro_batches,
+                                     has_aux=has_aux, **on_mesh)
+
+
+def _shardings(settings: PlanSettings, loss_fn, params, opt_state, mesh,
+               data_axis) -> _sharding.StepShardings:
+  if settings.release:
+    return _release_mesh.release_shardings(loss_fn, params, opt_state, mesh,
+                                           shard_states=settings.shard_states,
+                                           data_axis=data_axis)
+  return _sharding.step_shardings(params, opt_state, mesh, shard_states=settings.shard_states,
+                                  data_axis=data_axis)
+
+
+def plan(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    *,
+    budget_bytes: float,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    data_axis: _sharding.AxisName = "data",
+    has_aux: bool = False,
+    machine: Machine = Machine(),
+    moment_storages: Sequence[str] = MOMENT_STORAGES,
+    offload: Optional[bool] = None,
+    shard_stages: Optional[Sequence[Optional[str]]] = None,
+    progress: bool = False,
+) -> Plan:
+  """The fastest predicted AdamA step of ``loss_fn`` that fits ``budget_bytes``.
+
+  Searches N, the moments' storage, offloaded moments, the gradient release
+  (for a :class:`StagedLoss`) and, with ``mesh``, the ZeRO stage; compiles
+  each candidate for abstract inputs and measures it as :func:`memory_report`
+  does (the module docstring has the search and the time predictor). Nothing
+  is allocated or run.
+
+  Args:
+    loss_fn: ``loss_fn(params, micro_batch)``, the micro-batch *mean* loss, as
+      :func:`microbatch_step` takes it; a :class:`StagedLoss` adds the release.
+    params: the params, arrays or ``jax.ShapeDtypeStruct``.
+    batch: one mini-batch, arrays or ``jax.ShapeDtypeStruct`` with a shared
+      leading axis of rows (over all devices of ``mesh``).
+    budget_bytes: device memory each device may use, bytes.
+    mesh: plan data parallel on this mesh (fake CPU devices compile too:
+      ``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+    data_axis: the mesh axis (or axes) the batch is split over.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    machine: the time predictor's rates.
+    moment_storages: storages to try, most precise first.
+    offload: try moments in host memory; None: where the backend counts host
+      memory apart from device memory (not the CPU's).
+    shard_stages: ZeRO stages to try on a mesh; None: all four.
+    progress: print each compile to stderr.
+
+  Returns:
+    The :class:`Plan`; ``plan.step(plan.optimizer(learning_rate))`` runs it.
+
+  Raises:
+    TypeError: for a ``budget_bytes`` that is not a number, a ``loss_fn``
+      that is not callable or returns no scalar, non-array leaves of
+      ``params`` or ``batch``.
+    ValueError: for a budget that is not positive, a batch without a shared
+      leading axis of rows (or, on a mesh, that no N leaves whole rows on
+      every device), a ``loss_fn`` that fails on a micro-batch (its shapes
+      named), or when nothing fits: the message gives the smallest step
+      compiled and what dominates it (params, optimizer state, one
+      micro-batch's activations).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_adama
+    >>> loss_fn = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
+    >>> params = {"w1": jax.ShapeDtypeStruct((32, 2048), jnp.float32),
+    ...           "w2": jax.ShapeDtypeStruct((2048, 1), jnp.float32)}
+    >>> batch = {"x": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
+    >>> chosen = optax_adama.memory.plan(loss_fn, params, batch, budget_bytes=1.5e6)
+    >>> chosen.settings  # the whole batch at once needs 1.88 MB
+    PlanSettings(num_micro_batches=2, moments='float32', offload_moments=False, release=False, shard_states=None)
+    >>> tx = chosen.optimizer(1e-3)   # adamaw with N = 2
+    >>> step = chosen.step(tx)        # microbatch_step(loss_fn, tx, num_micro_batches=2)
+  """
+  budget_bytes = _check_budget(budget_bytes)
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable as loss_fn(params, micro_batch), got "
+                    f"{type(loss_fn).__name__}.")
+  params, batch = _abstract(params, "params"), _abstract(batch, "batch")
+  devices = 1 if mesh is None else _sharding.num_devices(mesh, data_axis)
+  splits = _splits(batch, devices)
+  stages = _check_stages(shard_stages, mesh)
+  staged = isinstance(loss_fn, StagedLoss)
+  if staged:
+    loss_fn.check_stack(params)
+  if offload is None:
+    offload = _counts_host_memory_apart()
+  context = _Context(loss_fn, params, batch, has_aux, mesh, data_axis, devices)
+  measure = functools.lru_cache(maxsize=None)(context.measure)
+  found = search(
+      budget_bytes=budget_bytes, splits=splits, stages=stages,
+      activations=(PLAIN, RELEASE) if staged else (PLAIN,),
+      moment_storages=tuple(moment_storages),
+      levers=functools.partial(_levers, offload=offload),
+      candidate_of=lambda n, activation, lever, stage: PlanSettings(
+          n, lever[0], lever[1], activation == RELEASE, stage),
+      measure=measure, machine=machine,
+      replicated=None if mesh is None else context.replicated,
+      measurable=lambda c, m: not c.offload_moments or m.host_bytes > 0,
+      describe=lambda c: c.describe(on_mesh=mesh is not None), progress=progress)
+  if not found.fitting:
+    raise ValueError(context.nothing_fits(found, budget_bytes))
+  precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
+  best = min(found.fitting, key=lambda r: (
+      r.predicted_s, precision[r.candidate.moments], r.candidate.offload_moments))
+  verified = context.measure(best.candidate)  # uncached: compiled once more
+  if verified.device_bytes > budget_bytes:
+    raise RuntimeError(f"the chosen {best.candidate.describe()} measured "
+                       f"{verified.device_bytes:,} B on recompiling, over the budget.")
+  return Plan(best.candidate, verified.device_bytes, best.predicted_s, int(budget_bytes),
+              verified, found.considered, found.skipped, loss_fn, has_aux, mesh, data_axis)
+
+
+def _levers(storages: Sequence[str], *, offload: bool) -> list[tuple[str, bool]]:
+  """(moments, offloaded) in the order pulled: exact first (float32 moments,
+  then float32 moments in host memory), then narrower moments, then those in
+  host memory."""
+  first, narrower = storages[0], list(storages[1:])
+  if not offload:
+    return [(first, False)] + [(moments, False) for moments in narrower]
+  return ([(first, False), (first, True)] + [(moments, False) for moments in narrower]
+          + [(moments, True) for moments in narrower[-1:]])
+
+
+def _check_budget(budget_bytes: Any) -> float:
+  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):
+    raise TypeError(f"budget_bytes must be a number of bytes, got "
+                    f"{type(budget_bytes).__name__} {budget_bytes!r}.")
+  if not (math.isfinite(budget_bytes) and budget_bytes > 0):
+    raise ValueError(f"budget_bytes must be a positive, finite number of bytes per device, got "
+                     f"{budget_bytes!r} (e.g. 16e9 for a 16 GB device).")
+  return float(budget_bytes)
+
+
+def _abstract(tree: Any, name: str) -> Any:
+  """``tree`` as ``jax.ShapeDtypeStruct``s (no buffer is kept or made)."""
+  def to_struct(leaf: Any) -> jax.ShapeDtypeStruct:
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      raise TypeError(f"{name} must hold arrays or jax.ShapeDtypeStruct, got a leaf of type "
+                      f"{type(leaf).__name__}: {leaf!r:.60}.")
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+  return jax.tree.map(to_struct, tree)
+
+
+def _splits(batch: Any, devices: int) -> list[int]:
+  """The N to try: divisors of the rows that leave every device whole rows."""
+  shapes = [leaf.shape for leaf in jax.tree.leaves(batch)]
+  if not shapes or any(not shape for shape in shapes):
+    raise ValueError("batch needs a leading axis of rows on every leaf (the mini-batch that "
+                     f"N micro-batches split), got shapes {shapes}.")
+  rows = {shape[0] for shape in shapes}
+  if len(rows) != 1 or 0 in rows:
+    raise ValueError(f"batch leaves must share one leading number of rows (> 0), got "
+                     f"{sorted(rows)} in shapes {shapes}.")
+  (num_rows,) = rows
+  splits = [n for n in divisors(num_rows) if (num_rows // n) % devices == 0]
+  if not splits:
+    raise ValueError(f"batch has {num_rows} rows: no N gives each of {devices} devices whole "
+                     f"rows of a micro-batch; pass a multiple of {devices} rows.")
+  return splits
+
+
+def _check_stages(shard_stages, mesh) -> tuple[Optional[str], ...]:
+  if shard_stages is None:
+    return SHARD_STAGES if mesh is not None else (None,)
+  for stage in shard_stages:
+    if stage not in SHARD_STAGES or (stage is not None and mesh is None):
+      raise ValueError(f"shard_stages: {stage!r} is not a stage {'of' if mesh else 'without'} "
+                       f"a mesh; use {SHARD_STAGES if mesh is not None else (None,)} (a ZeRO "
+                       "stage needs mesh=).")
+  return tuple(shard_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _counts_host_memory_apart() -> bool:
+  """Whether the default backend reports host memory apart (the CPU's counts
+  pinned host arrays as device arrays: offloading shows no saving there)."""
+  if jax.default_backend() == "cpu":
+    return False
+  shapes = _offload.offloaded_state_shapes(
+      {"x": jax.ShapeDtypeStruct((OFFLOAD_MIN_SIZE,), jnp.float32)}, min_size=1)
+  try:
+    compiled = jax.jit(lambda tree: tree).lower(shapes).compile()
+  except Exception:  # pylint: disable=broad-except
+    return False  # no host memory space on this backend
+  return compiled.memory_analysis().host_argument_size_in_bytes > 0
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _device_share(tree: Any) -> int:
+  """Bytes one device holds of ``tree``'s placed leaves (host memory left out)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if getattr(sharding, "memory_kind", None) == _offload.HOST_MEMORY_KIND:
+      continue
+    shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _micro_batch(batch: Any, num_micro_batches: int) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (x.shape[0] // num_micro_batches, *x.shape[1:]), x.dtype), batch)
+
+
+class _Context:
+  """What every candidate of one :func:`plan` call shares, and its caches."""
+
+  def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: Any, has_aux: bool,
+               mesh: Optional[jax.sharding.Mesh], data_axis: Any, devices: int):
+    self.loss_fn, self.params, self.batch, self.has_aux = loss_fn, params, batch, has_aux
+    self.mesh, self.data_axis, self.devices = mesh, data_axis, devices
+    self._micro_batches: dict[int, Any] = {}
+    self._block_costs: dict[tuple[int, bool], tuple[float, float]] = {}
+
+  def arguments(self, settings: PlanSettings) -> tuple[optax.GradientTransformation, Any, Any]:
+    """(tx, params, state) of a candidate, abstract, placed as its step keeps them."""
+    tx = settings.optimizer(_MEASURED_LEARNING_RATE)
+    state = jax.eval_shape(tx.init, self.params)
+    if settings.offload_moments:
+      state = _offload.offloaded_state_shapes(state, min_size=OFFLOAD_MIN_SIZE)
+    if self.mesh is None:
+      return tx, self.params, state
+    shardings = _shardings(settings, self.loss_fn, self.params, state, self.mesh,
+                           self.data_axis)
+    return tx, _placed(self.params, shardings.params), _placed(state, shardings.opt_state)
+
+  def measure(self, settings: PlanSettings) -> Measurement:
+    """Compiles a candidate's step for abstract inputs and measures it."""
+    n = settings.num_micro_batches
+    micro_batch = self.check_loss(n)
+    tx, params, state = self.arguments(settings)
+    step = _step(settings, self.loss_fn, tx, self.has_aux, self.mesh, self.data_axis)
+    start = time.perf_counter()
+    compiled = compile_for_measurement(step.lower(params, state, self.batch))
+    flops, bytes_accessed = compiled_cost(compiled)
+    if isinstance(self.loss_fn, StagedLoss):  # complete the layer scan XLA counts once
+      layers = self.loss_fn.check_stack(self.params)
+      per_device = _micro_batch(micro_batch, self.devices)
+      key = (n, settings.release)
+      if key not in self._block_costs:
+        self._block_costs[key] = block_cost(self.loss_fn, self.params, per_device,
+                                            remat=settings.release)
+      layer_flops, layer_bytes = self._block_costs[key]
+      flops += (layers - 1) * layer_flops
+      bytes_accessed += (layers - 1) * layer_bytes
+    compile_s = time.perf_counter() - start
+    return measure_compiled(
+        compiled, params=self.params, opt_state=state, flops=n * flops,
+        bytes_accessed=n * bytes_accessed, compile_s=compile_s, devices=self.devices,
+        state_shards=self.devices if settings.shard_states is not None else 1)
+
+  def check_loss(self, num_micro_batches: int) -> Any:
+    """One micro-batch's shapes, after tracing ``loss_fn`` on them once."""
+    if num_micro_batches not in self._micro_batches:
+      self._micro_batches[num_micro_batches] = self._traced_micro_batch(num_micro_batches)
+    return self._micro_batches[num_micro_batches]
+
+  def _traced_micro_batch(self, num_micro_batches: int) -> Any:
+    micro_batch = _micro_batch(self.batch, num_micro_batches)
+    shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), micro_batch)
+    try:
+      out = jax.eval_shape(self.loss_fn, self.params, micro_batch)
+    except Exception as error:  # the user's code: any error is theirs to read
+      raise ValueError(
+          f"loss_fn failed on one micro-batch of shapes {shapes} (the batch's rows split into "
+          f"N={num_micro_batches}): {type(error).__name__}: {error}") from error
+    loss = out[0] if self.has_aux and isinstance(out, tuple) and len(out) == 2 else out
+    if (self.has_aux and loss is out) or getattr(loss, "shape", None) != ():
+      raise TypeError(
+          f"loss_fn must return {'(loss, aux)' if self.has_aux else 'a scalar loss'} (has_aux="
+          f"{self.has_aux}); on a micro-batch of shapes {shapes} it returned "
+          f"{jax.tree.map(lambda x: x.shape, out)}.")
+    return micro_batch
+
+  def replicated(self, shard_states: Optional[str], moments: str) -> int:
+    """Bytes a stage keeps whole on every device, whatever N: params and state
+    with no stage, the params under zero1 and zero2, nothing under fsdp."""
+    if shard_states == "fsdp":
+      return 0
+    param_bytes = _memory.tree_bytes(self.params)
+    if shard_states is not None:
+      return param_bytes
+    state = jax.eval_shape(PlanSettings(1, moments).optimizer(_MEASURED_LEARNING_RATE).init,
+                           self.params)
+    return param_bytes + _memory.tree_bytes(state)
+
+  def nothing_fits(self, found: Search, budget_bytes: float) -> str:
+    """The error when no candidate fits: the smallest and what dominates it."""
+    where = "" if self.mesh is None else f" on {self.devices} devices"
+    budget = f"budget_bytes={budget_bytes:,.0f} ({budget_bytes / 1e9:.3g} GB) a device{where}"
+    if not found.considered:
+      least = min(found.skipped, key=lambda s: s.replicated_bytes)
+      return (f"nothing fits {budget}: every stage keeps more whole on each device, the least "
+              f"{least.describe()} ({least.replicated_bytes:,} B). Raise the budget or add "
+              "'fsdp' to shard_stages.")
+    smallest = min(found.considered, key=lambda r: r.measurement.device_bytes)
+    settings, total = smallest.candidate, smallest.measurement.device_bytes
+    _, params, state = self.arguments(settings)
+    parts = {"params": _device_share(params), "optimizer state": _device_share(state)}
+    parts["activations"] = max(total - sum(parts.values()), 0)
+    dominant = max(parts, key=parts.get)
+    advice = {
+        "params": "more devices with shard_states='fsdp' (mesh=), or a smaller model",
+        "optimizer state": "more devices with a ZeRO stage (mesh=), or moments in host memory "
+                           "on a backend that has it (offload=True)",
+    }.get(dominant, "remat (jax.checkpoint) inside the model, a StagedLoss for the gradient "
+                    "release, more rows per mini-batch (a larger N), or shorter sequences")
+    labels = {"activations": "activations of one micro-batch (with its gradients, the batch)"}
+    listed = ", ".join(f"{labels.get(name, name)} {nbytes:,} B" for name, nbytes in parts.items())
+    return (f"nothing fits {budget}: the smallest step compiled, "
+            f"{settings.describe(on_mesh=self.mesh is not None)}, takes {total:,} B "
+            f"({total / 1e9:.3g} GB): {listed}. The {dominant} dominate: try {advice}.")
+
