@@ -148,7 +148,7 @@ def plot_frontier(memory_p: dict[str, float], step_s: dict[str, float], path: Pa
   plt.close(fig)
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m models.plan",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", required=True, choices=sorted(models.PRESETS))
@@ -180,9 +180,25 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="--frontier: timed rounds (medians over them)")
   parser.add_argument("--json", type=Path, default=None)
   parser.add_argument("--markdown", type=Path, default=None)
+  return parser
+
+
+# The flags that are a count or a size: each must be positive.
+_POSITIVE = ("budget_gb", "batch_size", "seq_len", "num_micro_batches", "rounds", "peak_tflops",
+             "bandwidth_gbs", "host_gbs", "interconnect_gbs")
+
+
+def _parse_args(parser: argparse.ArgumentParser,
+                argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.budget_gb is None and not (args.survey or args.frontier):
     parser.error("give --budget-gb (or --survey, or --frontier)")
+  for name in _POSITIVE:
+    value = getattr(args, name)
+    if value is not None and not value > 0:
+      flag = "--" + name.replace("_", "-")
+      parser.error(f"{flag} must be positive, got {value:g}: pass e.g. "
+                   f"{flag} {parser.get_default(name) or 16}")
   if args.devices < 1:
     parser.error(f"--devices must be >= 1, got {args.devices}")
   if args.devices > 1:
@@ -220,7 +236,8 @@ def _make_devices(devices: int) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Considered]:
-  args = _parse_args(argv)
+  parser = _parser()
+  args = _parse_args(parser, argv)
   machine = planner.Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
                             args.host_gbs * 1e9, args.interconnect_gbs * 1e9)
   if args.devices > 1:
@@ -247,9 +264,13 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     table, result = "\n".join(lines), rows
     payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
   else:
-    result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
-                          seq_len=args.seq_len, devices=args.devices, machine=machine,
-                          progress=True)
+    try:
+      result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
+                            seq_len=args.seq_len, devices=args.devices, machine=machine,
+                            progress=True)
+    except ValueError as error:  # nothing fits, or a batch the mesh cannot split
+      flag = "--batch-size" if "batch_size" in str(error) else "--budget-gb"
+      parser.error(f"{flag} {getattr(args, flag[2:].replace('-', '_')):g}: {error}")
     table = f"{result.table()}\n\n{_chosen_lines(args, result, machine)}"
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
                "plan": result.to_dict()}

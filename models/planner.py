@@ -41,7 +41,10 @@ gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
 shows in the compiled memory only under a scan (XLA's CPU scheduler keeps an
 unrolled model's activations alive whatever the policy saves).
 
-Search, per activation setting (remat policy or release, GELU bits): the
+The search and the predictor are the library's (`optax_adama.memory.search_plan`,
+`Machine`, `Measurement`: `optax_adama.memory.plan` runs them on a user's own
+model); this module adds the zoo's settings to them. Search, per activation
+setting (remat policy or release, GELU bits): the
 smallest N that fits with float32 moments, by bisection over the divisors of
 the batch size (memory falls as N grows, predicted time grows with N: each
 micro-batch pays AdamA's fold over all moments); then the memory levers, each
@@ -80,7 +83,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -133,23 +135,12 @@ SHARD_STAGES: tuple[str | None, ...] = (None, "zero1", "zero2", "fsdp")
 LOSS_CHUNKS = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Machine:
-  """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
-
-  Attributes:
-    peak_flops: float32 flop/s (per device).
-    memory_bandwidth: device memory bytes/s.
-    host_bandwidth: bytes/s each way between device and pinned host memory.
-    interconnect_bandwidth: bytes/s one device sends to the others in a
-      collective, on a mesh. 100 GB/s: the order of a TPU core's ICI or a
-      GPU's NVLink share; PCIe-only GPUs and hosts over a network are slower.
-  """
-
-  peak_flops: float = 80e12
-  memory_bandwidth: float = 1.0e12
-  host_bandwidth: float = 25e9
-  interconnect_bandwidth: float = 100e9
+# The predictor's rates and a candidate's measurement are the library's
+# (`optax_adama.memory.plan` ranks a user's model with the same model).
+Machine = optax_adama.memory.Machine
+Measurement = optax_adama.memory.Measurement
+Considered = optax_adama.memory.Considered
+Skipped = optax_adama.memory.Skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,92 +195,6 @@ class Candidate:
             "linear_keep_ratio": self.linear_keep_ratio,
             "mu_dtype": narrow, "nu_dtype": narrow,
             "quantize_moments": self.moments == "8bit", "scan_layers": True, **stage}
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-  """Compile-only numbers of one candidate's step.
-
-  Attributes:
-    device_bytes: argument + output + temp - alias bytes on the device.
-    host_bytes: the same over the host_* fields (offloaded activations).
-    param_bytes: P, bytes of one float32 copy of the params.
-    state_bytes: bytes of the optimizer state (m, v in their storage).
-    flops: predicted flops of the whole step (all micro-batches and layers),
-      on one device of a mesh.
-    bytes_accessed: predicted memory traffic of the whole step, bytes.
-    compile_s: seconds spent compiling.
-    collective_bytes: on a mesh, the bytes of the arrays the step's
-      collectives make or take apart (`optax_adama.memory.collective_bytes`,
-      every loop trip counted).
-    link_bytes: what one device sends for them on a ring (module docstring).
-    state_shards: devices the moments are split over (each folds its share);
-      1 on one device and with no ZeRO stage.
-  """
-
-  device_bytes: int
-  host_bytes: int
-  param_bytes: int
-  state_bytes: int
-  flops: float
-  bytes_accessed: float
-  compile_s: float
-  collective_bytes: int = 0
-  link_bytes: float = 0.0
-  state_shards: int = 1
-
-  def predicted_parts(self, machine: Machine, num_micro_batches: int) -> dict[str, float]:
-    """The roofline's terms, seconds: compute, folds, host (offloaded
-    activations) and collectives (see the module docstring)."""
-    fold_bytes = (self.param_bytes + 2 * self.state_bytes) / self.state_shards
-    return {"compute": self.flops / machine.peak_flops,
-            "folds": num_micro_batches * fold_bytes / machine.memory_bandwidth,
-            "host": num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth,
-            "collectives": self.link_bytes / machine.interconnect_bandwidth}
-
-  def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
-    """The roofline step time: the sum of `predicted_parts`, seconds."""
-    return sum(self.predicted_parts(machine, num_micro_batches).values())
-
-
-@dataclasses.dataclass(frozen=True)
-class Considered:
-  """A candidate the planner compiled, and whether it fits.
-
-  `measurable` is False for "offload" on a backend that keeps nothing in
-  host memory (the CPU lowering drops the move to pinned_host): there it is
-  "minimal" under another name, and its host traffic cannot be predicted, so
-  the planner does not choose it.
-  """
-
-  candidate: Candidate
-  measurement: Measurement
-  predicted_s: float
-  fits: bool
-  measurable: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Skipped:
-  """A ZeRO stage the planner did not compile: what it keeps whole on every
-  device, whatever N and remat, is over the budget.
-
-  Attributes:
-    shard_states: the stage (None: data parallel).
-    moments: the moment storage it was skipped with; None: with every storage
-      (zero1 and zero2 keep only the params whole).
-    replicated_bytes: those whole bytes on every device.
-  """
-
-  shard_states: str | None
-  moments: str | None
-  replicated_bytes: int
-
-  def describe(self) -> str:
-    what = ("params" if self.moments is None
-            else f"params and {self.moments} moments")
-    return (f"stage={self.shard_states or 'dp'} moments={self.moments or 'any'}, every N and "
-            f"remat: {what} whole on every device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,14 +281,6 @@ def device_mesh(devices: int) -> jax.sharding.Mesh:
       "does.")
 
 
-# What one device sends, per byte of a collective's array, on a ring of D devices.
-def _ring_factor(kind: str, devices: int) -> float:
-  if kind == "collective-permute":
-    return 1.0
-  share = (devices - 1) / devices
-  return 2 * share if kind == "all-reduce" else share
-
-
 def _placed(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
@@ -427,7 +324,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
                                              candidate.shard_states)
     args = (_placed(params, shardings.params), _placed(state, shardings.opt_state))
   start = time.perf_counter()
-  compiled = step.lower(*args, batch).compile()
+  compiled = optax_adama.memory.compile_for_measurement(step.lower(*args, batch))
   # The layer and chunk completions are one device's share of a micro-batch.
   micro_batch_size = batch_size // run.num_micro_batches // devices
   # XLA counts a loop body once: complete the layer scan (and the loss's chunk
@@ -440,21 +337,13 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
   chunk_flops, chunk_bytes = (0.0, 0.0) if run.loss_chunks == 1 else _loss_chunk_cost(
       preset, run.loss_chunks, micro_batch_size, seq_len)
   compile_s = time.perf_counter() - start
-  memory = compiled.memory_analysis()
   extra_layers, extra_chunks = config.num_layers - 1, run.loss_chunks - 1
   n = run.num_micro_batches
-  collectives = optax_adama.memory.collective_bytes(compiled).by_kind
-  return Measurement(
-      device_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
-                       + memory.temp_size_in_bytes - memory.alias_size_in_bytes),
-      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
-                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      param_bytes=optax_adama.memory.tree_bytes(params),
-      state_bytes=optax_adama.memory.tree_bytes(state),
+  return optax_adama.memory.measure_compiled(
+      compiled, params=params, opt_state=state,
       flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
       bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
-      compile_s=compile_s, collective_bytes=sum(collectives.values()),
-      link_bytes=sum(nbytes * _ring_factor(kind, devices) for kind, nbytes in collectives.items()),
+      compile_s=compile_s, devices=devices,
       state_shards=devices if candidate.shard_states is not None else 1)
 
 
@@ -470,23 +359,9 @@ def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size
   """
   config = models.get_config(preset, remat="none", gelu_bits=gelu_bits, scan_layers=True)
   staged, params = models.staged_loss(models.create_abstract(config))
-  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                              params["blocks"])
   micro_batch = harness.abstract_batch(config, micro_batch_size, seq_len)
-  x = jax.eval_shape(staged.embed, params, micro_batch)
-
-  def block(layer_params, x):
-    return staged.block(layer_params, x, micro_batch)
-
-  policy = models.REMAT_POLICIES[remat]
-  if policy is not None:
-    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
-
-  def forward_and_backward(layer_params, x):
-    out, vjp = jax.vjp(block, layer_params, x)
-    return out, vjp(jnp.ones_like(out))
-
-  return _cost(jax.jit(forward_and_backward).lower(layer_params, x).compile())
+  return optax_adama.memory.block_cost(staged, params, micro_batch,
+                                       policy=models.REMAT_POLICIES[remat])
 
 
 @functools.lru_cache(maxsize=None)
@@ -508,7 +383,8 @@ def _loss_chunk_cost(preset: str, num_chunks: int, micro_batch_size: int,
     loss = lambda f, t: savers.chunked_cross_entropy(f, t, labels, num_chunks=num_chunks)[0]
     return jax.value_and_grad(loss, argnums=(0, 1))(features, table)
 
-  return _cost(jax.jit(loss_and_grads).lower(features, table, labels).compile())
+  return _cost(optax_adama.memory.compile_for_measurement(
+      jax.jit(loss_and_grads).lower(features, table, labels)))
 
 
 def divisors(n: int) -> list[int]:
@@ -585,23 +461,6 @@ def plan(
     measure_fn = cached_measure(preset, batch_size=batch_size, seq_len=seq_len, devices=devices)
   if replicated_fn is None:
     replicated_fn = functools.partial(replicated_bytes, preset)
-  considered: dict[Candidate, Considered] = {}
-
-  def consider(candidate: Candidate) -> Considered:
-    if candidate not in considered:
-      measurement = measure_fn(candidate)
-      considered[candidate] = Considered(
-          candidate, measurement,
-          measurement.predicted_s(machine, candidate.num_micro_batches),
-          measurement.device_bytes <= budget_bytes,
-          measurable=candidate.remat != "offload" or measurement.host_bytes > 0)
-      if progress:
-        row = considered[candidate]
-        print(f"  {candidate.describe(on_mesh=on_mesh)}: "
-              f"{measurement.device_bytes / 1e9:.2f} GB, {row.predicted_s * 1e3:.1f} ms, "
-              f"compiled in {measurement.compile_s:.1f} s", file=sys.stderr)
-    return considered[candidate]
-
   if loss_chunks is None:
     loss_chunks = default_loss_chunks(preset, seq_len)
   # Each device takes an equal share of every micro-batch's rows.
@@ -609,39 +468,16 @@ def plan(
   if not splits:
     raise ValueError(f"batch_size={batch_size} does not give each of {devices} devices whole "
                      f"rows; pass a multiple of {devices}.")
-  fitting: list[Considered] = []
-  skipped: list[Skipped] = []
-  for stage in shard_stages:
-    storages = list(moment_storages)
-    if on_mesh:  # skip the storages whose replicated part alone is over the budget
-      whole = {moments: replicated_fn(stage, moments) for moments in moment_storages}
-      over = [moments for moments in moment_storages if whole[moments] > budget_bytes]
-      storages = [moments for moments in moment_storages if moments not in over]
-      if over and stage in ("zero1", "zero2"):  # the params alone, whatever the moments
-        skipped.append(Skipped(stage, None, whole[over[0]]))
-      else:
-        skipped += [Skipped(stage, moments, whole[moments]) for moments in over]
-      if progress and over:
-        print(f"  stage={stage or 'dp'}: skipped with {', '.join(over)} moments "
-              f"({min(whole[m] for m in over) / 1e9:.2f} GB or more whole on every device)",
-              file=sys.stderr)
-    if not storages:
-      continue
-    for remat, gelu_bits in activation_settings:
-      chunk_counts = loss_chunks
-      # Smallest fitting N with each memory lever; each must beat the last.
-      upper = len(splits)
-      for moments, chunks in memory_levers(storages, chunk_counts):
-        def candidate(i: int) -> Candidate:
-          return Candidate(splits[i], remat, gelu_bits, moments, chunks, shard_states=stage)
-        index = _smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
-        if index is not None:
-          found = considered[candidate(index)]
-          if found.measurable:
-            fitting.append(found)
-          upper = index
-        if upper == 0:
-          break
+  found = optax_adama.memory.search_plan(
+      budget_bytes=budget_bytes, splits=splits, stages=shard_stages,
+      activations=activation_settings, moment_storages=moment_storages,
+      levers=lambda storages: memory_levers(storages, loss_chunks),
+      candidate_of=lambda n, activation, lever, stage: Candidate(
+          n, *activation, *lever, shard_states=stage),
+      measure=measure_fn, machine=machine, replicated=replicated_fn if on_mesh else None,
+      measurable=lambda candidate, m: candidate.remat != "offload" or m.host_bytes > 0,
+      describe=lambda candidate: candidate.describe(on_mesh=on_mesh), progress=progress)
+  fitting, considered, skipped = found.fitting, found.considered, found.skipped
   where = f" on {devices} devices" if on_mesh else ""
   if not fitting and not considered:
     least = min(skipped, key=lambda s: s.replicated_bytes)
@@ -650,7 +486,7 @@ def plan(
         f"whole on each device, the least {least.describe()} ({least.replicated_bytes / 1e9:.3g} "
         "GB). Raise the budget or add shard_states='fsdp'.")
   if not fitting:
-    smallest = min(considered.values(), key=lambda r: r.measurement.device_bytes)
+    smallest = min(considered, key=lambda r: r.measurement.device_bytes)
     raise ValueError(
         f"nothing fits {budget_bytes / 1e9:.3g} GB for {preset} at batch {batch_size}{where}: "
         f"the smallest step measured is {smallest.candidate.describe(on_mesh=on_mesh)} at "
@@ -667,7 +503,7 @@ def plan(
     raise RuntimeError(f"the chosen {best.candidate.describe(on_mesh=on_mesh)} measured "
                        f"{verified.device_bytes:,} B on recompiling, over the budget.")
   return Plan(preset, int(budget_bytes), batch_size, seq_len, best.candidate, verified,
-              best.predicted_s, tuple(considered.values()), devices, tuple(skipped))
+              best.predicted_s, considered, devices, skipped)
 
 
 def replicated_bytes(preset: str, shard_states: str | None, moments: str) -> int:
@@ -708,20 +544,6 @@ def memory_levers(moment_storages: Sequence[str],
   """
   levers = [(moment_storages[0], chunks) for chunks in loss_chunks]
   return levers + [(moments, loss_chunks[-1]) for moments in moment_storages[1:]]
-
-
-def _smallest_fitting(fits: Callable[[int], bool], upper: int) -> int | None:
-  """Smallest i in [0, upper) with fits(i), for fits monotone in i; None if none."""
-  if upper == 0 or not fits(upper - 1):
-    return None
-  low, high = 0, upper - 1  # fits(high) holds
-  while low < high:
-    mid = (low + high) // 2
-    if fits(mid):
-      high = mid
-    else:
-      low = mid + 1
-  return high
 
 
 def cached_measure(preset: str, *, batch_size: int, seq_len: int | None,

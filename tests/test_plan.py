@@ -388,6 +388,36 @@ def test_plan_devices_in_a_process_without_them_is_a_one_line_error(monkeypatch,
   assert "--devices 8 needs 8 devices" in error and "XLA_FLAGS=" in error
 
 
+def _command_error(capsys, argv) -> str:
+  """The one line `python -m models.plan` prints for a user error, after its exit 2."""
+  with pytest.raises(SystemExit) as exit_info:
+    plan.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  lines = err.strip().splitlines()
+  assert lines[-1].startswith("python -m models.plan: error: "), err
+  return lines[-1]
+
+
+def test_plan_command_user_errors_are_one_line_naming_the_flag(monkeypatch, capsys):
+  # Nothing fits: the synthetic steps (no compiles) under 1 MB.
+  monkeypatch.setattr(planner, "cached_measure", lambda *args, **kwargs: SyntheticSteps())
+  monkeypatch.setattr(planner, "ACTIVATION_SETTINGS", SETTINGS)
+  base = ["--preset", "gpt_test", "--batch-size", "16", "--seq-len", "16"]
+  error = _command_error(capsys, [*base, "--budget-gb", "0.001"])
+  assert "error: --budget-gb 0.001: nothing fits 0.001 GB for gpt_test" in error, error
+  assert "Raise the budget" in error and "smallest step measured" in error, error
+  error = _command_error(capsys, ["--preset", "gpt9000", "--budget-gb", "1"])
+  assert "argument --preset: invalid choice: 'gpt9000' (choose from" in error, error
+  for flag, value in (("--budget-gb", "0"), ("--batch-size", "-4"), ("--seq-len", "0")):
+    argv = [*base, "--budget-gb", "1"] + [flag, value]
+    error = _command_error(capsys, argv)
+    assert f"error: {flag} must be positive, got {float(value):g}: pass e.g. {flag} " in error
+  error = _command_error(capsys, [*base, "--budget-gb", "a lot"])
+  assert "argument --budget-gb: invalid float value: 'a lot'" in error
+
+
 # On 8 CPU devices, compiled: one subprocess (this file run as a script).
 # llama_test (1 layer scanned), 8 sequences of 32 tokens (N = 1: a row a
 # device), the release with float32 moments: four compiles of some 8 s here.
