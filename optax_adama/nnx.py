@@ -151,24 +151,35 @@ class _MicroBatchOptimizer:
     self._params_structure = jax.tree.structure(params)
     self._steps = _StepCache()
 
-  def update(self, model: Any, loss_fn: Callable[..., Any], batch: Batch, *,
-             has_aux: bool = False) -> Metrics:
+  def update(self, model: Any, loss_fn: Callable[..., Any], batch: Batch, *args: Any,
+             has_aux: bool = False, rngs: Any = None) -> Metrics:
     """Trains ``model`` on one mini-batch: ``N`` micro-batches, one update.
 
-    The step is compiled once per ``(loss_fn, has_aux)`` and model structure
-    (``model.train()`` and ``model.eval()`` are two), then reused: pass the
-    same ``loss_fn`` object every call, not a new lambda.
+    The step is compiled once per ``(loss_fn, has_aux)``, model structure
+    (``model.train()`` and ``model.eval()`` are two) and ``rngs`` structure,
+    then reused: pass the same ``loss_fn`` object every call, not a new lambda.
 
     Args:
       model: the model this optimizer was made for; updated in place.
-      loss_fn: ``loss_fn(model, micro_batch)`` returning the micro-batch's
-        *mean* loss, or ``(loss, aux)`` with ``has_aux``.
+      loss_fn: ``loss_fn(model, micro_batch, *args)`` returning the
+        micro-batch's *mean* loss, or ``(loss, aux)`` with ``has_aux``; with
+        ``rngs``, ``loss_fn(model, micro_batch, *args, micro_batch_rngs)``.
       batch: a pytree of arrays with a leading batch axis that ``N`` divides.
         Micro-batch ``i`` holds rows ``i, i + N, ...``, as in
         :func:`optax_adama.microbatch_step`.
+      *args: pytrees of arrays (or Python scalars) handed to every
+        micro-batch's loss as they are, e.g. a temperature; not ``nnx``
+        objects (an ``nnx.Rngs`` goes in ``rngs``).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; the aux must be
         floating point under AdamA's ``"split"`` estimator, which averages
         the two halves'.
+      rngs: an ``nnx.Rngs`` outside the model, for a loss that takes its
+        random streams as an argument (Flax's ``grad_fn(model, rngs.fork())``).
+        Each micro-batch (each half, under ``"split"``) gets an ``nnx.Rngs``
+        of its own, passed last: every stream's key is ``fold_in(fold_in(key,
+        count), first_row)`` (``first_row`` the micro-batch's first row index
+        in ``batch``, so ``i`` for micro-batch ``i``) and its count starts at
+        0. ``rngs``'s counts then advance by one, so the next step draws anew.
 
     Returns:
       :func:`optax_adama.microbatch_step`'s metrics: ``"loss"`` (the mean of
@@ -177,7 +188,8 @@ class _MicroBatchOptimizer:
       aux stacked.
 
     Raises:
-      TypeError: if ``model`` is not an ``nnx.Module``.
+      TypeError: if ``model`` is not an ``nnx.Module``, ``rngs`` not an
+        ``nnx.Rngs``, or one of ``args`` an ``nnx`` object.
       ValueError: if ``model``'s ``wrt`` Variables are not the ones this
         optimizer was made for, if ``mutable`` selects state that is not
         floating point, if two Variables hold the same array, or at the first
@@ -187,6 +199,9 @@ class _MicroBatchOptimizer:
     """
     nnx = _nnx()
     _check_module(model, "MicroBatchOptimizer.update")
+    _check_loss_args(args, rngs)
+    rngs_graphdef, rngs_state = (None, None) if rngs is None else nnx.split(rngs)
+    rngs_state = _pure(rngs_state)
     graphdef, params, stats, counts, rest = nnx.split(
         model, self.wrt, self._stats_filter(), nnx.RngCount, ...)
     params, stats, counts, rest = map(_pure, (params, stats, counts, rest))
@@ -199,13 +214,15 @@ class _MicroBatchOptimizer:
     _check_distinct_buffers(params=params, opt_state=opt_state, stats=stats,
                             counts=counts, rest=rest)
     step = self._steps.get(
-        (graphdef, loss_fn, has_aux),
-        lambda: self._build(graphdef, loss_fn, has_aux))
+        (graphdef, loss_fn, has_aux, rngs_graphdef),
+        lambda: self._build(graphdef, loss_fn, has_aux, rngs_graphdef))
     params, opt_state, stats, counts, count, metrics = step(
-        params, opt_state, stats, counts, rest, self.step.get_value(), batch)
+        params, opt_state, stats, counts, rest, self.step.get_value(), batch, args, rngs_state)
     # The donated buffers are gone: every Variable that held one gets its
     # successor before anything can read it.
     nnx.update(model, params, stats, counts)
+    if rngs is not None:
+      _advance_counts(rngs)
     for variable, value in zip(_variables(self.opt_state), jax.tree.leaves(opt_state)):
       variable.set_value(value)
     self.step.set_value(count)
@@ -216,20 +233,26 @@ class _MicroBatchOptimizer:
     nnx = _nnx()
     return nnx.All(self.mutable, nnx.Not(self.wrt), nnx.Not(nnx.RngState))
 
-  def _build(self, graphdef, loss_fn, has_aux):
-    """The jitted ``(params, opt_state, stats, counts, rest, step, batch)`` step."""
+  def _build(self, graphdef, loss_fn, has_aux, rngs_graphdef):
+    """The jitted ``(params, opt_state, stats, counts, rest, step, batch, args,
+    rngs_state)`` step."""
     nnx = _nnx()
     tx, num_micro_batches = self.tx, self.num_micro_batches
     stats_filter = self._stats_filter()
     fixed = nnx.All(nnx.Not(self.wrt), nnx.Not(stats_filter), nnx.Not(nnx.RngState))
 
-    def step(params, opt_state, stats, counts, rest, count, batch):
+    def step(params, opt_state, stats, counts, rest, count, batch, args, rngs_state):
       def micro_batch_loss(params, rows_and_micro_batch):
         rows, micro_batch = rows_and_micro_batch
         model = nnx.merge(graphdef, params, stats, counts, rest)
         _seed_streams(model, rows[0])
+        loss_args = args
+        if rngs_graphdef is not None:  # this micro-batch's own streams, built in the trace
+          micro_batch_rngs = nnx.merge(rngs_graphdef, rngs_state)
+          _seed_streams(micro_batch_rngs, rows[0], restart=True)
+          loss_args = (*args, micro_batch_rngs)
         before = _pure(nnx.state(model, fixed))
-        out = loss_fn(model, micro_batch)
+        out = loss_fn(model, micro_batch, *loss_args)
         loss, aux = out if has_aux else (out, None)
         _check_unchanged(before, nnx.state(model, fixed))
         # Only floats travel: "split" averages aux over the two halves.
@@ -335,18 +358,47 @@ def _fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
   return fold(keys, jnp.broadcast_to(data, keys.shape))
 
 
-def _seed_streams(model, row: jax.Array) -> None:
-  """Gives each RNG stream of ``model`` this micro-batch's own key.
+def _seed_streams(node_tree, row: jax.Array, *, restart: bool = False) -> None:
+  """Gives each RNG stream of ``node_tree`` (a model, an ``nnx.Rngs``) this
+  micro-batch's own key.
 
   The stream's key folded with its count (new every step) and the first row
   index of the micro-batch or half (distinct within a step); draws then fold
-  the count in again, as ``nnx.RngStream`` does.
+  the count in again, as ``nnx.RngStream`` does. ``restart``: the count
+  starts again at 0, as a freshly made ``nnx.Rngs`` of that key would.
   """
   nnx = _nnx()
-  for _, node in nnx.iter_graph(model):
+  for _, node in nnx.iter_graph(node_tree):
     if isinstance(node, nnx.RngStream):
-      key = _fold_in(node.key.get_value(), node.count.get_value())
-      node.key.set_value(_fold_in(key, row))
+      count = node.count.get_value()
+      node.key.set_value(_fold_in(_fold_in(node.key.get_value(), count), row))
+      if restart:
+        node.count.set_value(jnp.zeros_like(count))
+
+
+def _advance_counts(rngs) -> None:
+  """Moves each stream of ``rngs`` (an ``nnx.Rngs``) on by one draw."""
+  nnx = _nnx()
+  for _, node in nnx.iter_graph(rngs):
+    if isinstance(node, nnx.RngStream):
+      node.count.set_value(node.count.get_value() + 1)
+
+
+def _check_loss_args(args: tuple[Any, ...], rngs: Any) -> None:
+  """Refuses what the jitted step cannot hand the loss, naming what to pass instead."""
+  nnx = _nnx()
+  if rngs is not None and not isinstance(rngs, nnx.Rngs):
+    raise TypeError(
+        f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(dropout=0)), got {type(rngs).__name__}; "
+        "each micro-batch's loss gets its own, forked from it.")
+  for position, arg in enumerate(args):
+    nodes = jax.tree.leaves(arg, is_leaf=lambda x: isinstance(x, (nnx.Variable, nnx.Pytree)))
+    if any(isinstance(x, (nnx.Variable, nnx.Pytree)) for x in nodes):
+      raise TypeError(
+          f"update's extra argument {position} holds an nnx object "
+          f"({type(arg).__name__}): the step hands its loss arrays only. Pass an "
+          "nnx.Rngs as update(..., rngs=rngs) (each micro-batch gets its own), and "
+          "keep other state in the model.")
 
 
 def _check_unchanged(before, after) -> None:

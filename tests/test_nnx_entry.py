@@ -323,3 +323,99 @@ def test_without_flax_the_import_error_says_what_to_install():
                 "except ImportError as e:\n  print(e)\n")
   assert result.returncode == 0, result.stderr
   assert "pip install 'optax_adama[flax]'" in result.stdout, result.stdout
+
+
+class DropoutAtCall(nnx.Module):
+  """Flax's examples' pattern: the dropout keys come with the call, not the module."""
+
+  def __init__(self, *, rngs):
+    self.hidden = nnx.Linear(WIDTH, 8, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+    self.head = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x, rngs):
+    return self.head(self.dropout(jnp.tanh(self.hidden(x)), rngs=rngs))
+
+
+def loss_with_rngs(model, batch, rngs):
+  """The loss and, as aux, the mask its dropout drew (the same stream, one draw on)."""
+  loss = jnp.mean((model(batch["x"], rngs) - batch["y"]) ** 2)
+  return loss, model.dropout(jnp.ones(8), rngs=rngs)
+
+
+def test_rngs_give_each_micro_batch_its_own_streams_as_documented():
+  """Against a hand-written loop: nnx.Optimizer once per micro-batch, each with
+  ``nnx.Rngs(dropout=fold_in(fold_in(key, step), i))``, the documented fork."""
+  tx = optax_adama.adamaw(1e-2, num_micro_batches=N)
+  batches = [_batch(seed) for seed in range(2)]
+  model = DropoutAtCall(rngs=nnx.Rngs(0))
+  reference = _copy(model)
+  per_update = nnx.Optimizer(reference, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_micro_batch(model, opt, micro_batch, rngs):
+    (_, mask), grads = nnx.value_and_grad(loss_with_rngs, has_aux=True)(
+        model, micro_batch, rngs)
+    opt.update(model, grads)
+    return mask
+
+  key = jax.random.key(7)
+  want_masks = []
+  for step, batch in enumerate(batches):
+    for i in range(N):
+      forked = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(key, step), i))
+      want_masks.append(train_micro_batch(reference, per_update, _micro(batch, i), forked))
+
+  rngs = nnx.Rngs(dropout=7)
+  opt = adama_nnx.MicroBatchOptimizer(model, tx, wrt=nnx.Param)
+  masks = [opt.update(model, loss_with_rngs, batch, has_aux=True, rngs=rngs)["aux"]
+           for batch in batches]
+  chex.assert_trees_all_equal(jnp.concatenate(masks), jnp.stack(want_masks))
+  assert len({tuple(m.tolist()) for m in want_masks}) == 2 * N  # new per micro-batch, step
+  chex.assert_trees_all_close(_params(model), _params(reference), rtol=1e-5, atol=1e-6)
+  assert int(rngs.dropout.count[...]) == 2  # one per step, as the model's own streams
+
+
+def test_rngs_runs_are_a_function_of_the_seed():
+  def train(seed):
+    model = DropoutAtCall(rngs=nnx.Rngs(0))
+    opt = adama_nnx.MicroBatchOptimizer(
+        model, optax_adama.adamaw(1e-2, num_micro_batches=N), wrt=nnx.Param)
+    rngs = nnx.Rngs(dropout=seed)
+    for batch in (_batch(0), _batch(1)):
+      opt.update(model, loss_with_rngs, batch, has_aux=True, rngs=rngs)
+    return _params(model)
+
+  chex.assert_trees_all_equal(train(3), train(3))
+  with pytest.raises(AssertionError):
+    chex.assert_trees_all_close(train(3), train(4))
+
+
+def test_extra_arguments_reach_every_micro_batchs_loss():
+  def scaled_loss(model, batch, scale, offset):
+    return scale * loss_fn(model, batch) + offset["b"]
+
+  batch = _batch(0)
+  model = MLP(rngs=nnx.Rngs(0))
+  reference = _copy(model)
+  tx = optax_adama.adamaw(1e-2, num_micro_batches=N)
+  got = adama_nnx.MicroBatchOptimizer(model, tx, wrt=nnx.Param).update(
+      model, scaled_loss, batch, jnp.float32(3.0), {"b": jnp.float32(1.0)})
+  want = adama_nnx.MicroBatchOptimizer(reference, tx, wrt=nnx.Param).update(
+      reference, lambda m, b: 3.0 * loss_fn(m, b) + 1.0, batch)
+  chex.assert_trees_all_close(got["loss"], want["loss"], rtol=1e-6)
+  chex.assert_trees_all_close(_params(model), _params(reference), rtol=1e-6)
+
+
+def test_rngs_misuse_is_refused_with_the_fix():
+  model = DropoutAtCall(rngs=nnx.Rngs(0))
+  opt = adama_nnx.MicroBatchOptimizer(
+      model, optax_adama.adamaw(1e-2, num_micro_batches=N), wrt=nnx.Param)
+  with pytest.raises(TypeError, match=r"rngs must be an nnx.Rngs .*got"):
+    opt.update(model, loss_with_rngs, _batch(0), has_aux=True, rngs=jax.random.key(0))
+  with pytest.raises(TypeError, match=r"extra argument 0 holds an nnx object .*rngs=rngs"):
+    opt.update(model, loss_with_rngs, _batch(0), nnx.Rngs(dropout=0), has_aux=True)
+  # Closing over an outer nnx.Rngs instead is Flax's own refusal.
+  outer = nnx.Rngs(dropout=0)
+  with pytest.raises(Exception, match="TraceContextError|trace level|different trace"):
+    opt.update(model, lambda m, b: loss_with_rngs(m, b, outer), _batch(0), has_aux=True)
