@@ -74,11 +74,11 @@ _REQUIRED = "(no default)"
 
 def _documented_signatures():
   """(module, name, [(parameter, default text or None)]) for every
-  ``- `name(params)` `` line of docs/usage.md's API reference."""
-  text = (SOURCE.parent / "docs" / "usage.md").read_text()
+  ``- `name(params)` `` line of docs/api.md, the API reference."""
+  text = (SOURCE.parent / "docs" / "api.md").read_text()
   module = "optax_adama"
-  for line in text[text.index("## API reference"):].splitlines():
-    heading = re.match(r"### `(optax_adama(?:\.\w+)?)`", line)
+  for line in text[text.index("# API reference"):].splitlines():
+    heading = re.match(r"## `(optax_adama(?:\.\w+)?)`", line)
     if heading:
       module = heading.group(1)
     entry = re.match(r"- `(\w+)\((.*?)\)(?: -> [^`]+)?`", line)
@@ -89,8 +89,8 @@ def _documented_signatures():
 
 
 def test_every_signature_line_of_the_api_reference_is_read():
-  text = (SOURCE.parent / "docs" / "usage.md").read_text()
-  listed = re.findall(r"^- `\w+\(", text[text.index("## API reference"):], re.M)
+  text = (SOURCE.parent / "docs" / "api.md").read_text()
+  listed = re.findall(r"^- `\w+\(", text[text.index("# API reference"):], re.M)
   assert len(listed) == len(list(_documented_signatures())) >= 30
 
 
@@ -119,4 +119,4 @@ def test_the_api_reference_states_each_signature_as_the_code_has_it(module, name
   got = [(p, default if default is _REQUIRED else evaluate(default)) for p, default in documented]
   # With each default's type: a documented 0 is not the code's False.
   typed = lambda pairs: [(p, type(default), default) for p, default in pairs]
-  assert typed(got) == typed(want), f"docs/usage.md's {module}.{name} is stale"
+  assert typed(got) == typed(want), f"docs/api.md's {module}.{name} is stale"

@@ -126,18 +126,18 @@ def test_relative_links_resolve(path):
   assert not broken, f"{_page_id(path)}: broken links {broken}"
 
 
-def test_usage_lists_every_public_name():
+def test_the_api_reference_lists_every_public_name():
   import optax_adama  # pylint: disable=import-outside-toplevel
 
-  usage = (ROOT / "docs" / "usage.md").read_text()
+  usage = (ROOT / "docs" / "api.md").read_text()
   modules = {"optax_adama": optax_adama, **{
       f"optax_adama.{name}": getattr(optax_adama, name)
-      for name in ("memory", "moments", "sharding", "schedules", "diagnostics")}}
+      for name in ("memory", "moments", "sharding", "schedules", "diagnostics", "contrib")}}
   missing = [f"{module_name}.{name}" for module_name, module in modules.items()
              for name in module.__all__
              if not isinstance(getattr(module, name), type(optax_adama))
              and f"`{name}" not in usage]
-  assert not missing, f"docs/usage.md does not list {missing}"
+  assert not missing, f"docs/api.md does not list {missing}"
 
 
 def test_a_block_that_raises_fails_its_page(tmp_path):
