@@ -39,8 +39,8 @@ def test_layer_aligned_layout_tiles_each_layer_with_whole_blocks():
   assert aligned.blocks_shape((4, 6, 1000)) == (4, 8, 750)
   assert aligned.blocks_shape((66, 16896)) == (66, 16, 1056)
   assert aligned.blocks_shape((4, 6, 1001)) == (4, 3, 2002)
-  # Without it, the bias stack's blocks straddle layers (18 blocks of 2048).
-  assert optax_adama.BlockQuantization().layout((24, 1536)) == (18, 2048)
+  # With layer_aligned=False the bias stack's blocks straddle layers (18 of 2048).
+  assert optax_adama.BlockQuantization(layer_aligned=False).layout((24, 1536)) == (18, 2048)
   # 1-D leaves as before; a slice of prime size over block_size stays dense.
   assert aligned.layout((2049,)) == (2, 1025)
   assert aligned.quantizes((4, 4099)) is False
