@@ -65,7 +65,7 @@ SCENARIOS = {
 # The largest llama_family member each method fits per device (see `capacity`).
 CAPACITY = "capacity"
 METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
-           "adama_release_8bit", "adama_release_offload")
+           "adama_release_8bit", "adama_release_offload", "adama_release_8bit_offload")
 GIB = 2**30
 V3_USABLE_GIB = 15.48  # what XLA reported usable of a v3 core's 16 GiB (EasyLM #36)
 V2_GIB = 8.0
@@ -184,8 +184,7 @@ def _model(config):
 def _adama(method, n):
   import optax_adama
 
-  quantization = (optax_adama.BlockQuantization(layer_aligned=True)
-                  if method.endswith("_8bit") else None)
+  quantization = optax_adama.BlockQuantization() if "_8bit" in method else None
   tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization)
   return optax_adama.offload_moments(tx) if method.endswith("_offload") else tx
 
@@ -324,6 +323,7 @@ def capacity(args):
                    "num_layers": config.num_layers, "hidden": config.hidden,
                    "param_count": count(scale) if scale >= 8 else 0,
                    "per_device_bytes": measure(method, scale) if scale >= 8 else None,
+                   "host_bytes_per_device": host_bytes_per_device(method, scale, args.devices),
                    "num_micro_batches": n, "seq_len": args.seq_len, "devices": args.devices,
                    "rows_per_device": args.rows})
       _save_capacity(args, rows)
@@ -342,13 +342,13 @@ def capacity_markdown(rows, command):
       "vocabulary (scale 64 = 64 layers of llama3_8b's width), bf16 compute, float32 params "
       f"and moments, remat \"full\", layers scanned; N = {first['num_micro_batches']}, "
       f"{first['rows_per_device']} sequence(s) of {first['seq_len']:,} tokens per device per "
-      "micro-batch. Budget per device (GB = 1e9 B); host memory for `_offload` not counted.",
+      "micro-batch. Budget per device (GB = 1e9 B); the host memory of `_offload` is not in it "
+      "(a device's share given beside).",
       "", "| budget | " + " | ".join(methods) + " | parameters vs scan_accumulation |",
       "|---|" + "---|" * (len(methods) + 1)]
   for budget in budgets:
     by_method = {r["method"]: r for r in rows if r["budget_gb"] == budget}
-    cells = [(f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['num_layers']} x "
-              f"{by_method[m]['hidden']})") if m in by_method else "-" for m in methods]
+    cells = [_capacity_cell(by_method[m]) if m in by_method else "-" for m in methods]
     base = by_method.get("scan_accumulation", {}).get("param_count")
     ratios = "; ".join(f"{m}: {by_method[m]['param_count'] / base:.2f}x" for m in methods
                        if base and m in by_method and m != "scan_accumulation")
@@ -356,11 +356,48 @@ def capacity_markdown(rows, command):
   return "\n".join(lines) + "\n"
 
 
+def host_bytes_per_device(method, scale, devices):
+  """One device's share of the state ``method`` keeps in host memory at ``scale``
+  (0 where it keeps none)."""
+  import jax
+
+  import optax_adama
+
+  if not method.endswith("_offload"):
+    return 0
+  _, _, params = _model(llama_family(scale))
+  state = jax.eval_shape(_adama(method, 1).init, params)
+  return optax_adama.moments.host_state_bytes(state) // devices
+
+
+def _capacity_cell(row):
+  """Parameters and shape; host bytes beside where the moments live there."""
+  cell = f"{row['param_count'] / 1e6:,.0f}M ({row['num_layers']} x {row['hidden']})"
+  if row.get("host_bytes_per_device"):
+    cell += f", host {row['host_bytes_per_device'] / 1e9:,.0f} GB a device"
+  return cell
+
+
 def _save_capacity(args, rows):
+  """Writes ``rows`` with the rows of methods this run did not measure kept
+  from the JSON it updates (their command beside), so one method can be
+  added to a table without recompiling the others."""
   args.json.parent.mkdir(parents=True, exist_ok=True)
   command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
-  args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-  args.markdown.write_text(capacity_markdown(rows, command))
+  measured = {r["method"] for r in rows}
+  kept, commands = [], [command]
+  if args.json.exists():
+    previous = json.loads(args.json.read_text())
+    kept = [r for r in previous["rows"] if r["method"] not in measured]
+    commands = [c for c in previous.get("commands", [previous["command"]])
+                if c != command] * bool(kept) + commands
+  # Rows saved before the host column: their host bytes, from the state's shapes.
+  kept = [r if "host_bytes_per_device" in r else dict(r, host_bytes_per_device=(
+      host_bytes_per_device(r["method"], r["scale"], r["devices"]))) for r in kept]
+  rows = kept + rows
+  args.json.write_text(json.dumps({"command": "; ".join(commands), "commands": commands,
+                                   "rows": rows}, indent=1))
+  args.markdown.write_text(capacity_markdown(rows, "; ".join(commands)))
 
 
 def measure(args):
