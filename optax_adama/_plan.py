@@ -601,6 +601,10 @@ def plan(
   devices = 1 if mesh is None else _sharding.num_devices(mesh, data_axis)
   splits = _splits(batch, devices)
   stages = _check_stages(shard_stages, mesh)
+  unknown = [m for m in moment_storages if m not in MOMENT_STORAGES]
+  if unknown or not moment_storages:
+    raise ValueError(f"moment_storages must name some of {MOMENT_STORAGES}, most precise first; "
+                     f"got {tuple(moment_storages)!r}.")
   staged = isinstance(loss_fn, StagedLoss)
   if staged:
     loss_fn.check_stack(params)

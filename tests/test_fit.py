@@ -188,6 +188,8 @@ def test_bad_inputs_are_refused_with_the_argument_named():
     plan(fixed_rows, params, batch, budget_bytes=1e9)
   with pytest.raises(TypeError, match=r"loss_fn must return a scalar loss"):
     plan(lambda p, b: b["x"] @ p["w0"], params, batch, budget_bytes=1e9)
+  with pytest.raises(ValueError, match=r"moment_storages must name some of \('float32'"):
+    plan(loss_fn, params, batch, budget_bytes=1e9, moment_storages=("int4",))
   with pytest.raises(ValueError, match="shard_stages: 'fsdp' is not a stage without a mesh"):
     plan(loss_fn, params, batch, budget_bytes=1e9, shard_stages=("fsdp",))
 
