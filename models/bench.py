@@ -94,28 +94,32 @@ def measure_memory(
     seq_len: int | None = None,
     remat: str = "none",
     scan_layers: bool = False,
+    dtype: str | None = None,
 ) -> list[MemoryRow]:
   """Compile-only memory of each method's step, and AdamA's floor.
 
   With ``scan_layers`` the steps run the scanned model and the floor is the
   unrolled model's (the same params; its largest gradient is one layer's).
+  ``dtype``: the compute dtype (params and moments stay float32); None: the
+  preset's.
   """
-  config = models.get_config(preset, remat=remat, scan_layers=scan_layers)
-  name = (preset if isinstance(preset, str) else "custom") + (" (scanned)" if scan_layers else "")
+  config = models.get_config(preset, remat=remat, scan_layers=scan_layers,
+                             **harness.dtype_override(dtype))
+  notes = [note for note, on in (("scanned", scan_layers), (dtype, dtype is not None)) if on]
+  name = (preset if isinstance(preset, str) else "custom") + (
+      f" ({', '.join(notes)})" if notes else "")
   loss_fn, params = harness.split_model(config)
   rows = []
   batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches, seq_len)
   floors = {}
   for method in methods:
-    if method.endswith("_offload"):
-      raise ValueError(
-          f"{method}: its state lives in host memory, which this compile-only "
-          "table would count as device memory on CPU; measure it with capacity.")
+    _check_memory_method(method)
     release = method in harness.RELEASE_METHODS
     if release not in floors:
       floors[release] = harness.floor_for(method, config, batch, num_micro_batches).to_dict()
     floor = floors[release]
-    step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches)
+    step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches,
+                                 rank=config.hidden // 4)
     opt_state = jax.eval_shape(tx.init, params)
     start = time.perf_counter()
     report = optax_adama.memory_report(step, params, opt_state, batch)
@@ -124,6 +128,15 @@ def measure_memory(
         models.param_count(config), report.to_dict(), floor,
         time.perf_counter() - start))
   return rows
+
+
+def _check_memory_method(method: str) -> None:
+  """Refuses what the compile-only memory table cannot measure."""
+  if method.endswith("_offload"):
+    raise ValueError(
+        f"method {method}: its state lives in host memory, which this compile-only "
+        "table would count as device memory on CPU; measure it with the capacity "
+        "command, or drop it from --methods.")
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
@@ -456,7 +469,8 @@ def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
   harness.save_figure(fig, path)
 
 
-def _parse_args(argv):
+def _parser() -> argparse.ArgumentParser:
+  """The command line (its ``error`` ends the command as argparse does)."""
   parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
@@ -471,15 +485,19 @@ def _parse_args(argv):
   common.add_argument("--json", type=Path, default=None, help="write results as JSON here")
   common.add_argument("--markdown", type=Path, default=None, help="write the table here")
   common.add_argument("--no-progress", action="store_true")
+  common.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=None,
+                      help="compute dtype of every model (params and moments float32, as "
+                           "models.train's --dtype); default: float32")
+  presets = dict(nargs="+", choices=sorted(models.PRESETS), metavar="PRESET")
   mem = sub.add_parser("memory", parents=[common], help="compile-only memory sweep")
-  mem.add_argument("--presets", nargs="+", default=["gpt2_small", "bert_base", "vit_base"])
+  mem.add_argument("--presets", default=["gpt2_small", "bert_base", "vit_base"], **presets)
   mem.add_argument("--num-micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
   mem.add_argument("--remat", default="none", choices=sorted(models.REMAT_POLICIES))
   mem.add_argument("--plot", type=Path, default=None, help="PNG of memory vs N")
   mem.add_argument("--scan-layers", action="store_true",
                    help="stacked block params under one lax.scan; adds adama_release")
   thr = sub.add_parser("throughput", parents=[common], help="interleaved step timing")
-  thr.add_argument("--presets", nargs="+", default=["gpt_tiny", "bert_tiny", "vit_tiny"])
+  thr.add_argument("--presets", default=["gpt_tiny", "bert_tiny", "vit_tiny"], **presets)
   thr.add_argument("--num-micro-batches", type=int, default=4)
   thr.add_argument("--rounds", type=int, default=7)
   thr.add_argument("--steps-per-round", type=int, default=5)
@@ -502,8 +520,6 @@ def _parse_args(argv):
   cap.add_argument("--refine-width", action="store_true",
                    help="then grow the answer's width in steps of 64 at the same depth")
   cap.add_argument("--vocab-size", type=int, default=50257)
-  cap.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=None,
-                   help="compute dtype of every model (params float32); default: float32")
   cap.add_argument("--scan-layers", action="store_true",
                    help="every method on the scanned model (blocks stacked under one "
                         "lax.scan, where remat holds on any backend); allows the release "
@@ -511,7 +527,37 @@ def _parse_args(argv):
   cap.add_argument("--devices", type=int, default=1,
                    help="data-parallel mesh size (on CPU, fakes this many devices); "
                         "the budget is then per device")
-  return parser.parse_args(argv)
+  return parser
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The arguments, refused as argparse refuses them where no method can run."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  with harness.command_errors(parser):
+    _check_args(args)
+  return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+  """Raises ``ValueError`` for settings no method can measure, before any compile."""
+  if args.command in ("plot", "table"):
+    return
+  harness.check_counts(**{name: getattr(args, name, None) for name in (
+      "num_micro_batches", "micro_batch_size", "seq_len", "devices", "rounds",
+      "steps_per_round", "max_scale")})
+  for preset in getattr(args, "presets", ()):
+    harness.check_seq_len(preset, models.get_config(preset), args.seq_len)
+  scanned = getattr(args, "scan_layers", False)
+  mesh = getattr(args, "devices", 1) > 1
+  for method in args.methods:
+    harness.check_method(method, scanned=scanned, mesh=mesh)
+    if args.command == "memory":
+      _check_memory_method(method)
+  if mesh and jax.default_backend() == "cpu" and jax.device_count() < args.devices:
+    raise ValueError(
+        f"devices={args.devices} on CPU: start with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -521,14 +567,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plot_memory_vs_n([MemoryRow(**row) for row in saved["rows"]], args.plot)
     return saved
   if args.command == "table":
-    return merge_tables(args)
+    with harness.command_errors(_parser(), OSError):
+      runs = [json.loads(path.read_text()) for path in args.json_in]
+      commands = {run.get("command") for run in runs}
+      if len(commands) != 1 or commands & {"memory", "capacity"} != commands:
+        raise ValueError(f"json_in: table merges memory runs or capacity runs, got "
+                         f"{sorted(map(str, commands))}; pass the --json files of one kind.")
+    return merge_tables(args, runs)
   progress = not args.no_progress
   mesh = None
   if args.command == "capacity" and args.devices > 1:
-    if jax.default_backend() == "cpu" and jax.device_count() < args.devices:
-      raise SystemExit(
-          f"--devices {args.devices} on CPU: start with "
-          f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
     mesh = jax.make_mesh((args.devices,), ("data",))
   result: dict[str, Any] = {"command": args.command, "machine": harness.machine_info(),
                             "argv": list(sys.argv[1:] if argv is None else argv)}
@@ -541,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         methods.append("adama_release")
       rows += measure_memory(preset, methods, n, micro_batch_size=args.micro_batch_size,
                              seq_len=args.seq_len, remat=args.remat,
-                             scan_layers=args.scan_layers)
+                             scan_layers=args.scan_layers, dtype=args.dtype)
       # Written as it goes: a sweep of the big presets takes hours on a CPU.
       result["rows"] = [dataclasses.asdict(r) for r in rows]
       _write_outputs(args, result, memory_table(rows))
@@ -556,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       timing = harness.measure_throughput(
           preset, args.methods, args.num_micro_batches, micro_batch_size=args.micro_batch_size,
           seq_len=args.seq_len, rounds=args.rounds, steps_per_round=args.steps_per_round,
-          progress=progress)
+          progress=progress, dtype=args.dtype)
       result["presets"][preset] = timing
       ratio = ""
       if "adama" in timing and "scan_accumulation" in timing:
@@ -582,13 +630,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   return result
 
 
-def merge_tables(args: argparse.Namespace) -> dict[str, Any]:
-  """``table``: merges saved memory or capacity runs and prints their table."""
-  runs = [json.loads(path.read_text()) for path in args.json_in]
-  commands = {run["command"] for run in runs}
-  if len(commands) != 1 or commands & {"memory", "capacity"} != commands:
-    raise SystemExit(f"table merges memory runs or capacity runs, got {sorted(commands)}")
-  (command,) = commands
+def merge_tables(args: argparse.Namespace, runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """``table``: merges saved memory or capacity runs (all of one command) and
+  prints their table."""
+  (command,) = {run["command"] for run in runs}
   merged: dict[str, Any] = {"command": command, "machine": runs[0]["machine"],
                             "argv": [run["argv"] for run in runs]}
   if command == "memory":

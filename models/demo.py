@@ -77,6 +77,16 @@ class DemoConfig:
                              nu_estimator=self.nu_estimator)
 
 
+def check(config: DemoConfig) -> None:
+  """Raises ``ValueError`` for what the demo would refuse later, before it trains."""
+  harness.check_counts(micro_batch_size=config.micro_batch_size,
+                       memory_seq_len=config.memory_seq_len)
+  for optimizer in ("adama", "adam"):
+    harness.check_run(config.train_config(optimizer))
+  harness.check_seq_len(config.memory_preset, models.get_config(config.memory_preset),
+                        config.memory_seq_len, name="memory_seq_len")
+
+
 def step_memory(config: DemoConfig) -> dict[str, optax_adama.MemoryReport]:
   """Compile-only memory of the scanned, rematerialized step, per optimizer:
   Adam + accumulator's ``microbatch_step``, AdamA's ``release_step``."""
@@ -174,7 +184,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       default=defaults.nu_estimator,
                       help="AdamA's second-moment estimator")
   parser.add_argument("--memory-preset", default=defaults.memory_preset,
-                      choices=sorted(models.PRESETS), help="the model of the memory half")
+                      choices=sorted(p for p, c in models.PRESETS.items()
+                                     if harness.MODEL_KIND_OF_CONFIG[type(c)]
+                                     in harness.CAUSAL_LM_KINDS),
+                      help="the model of the memory half (a causal LM: its loss in chunks)")
   parser.add_argument("--memory-seq-len", type=int, default=defaults.memory_seq_len)
   parser.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
                       help="the LM head's loss over this many chunks of tokens (both halves)")
@@ -185,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       micro_batch_size=args.micro_batch_size,
                       nu_estimator=args.nu_estimator, memory_preset=args.memory_preset,
                       memory_seq_len=args.memory_seq_len, loss_chunks=args.loss_chunks)
+  with harness.command_errors(parser):
+    check(config)
   runs = {name: harness.train(config.train_config(name), progress=not args.no_progress)
           for name in ("adama", "adam")}
   result = summary(config, runs, step_memory(config))

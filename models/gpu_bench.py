@@ -611,8 +611,8 @@ def make_cases(args: argparse.Namespace) -> list[Case]:
   return cases
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  """The command line, with the refusals argparse cannot make itself."""
+def _parser() -> argparse.ArgumentParser:
+  """The command line (its ``error`` ends the command as argparse does)."""
   parser = argparse.ArgumentParser(prog="python -m models.gpu_bench",
                                    description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -662,6 +662,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--capacity-vocab-size", type=int, default=50257)
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--no-progress", action="store_true")
+  return parser
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The command line, with the refusals argparse cannot make itself."""
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.tag is not None and not re.fullmatch(r"[a-z0-9_]+", args.tag):
     parser.error(f"--tag {args.tag!r}: use lower-case letters, digits and _ (it names files)")
@@ -670,6 +676,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  "accumulation and at least one method to time against it; use 2 or more")
   if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
     parser.error(f"--memory-fraction {args.memory_fraction}: a share of the device, in (0, 1]")
+  with harness.command_errors(parser):
+    harness.check_counts(**{name: getattr(args, name) for name in (
+        "num_micro_batches", "micro_batch_size", "seq_len", "workers", "rounds",
+        "steps_per_round", "capacity_max_scale", "capacity_vocab_size")})
+    for preset in args.presets:
+      harness.check_seq_len(preset, models.get_config(preset), args.seq_len)
+    if args.capacity_budget_gb is not None and args.capacity_budget_gb <= 0:
+      raise ValueError(f"capacity_budget_gb={args.capacity_budget_gb}: a budget in GB, "
+                       "above 0.")
   return args
 
 
@@ -708,13 +723,14 @@ def device_budget_gb() -> float:
   """The device's memory in GB, as its allocator reports it."""
   stats = jax.devices()[0].memory_stats()
   if not stats or "bytes_limit" not in stats:
-    raise SystemExit("this backend reports no memory limit: pass --capacity-budget-gb")
+    raise ValueError("this backend reports no memory limit: pass --capacity-budget-gb")
   return stats["bytes_limit"] / 1e9
 
 
 def main_capacity(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
   """--capacity: runs the search, writes gpu_<slug>_capacity.md and its raw JSON."""
-  budget = args.capacity_budget_gb or device_budget_gb()
+  with harness.command_errors(_parser()):
+    budget = args.capacity_budget_gb or device_budget_gb()
   case = CapacityCase(budget, num_micro_batches=args.num_micro_batches[0],
                       micro_batch_size=args.micro_batch_size or 1,
                       seq_len=args.seq_len or 1024, remat=args.remat, dtype=args.dtype,

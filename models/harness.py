@@ -28,10 +28,13 @@ models, it does not build them, and it is not in the wheel.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import inspect
 import os
 import platform
+import re
 import signal
 import sys
 import threading
@@ -137,6 +140,78 @@ def plot_loss_curves(runs: Sequence[dict[str, Any]], label: Callable[[dict], str
   save_figure(fig, path)
 
 
+# Command-line errors.
+
+
+@contextlib.contextmanager
+def command_errors(parser: argparse.ArgumentParser,
+                   *errors: type[Exception]) -> Iterator[None]:
+  """Ends the command as argparse ends it on a user error: one line, exit 2.
+
+  Wrap only what checks the user's settings (building configs, looking up a
+  preset, a checkpoint's identity, the planner's search), not the run: a
+  ``ValueError`` (or one of ``errors``) raised inside becomes
+  ``parser.error(...)`` (``usage``, then ``prog: error: ...``, status 2),
+  with the names of the parser's options in it written as their flags
+  (:func:`as_flags`), so the line names the flag to change. Anything else,
+  and anything raised outside, is a bug and keeps its traceback.
+  """
+  try:
+    yield
+  except (ValueError, *errors) as error:
+    parser.error(as_flags(parser, str(error)))
+
+
+def as_flags(parser: argparse.ArgumentParser, message: str) -> str:
+  """``message`` with the parser's option names written as their flags.
+
+  The library and ``TrainConfig`` name settings as Python does
+  (``num_micro_batches=3``); the command line knows them as flags
+  (``--num-micro-batches 3``). Every ``name=value`` of an option's ``dest``
+  is rewritten (a switch's ``name=True`` to its flag, ``name=False`` to
+  ``no FLAG``), and a bare ``dest`` with an underscore in it (no English word
+  has one) to its flag.
+  """
+  actions = {a.dest: a for a in parser._actions if a.option_strings}  # noqa: SLF001
+  for sub in parser._actions:  # noqa: SLF001
+    if isinstance(sub, argparse._SubParsersAction):  # noqa: SLF001
+      for child in sub.choices.values():
+        actions.update({a.dest: a for a in child._actions  # noqa: SLF001
+                        if a.option_strings and a.dest not in actions})
+
+  def assignment(match: re.Match) -> str:
+    action, value = actions[match[1]], match[3]
+    flag = action.option_strings[-1]
+    if isinstance(action.const, bool) and action.nargs == 0:  # a switch
+      return flag if value == str(action.const) else f"no {flag}"
+    return f"{flag} {value}"
+
+  names = "|".join(sorted(map(re.escape, actions), key=len, reverse=True))
+  if not names:
+    return message
+  message = re.sub(rf"\b({names})=(['\"]?)([^\s,;:)'\"]+)\2", assignment, message)
+  return re.sub(rf"(?<![-\w])({names})\b(?!=)",
+                lambda m: actions[m[1]].option_strings[-1] if "_" in m[1] else m[1], message)
+
+
+def check_counts(**counts: int | Sequence[int] | None) -> None:
+  """Raises ``ValueError`` naming the first count below 1 (None: not given)."""
+  for name, values in counts.items():
+    for value in values if isinstance(values, (list, tuple)) else [values]:
+      if value is not None and value < 1:
+        raise ValueError(f"{name}={value}: it must be 1 or more.")
+
+
+def check_seq_len(preset: str, config: models.Config, seq_len: int | None, *,
+                  name: str = "seq_len") -> None:
+  """Raises ``ValueError`` if ``seq_len`` (the setting ``name``) is longer than
+  the model's context."""
+  max_len = getattr(config, "max_len", None)
+  if seq_len is not None and max_len is not None and seq_len > max_len:
+    raise ValueError(f"{name}={seq_len} is longer than {preset}'s max_len={max_len}; pass "
+                     f"--{name.replace('_', '-')} {max_len} or less.")
+
+
 # Batches.
 
 
@@ -188,6 +263,8 @@ def tokens_per_example(model_config: models.Config, batch: dict) -> int:
 MODEL_KINDS = ("gpt", "bert", "vit", "llama")
 # The causal language models: next-token batches of text (models.data.lm_batches).
 CAUSAL_LM_KINDS = ("gpt", "llama")
+MODEL_KIND_OF_CONFIG = {models.GPTConfig: "gpt", models.BERTConfig: "bert",
+                        models.ViTConfig: "vit", models.LlamaConfig: "llama"}
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
 # AdamA's estimators of v, and the library's default (optax_adama.adamaw's).
@@ -243,14 +320,16 @@ class TrainConfig:
                        f"model={self.model!r}; use model='llama' (--model llama).")
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}.")
-    if self.steps < 1:
-      raise ValueError(f"steps must be >= 1, got {self.steps}.")
-    if self.num_micro_batches < 1:
-      raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}.")
+    self._check_model()
+    check_counts(steps=self.steps, num_micro_batches=self.num_micro_batches,
+                 batch_size=self.batch_size)
     if self.batch_size % self.num_micro_batches:
       raise ValueError(
+      divisors = [n for n in range(1, self.batch_size + 1) if self.batch_size % n == 0]
           f"batch size {self.batch_size} does not split into "
-          f"num_micro_batches={self.num_micro_batches} equal micro-batches.")
+          f"num_micro_batches={self.num_micro_batches} equal micro-batches: pick "
+          f"num_micro_batches from {divisors}, or a batch_size that is a multiple of "
+          f"{self.num_micro_batches}.")
     for name in ("mu_dtype", "nu_dtype"):
       value = getattr(self, name)
       if value is not None and value not in MOMENT_DTYPES:
@@ -280,7 +359,8 @@ class TrainConfig:
                        f"got {self.nu_estimator!r}.")
     if self.release and not (self.scan_layers and self.optimizer == "adama"):
       raise ValueError(
-          "release (optax_adama.release_step) needs scan_layers=True and optimizer='adama', "
+          "release (release=True, optax_adama.release_step) needs scan_layers=True and "
+          "optimizer='adama', "
           f"got scan_layers={self.scan_layers}, optimizer={self.optimizer!r}.")
     if self.accumulation_dtype is not None:
       if self.accumulation_dtype not in MOMENT_DTYPES:
@@ -292,6 +372,19 @@ class TrainConfig:
             f"accumulation (optimizer='adam'), got optimizer={self.optimizer!r}.")
 
   @property
+  def _check_model(self) -> None:
+    """The preset is one of ``models.PRESETS`` and a model of ``model``'s kind."""
+    if self.preset is None:
+      return
+    if self.preset not in models.PRESETS:
+      raise ValueError(f"preset={self.preset} is not a preset; known: {sorted(models.PRESETS)}.")
+    kind = MODEL_KIND_OF_CONFIG[type(models.PRESETS[self.preset])]
+    if kind != self.model:
+      own = sorted(p for p, c in models.PRESETS.items()
+                   if MODEL_KIND_OF_CONFIG[type(c)] == self.model)
+      raise ValueError(f"preset={self.preset} is a {kind} model, not a {self.model}: pass "
+                       f"model={kind}, or a {self.model} preset ({', '.join(own)}).")
+
   def preset_name(self) -> str:
     # A fine-tuning run without a preset is named by its checkpoint.
     return self.preset or self.init_from or f"{self.model}_tiny"
@@ -364,11 +457,8 @@ def model_config_of(config: TrainConfig) -> models.Config:
     raise ValueError(f"loss_chunks is a causal LM's ({CAUSAL_LM_KINDS}: its LM head), not "
                      f"{config.model!r}'s.")
   base = base_model_config(config)
-  if config.model == "llama":
-    max_len = base.max_len
-    if config.seq_len > max_len:
-      raise ValueError(f"seq_len={config.seq_len} is longer than {config.preset_name}'s "
-                       f"max_len={max_len}; pass --seq-len {max_len} or less.")
+  if config.model == "llama":  # the others' batches are cut to their context (make_data)
+    check_seq_len(config.preset_name, base, config.seq_len)
   chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
   return models.get_config(base, remat=config.remat, gelu_bits=config.gelu_bits,
                            dtype=jnp.dtype(config.dtype),
@@ -522,6 +612,35 @@ def _resume(run_checkpoints, params, opt_state, config):
   """``(params, opt_state, first step, losses so far)``, from the newest checkpoint."""
   if run_checkpoints is None:
     return params, opt_state, 0, []
+def _run_checkpoints(config: TrainConfig,
+                     checkpoint: CheckpointOptions | None) -> checkpointing.RunCheckpoints | None:
+  """The checkpoints of the run of ``config`` (None: the run saves none)."""
+  if checkpoint is None:
+    return None
+  return checkpointing.RunCheckpoints(
+      Path(checkpoint.directory), identity=dataclasses.asdict(config),
+      keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
+
+
+def check_run(config: TrainConfig, checkpoint: CheckpointOptions | None = None) -> None:
+  """Raises ``ValueError`` (``OSError`` for a missing file) where ``train`` would
+  refuse ``config`` after its start: the model's settings (``model_config_of``),
+  a ``data_path`` that is not there, and checkpoints of another run in
+  ``checkpoint.directory``. Reads no data and builds no model, so a command
+  checks every run it was asked for before training the first.
+  """
+  model_config_of(config)
+  if config.data_path is not None and not Path(config.data_path).exists():
+    raise FileNotFoundError(f"data_path={config.data_path} does not exist; pass a text "
+                            "file or a directory of them.")
+  run_checkpoints = _run_checkpoints(config, checkpoint)
+  if run_checkpoints is not None:
+    try:
+      run_checkpoints.check_identity()
+    finally:
+      run_checkpoints.close()
+
+
   restored = run_checkpoints.restore_latest(
       checkpointing.abstract_like({"params": params, "opt_state": opt_state}))
   if restored is None:
@@ -618,9 +737,7 @@ def train(config: TrainConfig, *, progress: bool = True,
   step = make_train_step(config, model, loss_fn, tx)
   del model  # the loss merges params back into a fresh module each call
   train_batches, eval_batches = make_data(config, model_config)
-  run_checkpoints = None if checkpoint is None else checkpointing.RunCheckpoints(
-      Path(checkpoint.directory), identity=dataclasses.asdict(config),
-      keep=checkpoint.keep, ignored=_RESUMABLE_CHANGES)
+  run_checkpoints = _run_checkpoints(config, checkpoint)
   run = _RunState(*_resume(run_checkpoints, params, tx.init(params), config))
   start = run.done
   for _ in range(start):  # the data position: one batch per step done.
@@ -708,10 +825,10 @@ def make_step(
   if method in FSDP_METHODS:
     return _fsdp_step(method, loss_fn, num_micro_batches, learning_rate, mesh)
   if method in STATE_METHODS:
+  check_method(method, scanned=isinstance(loss_fn, optax_adama.StagedLoss),
+               mesh=mesh is not None)
     return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
   if method in SHARDED_METHODS:
-    if mesh is None:
-      raise ValueError(f"method {method!r} needs a mesh (capacity --devices).")
     quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
     tx = (adam if method.endswith("_scan_accumulation") else optax_adama.adama(
         learning_rate, num_micro_batches=num_micro_batches, quantization=quantization))
@@ -737,8 +854,6 @@ def make_step(
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches, **estimator)
     return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
   if method in RELEASE_METHODS:
-    if not isinstance(loss_fn, optax_adama.StagedLoss):
-      raise ValueError(f"{method} needs a scanned model (--scan-layers).")
     quantization = (optax_adama.BlockQuantization(layer_aligned=True)
                     if "_8bit" in method else None)
     tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches,
@@ -746,13 +861,32 @@ def make_step(
     if method.endswith("_offload"):
       tx = optax_adama.offload_moments(tx)
     return optax_adama.release_step(loss_fn, tx), tx
-  raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+  raise AssertionError(f"check_method passed {method!r}, which has no step")
+
+
+def check_method(method: str, *, scanned: bool, mesh: bool) -> None:
+  """Raises ``ValueError`` if ``method`` cannot run on this model and devices.
+
+  ``scanned``: the model is in stages (``--scan-layers``); ``mesh``: the step
+  runs on several devices (``--devices``). The release and FSDP methods need
+  the stages, the data-parallel and FSDP ones a mesh.
+  """
+  known = (METHODS + ("scan_accumulation_bf16",) + STATE_METHODS + SHARDED_METHODS
+           + RELEASE_METHODS + FSDP_METHODS + ESTIMATOR_METHODS)
+  if method not in known:
+    raise ValueError(f"unknown method {method!r}; known: {known}")
+  needs = []
+  if method in RELEASE_METHODS + FSDP_METHODS and not scanned:
+    needs.append("a scanned model (--scan-layers)")
+  if method in SHARDED_METHODS + FSDP_METHODS and not mesh:
+    needs.append("a mesh (--devices 2 or more)")
+  if needs:
+    raise ValueError(f"method {method} needs {' and '.join(needs)}; add the flag or "
+                     "drop the method from --methods.")
 
 
 def _fsdp_step(method, staged, num_micro_batches, learning_rate, mesh):
   """The steps of FSDP_METHODS (place their arguments with :func:`fsdp_shardings`)."""
-  if mesh is None or not isinstance(staged, optax_adama.StagedLoss):
-    raise ValueError(f"{method} needs a mesh and a scanned model (--devices, --scan-layers).")
   if method == "fsdp_scan_accumulation":
     tx = optax.adam(learning_rate)
     return optax_adama.microbatch_step(staged, tx, num_micro_batches=num_micro_batches,
@@ -902,6 +1036,11 @@ def measure_throughput(
     preset: str,
     methods: Sequence[str],
     num_micro_batches: int,
+def dtype_override(dtype: str | None) -> dict[str, Any]:
+  """The config field of a compute dtype (``--dtype``); none for None (the preset's)."""
+  return {} if dtype is None else {"dtype": jnp.dtype(dtype)}
+
+
     *,
     micro_batch_size: int,
     seq_len: int | None = None,
@@ -912,9 +1051,11 @@ def measure_throughput(
   """Median step time per method, the methods interleaved round by round.
 
   Interleaving means slow drift of the machine (other load, thermal state)
-  hits every method alike, so their ratio is trustworthy.
+    dtype: str | None = None,
+  hits every method alike, so their ratio is trustworthy. ``dtype``: the
+  compute dtype (params and moments stay float32); None: the preset's.
   """
-  config = models.get_config(preset)
+  config = models.get_config(preset, **dtype_override(dtype))
   model = models.create(config, rngs=nnx.Rngs(0))
   # The release step needs the model in stages (scanned configs only).
   splits = {False: models.split_loss_fn(model)}

@@ -60,7 +60,8 @@ def comparison_table(runs: Sequence[dict[str, Any]]) -> str:
   return "\n".join([head, *rows])
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  """The parser (for the errors found later) and the arguments, checked together."""
   defaults = harness.TrainConfig()
   parser = argparse.ArgumentParser(
       prog="python -m models.train", description=__doc__.split("\n\n")[0],
@@ -71,7 +72,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   _add_output_args(parser.add_argument_group("output and checkpoints"))
   args = parser.parse_args(argv)
   _check_args(parser, args)
-  return args
+  return parser, args
 
 
 def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
@@ -199,27 +200,42 @@ def _config_options(args: argparse.Namespace) -> dict[str, Any]:
 def train_config(argv: Sequence[str]) -> harness.TrainConfig:
   """The run ``python -m models.train ARGV`` trains (one side, without
   ``--plan``'s search), checked as the command line is, without training it."""
-  return harness.TrainConfig(**_config_options(_parse_args(argv)))
+  parser, args = _parse_args(argv)
+  with harness.command_errors(parser):
+    return harness.TrainConfig(**_config_options(args))
+
+
+def _runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
+          ) -> tuple[list[harness.TrainConfig], harness.CheckpointOptions | None]:
+  """The runs the command trains, each checked, and where they save.
+
+  Every user error (a setting the library refuses, a plan nothing fits,
+  checkpoints of another run) ends the command here, before any training.
+  """
+  with harness.command_errors(parser, OSError):
+    options = _config_options(args)
+    if args.plan is not None:
+      options.update(_planned(harness.TrainConfig(**options), args.plan,
+                              progress=not args.no_progress))
+    if args.compare:
+      run_configs = [config_for(options, o) for o in ("adama", "adam")]
+    else:
+      run_configs = [harness.TrainConfig(**options)]
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+      defaults = harness.CheckpointOptions(str(args.checkpoint_dir))
+      checkpoint = harness.CheckpointOptions(
+          defaults.directory, every=args.checkpoint_every or defaults.every,
+          keep=args.keep or defaults.keep)
+    for run_config in run_configs:
+      harness.check_run(run_config, checkpoint)
+  return run_configs, checkpoint
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  args = _parse_args(argv)
-  options = _config_options(args)
-  if args.plan is not None:
-    options.update(_planned(harness.TrainConfig(**options), args.plan,
-                            progress=not args.no_progress))
-  # All configs first: a bad combination fails before any training.
-  if args.compare:
-    run_configs = [config_for(options, o) for o in ("adama", "adam")]
-  else:
-    run_configs = [harness.TrainConfig(**options)]
+  parser, args = _parse_args(argv)
+  run_configs, checkpoint = _runs(parser, args)
   config = run_configs[0]
-  checkpoint = None
-  if args.checkpoint_dir is not None:
-    defaults = harness.CheckpointOptions(str(args.checkpoint_dir))
-    checkpoint = harness.CheckpointOptions(
-        defaults.directory, every=args.checkpoint_every or defaults.every,
-        keep=args.keep or defaults.keep)
   runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint)
           for run_config in run_configs]
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "

@@ -72,20 +72,35 @@ def run_experiment(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
   """Trains every (model, seed, arm) and returns the runs."""
-  jobs = [(m, s, a) for m in model_kinds for s in seeds for a in arms(num_micro_batches)]
   runs = []
-  for model_kind, seed, arm in tqdm(jobs, desc="validate", disable=not progress,
-                                    file=sys.stderr):
-    settings = dict(SETTINGS[model_kind])
-    if steps is not None:
-      settings["steps"] = steps
-    config = harness.TrainConfig(
-        model=model_kind, optimizer=arm.optimizer,
-        num_micro_batches=arm.num_micro_batches, seed=seed, **settings)
+  for arm, config in tqdm(experiment(model_kinds, seeds, num_micro_batches, steps=steps),
+                          desc="validate", disable=not progress, file=sys.stderr):
     run = harness.train(config, progress=False)
     run["arm"] = arm.label
     runs.append(run)
   return runs
+
+
+def experiment(model_kinds: Sequence[str], seeds: Sequence[int],
+               num_micro_batches: Sequence[int], *,
+               steps: int | None = None) -> list[tuple[Arm, harness.TrainConfig]]:
+  """Every (model, seed, arm) run, built (and so checked) before any trains.
+
+  Raises:
+    ValueError: for a model kind without settings here, or a run that
+      ``harness.TrainConfig`` refuses (an N that does not split the mini-batch).
+  """
+  unknown = sorted(set(model_kinds) - set(SETTINGS))
+  if unknown:
+    raise ValueError(f"models={unknown}: this experiment has settings for {sorted(SETTINGS)}.")
+  jobs = []
+  for model_kind in model_kinds:
+    settings = dict(SETTINGS[model_kind], **({} if steps is None else {"steps": steps}))
+    jobs += [(arm, harness.TrainConfig(model=model_kind, optimizer=arm.optimizer,
+                                       num_micro_batches=arm.num_micro_batches, seed=seed,
+                                       **settings))
+             for seed in seeds for arm in arms(num_micro_batches)]
+  return jobs
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -182,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
     return study.main(argv)
   parser = argparse.ArgumentParser(prog="python -m models.validate",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--models", nargs="+", choices=harness.MODEL_KINDS,
-                      default=list(harness.MODEL_KINDS))
+  parser.add_argument("--models", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
   parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[2, 4, 8])
   parser.add_argument("--steps", type=int, default=None,
@@ -191,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
+  with harness.command_errors(parser):  # every run checked before the first trains
+    for _, config in experiment(args.models, args.seeds, args.num_micro_batches,
+                                steps=args.steps):
+      harness.check_run(config)
   runs = run_experiment(args.models, args.seeds, args.num_micro_batches,
                         steps=args.steps, progress=not args.no_progress)
   rows = summarize(runs)

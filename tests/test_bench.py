@@ -5,6 +5,7 @@ import json
 import jax
 import pytest
 
+import models
 from models import bench, harness
 import optax_adama
 from conftest import load_script, xla_flags
@@ -33,6 +34,29 @@ def test_memory_smoke_adama_below_accumulation(tmp_path):
   assert rows["adama"]["floor"]["total_bytes"] > 3 * P
   assert json.loads(out.read_text())["rows"]
   assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_memory_and_throughput_take_a_compute_dtype(monkeypatch):
+  """``--dtype bfloat16``: bf16 compute on float32 params, as models.train's ``--dtype``."""
+  result = bench.main([
+      "memory", "--presets", "gpt_test", "--num-micro-batches", "2", "--methods", "adama",
+      "--micro-batch-size", "4", "--seq-len", "32", "--dtype", "bfloat16", "--no-progress"])
+  (row,) = result["rows"]
+  assert row["preset"] == "gpt_test (bfloat16)"
+  # As the bf16 model's own config measures (float32's step has 41% fewer temp bytes).
+  (by_config,) = bench.measure_memory(
+      bench.models.get_config("gpt_test", dtype=jax.numpy.bfloat16), ["adama"], 2,
+      micro_batch_size=4, seq_len=32)
+  assert by_config.report == row["report"]
+  assert row["report"]["param_bytes"] == 4 * models.param_count("gpt_test")  # float32 params
+  built = []
+  get_config = bench.models.get_config
+  monkeypatch.setattr(bench.models, "get_config",
+                      lambda *a, **k: built.append(k.get("dtype")) or get_config(*a, **k))
+  bench.main(["throughput", "--presets", "gpt_test", "--methods", "adama",
+              "--num-micro-batches", "2", "--micro-batch-size", "2", "--seq-len", "16",
+              "--rounds", "1", "--steps-per-round", "1", "--dtype", "bfloat16", "--no-progress"])
+  assert jax.numpy.dtype("bfloat16") in built  # the model timed computes in bf16
 
 
 def test_throughput_smoke_interleaves_methods():
@@ -105,7 +129,7 @@ def test_fsdp_methods_place_each_layer_split_and_count_one_devices_bytes():
   assert (totals["fsdp_adama_release"][0] - totals["fsdp_adama_release_8bit"][0]
           > 0.6 * 6 * count), totals
   assert totals["fsdp_scan_accumulation"][0] > totals["fsdp_adama_release"][0], totals
-  with pytest.raises(ValueError, match="needs a mesh and a scanned model"):
+  with pytest.raises(ValueError, match=r"needs a scanned model \(--scan-layers\) and a mesh"):
     bench.total_bytes_at(1, "fsdp_adama_release_8bit", **SMALL_STEP)
 
 
