@@ -35,8 +35,11 @@ activation setting, the smallest N that fits with the first memory lever, by
 bisection over the divisors (memory falls as N grows, time grows with N: each
 micro-batch pays the fold), then each further lever only where it lets a
 smaller N fit. Exact levers come first (float32 moments, then float32 moments
-in host memory), then narrower moments, which change the optimizer's numerics.
-Compiles are memoised by settings. The fastest predicted candidate wins and is
+in host memory), then narrower moments, which change the optimizer's numerics;
+a narrower storage is not compiled where the float32 step at that N, less the
+device bytes the narrower moments save, is still over the budget (a lower
+bound: the program differs only in the optimizer's arithmetic). Compiles are
+memoised by settings. The fastest predicted candidate wins and is
 compiled once more, uncached, to confirm that it fits.
 """
 
@@ -186,12 +189,15 @@ class Skipped:
 @dataclasses.dataclass(frozen=True)
 class Search:
   """What :func:`search` compiled: the smallest fitting N per setting and lever
-  (``fitting``), every candidate (``considered``, in compile order) and the
-  stages skipped without compiling."""
+  (``fitting``), every candidate (``considered``, in compile order), the
+  stages skipped without compiling, and the candidates not compiled because a
+  lower bound of their bytes was already over the budget (``bounded``:
+  (candidate, bound) pairs)."""
 
   fitting: tuple[Considered, ...]
   considered: tuple[Considered, ...]
   skipped: tuple[Skipped, ...]
+  bounded: tuple[tuple[Any, int], ...] = ()
 
 
 def divisors(n: int) -> list[int]:
@@ -227,6 +233,7 @@ def search(
     replicated: Optional[Callable[[Optional[str], str], int]] = None,
     measurable: Callable[[Any, Measurement], bool] = lambda candidate, measurement: True,
     describe: Callable[[Any], str] = str,
+    lower_bound: Optional[Callable[[Any, dict[Any, Considered]], Optional[int]]] = None,
     progress: bool = False,
 ) -> Search:
   """The planner's search, over settings it only names (see the module docstring).
@@ -248,12 +255,26 @@ def search(
       every device; None: no stage is skipped.
     measurable: whether a measurement shows what its candidate saves.
     describe: a candidate's one-line name, for ``progress``.
+    lower_bound: ``lower_bound(candidate, considered)``, bytes the candidate
+      takes at least, from what was compiled so far (or None): over the
+      budget, it is not compiled.
     progress: print each compile to stderr.
 
   Returns:
     A :class:`Search`.
   """
   considered: dict[Any, Considered] = {}
+  bounded: dict[Any, int] = {}
+
+  def fits(candidate: Any) -> bool:
+    bound = None if lower_bound is None else lower_bound(candidate, considered)
+    if candidate not in considered and bound is not None and bound > budget_bytes:
+      bounded[candidate] = bound
+      if progress:
+        print(f"  {describe(candidate)}: at least {bound / 1e9:.2f} GB, not compiled",
+              file=sys.stderr)
+      return False
+    return consider(candidate).fits
 
   def consider(candidate: Any) -> Considered:
     if candidate not in considered:
@@ -291,7 +312,7 @@ def search(
       for lever in levers(storages):
         def candidate(i: int, lever=lever, activation=activation, stage=stage) -> Any:
           return candidate_of(splits[i], activation, lever, stage)
-        index = smallest_fitting(lambda i: consider(candidate(i)).fits, upper)
+        index = smallest_fitting(lambda i: fits(candidate(i)), upper)
         if index is not None:
           found = considered[candidate(index)]
           if found.measurable:
@@ -299,7 +320,8 @@ def search(
           upper = index
         if upper == 0:
           break
-  return Search(tuple(fitting), tuple(considered.values()), tuple(skipped))
+  return Search(tuple(fitting), tuple(considered.values()), tuple(skipped),
+                tuple(bounded.items()))
 
 
 def ring_factor(kind: str, devices: int) -> float:
@@ -444,6 +466,8 @@ class Plan:
     measurement: the confirming compile's :class:`Measurement`.
     considered: every candidate compiled.
     skipped: the ZeRO stages not compiled (their whole part is over budget).
+    bounded: (settings, bytes) not compiled: narrower moments at an N where
+      the float32 step, less the bytes the narrower moments save, is over.
   """
 
   settings: PlanSettings
@@ -453,6 +477,7 @@ class Plan:
   measurement: Measurement
   considered: tuple[Considered, ...]
   skipped: tuple[Skipped, ...]
+  bounded: tuple[tuple[PlanSettings, int], ...]
   loss_fn: Callable[..., Any] = dataclasses.field(repr=False, compare=False)
   has_aux: bool = False
   mesh: Optional[jax.sharding.Mesh] = dataclasses.field(default=None, repr=False)
@@ -502,6 +527,8 @@ def _table(chosen: Plan) -> str:
     lines.append(f"| {row.candidate.describe(on_mesh=on_mesh)}{mark} | {m.device_bytes:,} | "
                  f"{m.device_bytes / m.param_bytes:.2f} | {m.host_bytes:,} | "
                  f"{row.predicted_s * 1e3:.4g} ms | {fits} |")
+  lines += [f"| {settings.describe(on_mesh=on_mesh)} | at least {bound:,} | - | - | - | no: "
+            "not compiled |" for settings, bound in chosen.bounded]
   lines += [f"| {s.describe()} | {s.replicated_bytes:,} whole | - | - | - | no: skipped |"
             for s in chosen.skipped]
   return "\n".join(lines)
@@ -622,7 +649,8 @@ def plan(
       measure=measure, machine=machine,
       replicated=None if mesh is None else context.replicated,
       measurable=lambda c, m: not c.offload_moments or m.host_bytes > 0,
-      describe=lambda c: c.describe(on_mesh=mesh is not None), progress=progress)
+      describe=lambda c: c.describe(on_mesh=mesh is not None),
+      lower_bound=context.narrower_bound, progress=progress)
   if not found.fitting:
     raise ValueError(context.nothing_fits(found, budget_bytes))
   precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
@@ -633,7 +661,8 @@ def plan(
     raise RuntimeError(f"the chosen {best.candidate.describe()} measured "
                        f"{verified.device_bytes:,} B on recompiling, over the budget.")
   return Plan(best.candidate, verified.device_bytes, best.predicted_s, int(budget_bytes),
-              verified, found.considered, found.skipped, loss_fn, has_aux, mesh, data_axis)
+              verified, found.considered, found.skipped, found.bounded, loss_fn, has_aux, mesh,
+              data_axis)
 
 
 def _levers(storages: Sequence[str], *, offload: bool) -> list[tuple[str, bool]]:
@@ -803,6 +832,19 @@ class _Context:
           f"{jax.tree.map(lambda x: x.shape, out)}.")
     return micro_batch
 
+  def narrower_bound(self, settings: PlanSettings,
+                     considered: dict[Any, Considered]) -> Optional[int]:
+    """Bytes narrower moments take at least: the same step with float32 moments,
+    compiled, less the device bytes the narrower moments no longer hold (the
+    program is the same but for the optimizer's arithmetic). None: no such step
+    compiled yet."""
+    wide = dataclasses.replace(settings, moments=MOMENT_STORAGES[0])
+    if settings == wide or wide not in considered:
+      return None
+    saved = (_device_share(self.arguments(wide)[2])
+             - _device_share(self.arguments(settings)[2]))
+    return considered[wide].measurement.device_bytes - saved
+
   def replicated(self, shard_states: Optional[str], moments: str) -> int:
     """Bytes a stage keeps whole on every device, whatever N: params and state
     with no stage, the params under zero1 and zero2, nothing under fsdp."""
@@ -836,9 +878,10 @@ class _Context:
                            "on a backend that has it (offload=True)",
     }.get(dominant, "remat (jax.checkpoint) inside the model, a StagedLoss for the gradient "
                     "release, more rows per mini-batch (a larger N), or shorter sequences")
+    verb = "dominates" if dominant == "optimizer state" else "dominate"
     labels = {"activations": "activations of one micro-batch (with its gradients, the batch)"}
     listed = ", ".join(f"{labels.get(name, name)} {nbytes:,} B" for name, nbytes in parts.items())
     return (f"nothing fits {budget}: the smallest step compiled, "
             f"{settings.describe(on_mesh=self.mesh is not None)}, takes {total:,} B "
-            f"({total / 1e9:.3g} GB): {listed}. The {dominant} dominate: try {advice}.")
+            f"({total / 1e9:.3g} GB): {listed}. The {dominant} {verb}: try {advice}.")
 
