@@ -267,9 +267,10 @@ MODEL_KIND_OF_CONFIG = {models.GPTConfig: "gpt", models.BERTConfig: "bert",
                         models.ViTConfig: "vit", models.LlamaConfig: "llama"}
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
-# AdamA's estimators of v, and the library's default (optax_adama.adamaw's).
-NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.NU_ESTIMATORS
-DEFAULT_NU_ESTIMATOR = inspect.signature(optax_adama.adamaw).parameters["nu_estimator"].default
+# AdamA's estimators of v: the main transforms' ("mean", the paper's) and the
+# research ones of optax_adama.contrib, which the study runs.
+NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.contrib.NU_ESTIMATORS
+DEFAULT_NU_ESTIMATOR = "mean"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +325,8 @@ class TrainConfig:
     check_counts(steps=self.steps, num_micro_batches=self.num_micro_batches,
                  batch_size=self.batch_size)
     if self.batch_size % self.num_micro_batches:
-      raise ValueError(
       divisors = [n for n in range(1, self.batch_size + 1) if self.batch_size % n == 0]
+      raise ValueError(
           f"batch size {self.batch_size} does not split into "
           f"num_micro_batches={self.num_micro_batches} equal micro-batches: pick "
           f"num_micro_batches from {divisors}, or a batch_size that is a multiple of "
@@ -371,7 +372,6 @@ class TrainConfig:
             f"accumulation_dtype={self.accumulation_dtype!r} is for gradient "
             f"accumulation (optimizer='adam'), got optimizer={self.optimizer!r}.")
 
-  @property
   def _check_model(self) -> None:
     """The preset is one of ``models.PRESETS`` and a model of ``model``'s kind."""
     if self.preset is None:
@@ -385,6 +385,7 @@ class TrainConfig:
       raise ValueError(f"preset={self.preset} is a {kind} model, not a {self.model}: pass "
                        f"model={kind}, or a {self.model} preset ({', '.join(own)}).")
 
+  @property
   def preset_name(self) -> str:
     # A fine-tuning run without a preset is named by its checkpoint.
     return self.preset or self.init_from or f"{self.model}_tiny"
@@ -421,11 +422,14 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     # 8-bit blocks must not straddle layers (release_step refuses them).
     quantization = (optax_adama.BlockQuantization(layer_aligned=config.release)
                     if config.quantize_moments else None)
-    return optax_adama.adamaw(
-        schedule, weight_decay=config.weight_decay,
-        num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
-        nu_dtype=config.nu_dtype, quantization=quantization,
-        nu_estimator=config.nu_estimator, split_floor=config.split_floor)
+    options = dict(weight_decay=config.weight_decay,
+                   num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
+                   nu_dtype=config.nu_dtype, quantization=quantization)
+    if config.nu_estimator == DEFAULT_NU_ESTIMATOR and config.split_floor:
+      return optax_adama.adamaw(schedule, **options)
+    return optax_adama.contrib.adamaw(
+        schedule, nu_estimator=config.nu_estimator, split_floor=config.split_floor,
+        **options)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
@@ -608,10 +612,6 @@ class _StopSignals:
       signal.signal(sig, handler)
 
 
-def _resume(run_checkpoints, params, opt_state, config):
-  """``(params, opt_state, first step, losses so far)``, from the newest checkpoint."""
-  if run_checkpoints is None:
-    return params, opt_state, 0, []
 def _run_checkpoints(config: TrainConfig,
                      checkpoint: CheckpointOptions | None) -> checkpointing.RunCheckpoints | None:
   """The checkpoints of the run of ``config`` (None: the run saves none)."""
@@ -641,6 +641,10 @@ def check_run(config: TrainConfig, checkpoint: CheckpointOptions | None = None) 
       run_checkpoints.close()
 
 
+def _resume(run_checkpoints, params, opt_state, config):
+  """``(params, opt_state, first step, losses so far)``, from the newest checkpoint."""
+  if run_checkpoints is None:
+    return params, opt_state, 0, []
   restored = run_checkpoints.restore_latest(
       checkpointing.abstract_like({"params": params, "opt_state": opt_state}))
   if restored is None:
@@ -821,12 +825,12 @@ def make_step(
   method scans ``num_micro_batches`` of them. ``rank``: the low-rank methods'
   projection rank.
   """
+  check_method(method, scanned=isinstance(loss_fn, optax_adama.StagedLoss),
+               mesh=mesh is not None)
   adam = optax.adam(learning_rate)
   if method in FSDP_METHODS:
     return _fsdp_step(method, loss_fn, num_micro_batches, learning_rate, mesh)
   if method in STATE_METHODS:
-  check_method(method, scanned=isinstance(loss_fn, optax_adama.StagedLoss),
-               mesh=mesh is not None)
     return _state_method_step(method, loss_fn, num_micro_batches, learning_rate, rank)
   if method in SHARDED_METHODS:
     quantization = optax_adama.BlockQuantization() if method.endswith("_8bit") else None
@@ -1032,26 +1036,26 @@ def floor_for(method: str, config: models.Config, batch: dict,
   return dataclasses.replace(floor, largest_gradient_bytes=largest)
 
 
-def measure_throughput(
-    preset: str,
-    methods: Sequence[str],
-    num_micro_batches: int,
 def dtype_override(dtype: str | None) -> dict[str, Any]:
   """The config field of a compute dtype (``--dtype``); none for None (the preset's)."""
   return {} if dtype is None else {"dtype": jnp.dtype(dtype)}
 
 
+def measure_throughput(
+    preset: str,
+    methods: Sequence[str],
+    num_micro_batches: int,
     *,
     micro_batch_size: int,
     seq_len: int | None = None,
     rounds: int = 7,
     steps_per_round: int = 5,
     progress: bool = True,
+    dtype: str | None = None,
 ) -> dict[str, dict[str, float]]:
   """Median step time per method, the methods interleaved round by round.
 
   Interleaving means slow drift of the machine (other load, thermal state)
-    dtype: str | None = None,
   hits every method alike, so their ratio is trustworthy. ``dtype``: the
   compute dtype (params and moments stay float32); None: the preset's.
   """

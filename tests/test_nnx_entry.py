@@ -71,7 +71,7 @@ def _params(model):
 
 @pytest.mark.parametrize("nu_estimator", ["mean", "split"])
 def test_matches_microbatch_step_on_nnx_split(nu_estimator):
-  tx = optax_adama.adamaw(1e-2, num_micro_batches=N, nu_estimator=nu_estimator)
+  tx = optax_adama.contrib.adamaw(1e-2, num_micro_batches=N, nu_estimator=nu_estimator)
   batches = [_batch(seed) for seed in range(2)]
   model = MLP(rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(_copy(model), nnx.Param, ...)
@@ -93,7 +93,7 @@ def test_matches_microbatch_step_on_nnx_split(nu_estimator):
 
 @pytest.mark.parametrize("nu_estimator", ["mean", "momentum", "split"])
 def test_matches_nnx_optimizer_per_micro_batch(nu_estimator):
-  tx = optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=N,
+  tx = optax_adama.contrib.adamaw(1e-2, weight_decay=0.1, num_micro_batches=N,
                           nu_estimator=nu_estimator)
   batches = [_batch(seed) for seed in range(2)]
   model = MLP(rngs=nnx.Rngs(0))
@@ -137,7 +137,7 @@ def test_split_estimator_halves_draw_different_masks():
   # aux is dropout applied to ones, the same input in both halves: values 0 or
   # 2, averaged over the halves by "split", so 1.0 where the halves' masks differ.
   model = MLP(rngs=nnx.Rngs(0, dropout=1), dropout=0.5)
-  tx = optax_adama.adamaw(1e-2, num_micro_batches=N, nu_estimator="split")
+  tx = optax_adama.contrib.adamaw(1e-2, num_micro_batches=N, nu_estimator="split")
   opt = adama_nnx.MicroBatchOptimizer(model, tx, wrt=nnx.Param)
 
   def mask_aux(model, batch):
@@ -159,7 +159,7 @@ def test_batch_stats_are_the_mean_of_the_micro_batches_updates():
   want = jax.tree.map(lambda *xs: sum(xs) / N, *updated)
   before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
 
-  tx = optax_adama.adamaw(1e-2, num_micro_batches=N, nu_estimator="mean")
+  tx = optax_adama.adamaw(1e-2, num_micro_batches=N)
   opt = adama_nnx.MicroBatchOptimizer(model, tx, wrt=nnx.Param)
   opt.update(model, loss_fn, batch)
   got = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
