@@ -20,15 +20,27 @@ from nbclient import NotebookClient
 HERE = Path(__file__).resolve().parent
 
 INSTALL = '''\
-# Install this repository with its Flax models. From a clone this is the
-# parent folder; on Colab set OPTAX_ADAMA_REPO to the repository's git URL.
-import importlib.util, os, subprocess, sys
+# This repository and its Flax models. From a clone this is the parent folder;
+# elsewhere (Colab) set OPTAX_ADAMA_REPO to the repository's git URL: it is
+# cloned beside the notebook and put on sys.path, since the model zoo (models/)
+# runs from a checkout (the wheel holds optax_adama alone).
+import importlib, importlib.util, os, subprocess, sys, tomllib
 
-REPO = os.environ.get("OPTAX_ADAMA_REPO", "..")
+REPO = os.environ.get("OPTAX_ADAMA_REPO", "..").removeprefix("git+")
+if "://" in REPO or REPO.startswith("git@"):
+  if not os.path.isdir("optax_adama_repo"):
+    subprocess.check_call(["git", "clone", "-q", "--depth", "1", REPO, "optax_adama_repo"])
+  REPO = "optax_adama_repo"
+REPO = os.path.abspath(REPO)
 if not all(importlib.util.find_spec(m) for m in ("optax_adama", "models", "flax")):
-  spec = f"optax_adama[models] @ git+{REPO}" if "://" in REPO else f"{REPO}[models]"
-  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", spec])
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]  # the library's and the models' requirements
+  subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                         *project["dependencies"], *project["optional-dependencies"]["models"]])
+  sys.path.insert(0, REPO)
+  importlib.invalidate_caches()
 SMOKE = os.environ.get("NOTEBOOK_SMOKE") == "1"  # CI runs the smallest setting'''
+
 
 QUICKSTART = [
     ("markdown", """\
@@ -142,10 +154,10 @@ smaller micro-batches (docs/estimators.md: -0.61% and +0.40% against Adam +
 accumulation on GPT-2 small over 2,000 steps at N = 4 and 8). `"momentum"` folds each micro-batch's
 g_i^2 / N^2 and adds (1 - 1/N) m_hat^2 once per mini-batch, at no memory beyond m and v:
 Adam's own second moment where the mean gradient holds steady over m's horizon; where
-it moves faster, v runs short and the steps long (`optax_adama.diagnose_second_moment`
+it moves faster, v runs short and the steps long (`optax_adama.diagnostics.diagnose_second_moment`
 measures it on your model). To see them side by side, name it:"""),
     ("code", '''\
-momentum_losses, momentum_held_out = train_fused(optax_adama.adamaw(
+momentum_losses, momentum_held_out = train_fused(optax_adama.contrib.adamaw(
     schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES, nu_estimator="momentum"))
 for name, held_out in [("AdamA 'momentum'", momentum_held_out), ("AdamA default", fused_held_out)]:
   print(f"{name:>16}: held-out {held_out:.4f}, {held_out / accumulation_held_out - 1:+.2%} against Adam + accumulation")
@@ -172,7 +184,7 @@ steps are Adam's times 1/sqrt(rho)), with a suggestion."""),
 model = models.create("gpt_tiny", rngs=nnx.Rngs(0))
 loss_fn, params = models.split_loss_fn(model)
 batches = data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0)
-diagnosis = optax_adama.diagnose_second_moment(
+diagnosis = optax_adama.diagnostics.diagnose_second_moment(
     loss_fn, params, [b for _, b in zip(range(6 if SMOKE else 60), batches)],
     num_micro_batches=NUM_MICRO_BATCHES, learning_rate=2e-3)
 print(diagnosis.summary(learning_rate=2e-3))'''),
@@ -385,7 +397,7 @@ the budget is per device). The committed results, from a clone of the repository
     ("code", '''\
 from pathlib import Path
 for name in ("capacity.md", "capacity_24gb.md", "capacity_8_devices_4gb.md"):
-  table = Path("..") / "benchmarks" / "raw" / name
+  table = Path(REPO) / "benchmarks" / "raw" / name
   print(f"{name}:\\n{table.read_text()}" if table.exists() else f"{name}: not in this checkout")'''),
 ]
 
