@@ -59,7 +59,8 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +251,7 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int,
   return low
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_param_count(scale: int, vocab_size: int = 50257) -> int:
   """Parameters of gpt_family(scale), counted abstractly once per scale."""
   return models.param_count(gpt_family(scale, vocab_size=vocab_size))
@@ -471,7 +472,8 @@ def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
 
 def _parser() -> argparse.ArgumentParser:
   """The command line (its ``error`` ends the command as argparse does)."""
-  parser = argparse.ArgumentParser(prog="python -m models.bench", description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m models.bench",
+                                   description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--methods", nargs="+",
@@ -608,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       result["presets"][preset] = timing
       ratio = ""
       if "adama" in timing and "scan_accumulation" in timing:
-        ratio = f"{timing['adama']['median_step_s'] / timing['scan_accumulation']['median_step_s']:.3f}"
+        ratio = (timing["adama"]["median_step_s"]
+                 / timing["scan_accumulation"]["median_step_s"])
+        ratio = f"{ratio:.3f}"
       lines.append(f"| {preset} | {args.num_micro_batches} | " + " | ".join(
           f"{timing[m]['median_step_s'] * 1e3:.1f} ms ({timing[m]['tokens_per_s']:,.0f} tok/s)"
           for m in args.methods) + f" | {ratio} |")

@@ -453,13 +453,15 @@ def capacity_table(rows: Sequence[dict[str, Any]]) -> str:
            "accumulation | tries |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     count, peak = r["param_count"], r["peak_bytes_in_use"]
+    tries = ", ".join(str(a["scale"]) + (" fails" if a["error"] else " trains")
+                      for a in r["attempts"])
     lines.append(
         f"| {r['method']} | {r['compiled_scale'] or 'none'} layers "
         f"| {r['trained_scale'] or 'none'} layers "
         f"| {'' if not count else f'{count / 1e6:,.1f}M'} "
         f"| {'' if peak is None else harness.format_bytes(peak)} "
         f"| {'' if not (count and base) else f'{count / base:.2f}x'} "
-        f"| {', '.join(str(a['scale']) + (' fails' if a['error'] else ' trains') for a in r['attempts'])} |")
+        f"| {tries} |")
   return "\n".join(lines) + "\n"
 
 
@@ -548,9 +550,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
         + text(_ratio(get(preset, n, sc, "full", "adama_momentum", "peak_bytes_in_use"),
                       get(preset, n, sc, "full", "adama", "peak_bytes_in_use")))
         for sc in (False, True))
+    scanned_vs_unrolled = _ratio(step(True, "full", "scan_accumulation"),
+                                 step(False, "full", "scan_accumulation"))
     lines.append(
         f"| {preset}, N={n} | {text(adama[0])}; {text(adama[1])} "
-        f"| {text(_ratio(step(True, 'full', 'scan_accumulation'), step(False, 'full', 'scan_accumulation')))} "
+        f"| {text(scanned_vs_unrolled)} "
         f"| {text(_ratio(release, step(False, 'full', 'scan_accumulation')))} "
         f"| {text(_ratio(release, step(False, 'none', 'scan_accumulation')))} "
         f"| {text(vs_floor, '{:+.1f}%')} | {vs_default} |")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import os
 import platform
 import re
@@ -39,7 +38,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ import optax_adama
 from models import checkpoint as checkpointing
 from models import data
 from models import llama_checkpoint
-
 
 # Where a result was measured.
 
@@ -172,11 +172,11 @@ def as_flags(parser: argparse.ArgumentParser, message: str) -> str:
   ``no FLAG``), and a bare ``dest`` with an underscore in it (no English word
   has one) to its flag.
   """
-  actions = {a.dest: a for a in parser._actions if a.option_strings}  # noqa: SLF001
-  for sub in parser._actions:  # noqa: SLF001
-    if isinstance(sub, argparse._SubParsersAction):  # noqa: SLF001
+  actions = {a.dest: a for a in parser._actions if a.option_strings}
+  for sub in parser._actions:
+    if isinstance(sub, argparse._SubParsersAction):
       for child in sub.choices.values():
-        actions.update({a.dest: a for a in child._actions  # noqa: SLF001
+        actions.update({a.dest: a for a in child._actions
                         if a.option_strings and a.dest not in actions})
 
   def assignment(match: re.Match) -> str:

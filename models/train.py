@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import models
-import optax_adama
-from models import harness, planner, savers
+from models import harness
+from models import planner
+from models import savers
 
 # Options only one side of `--compare` takes; the other side keeps its default.
 ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator", "split_floor", "release")

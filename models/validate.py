@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from models import harness, study
+from models import harness
+from models import study
 
 # Per-model settings: enough steps for the curves to flatten on two CPU cores.
 # BERT (post-LN) needs the lower learning rate to leave the unigram plateau.
@@ -154,7 +155,8 @@ def markdown(rows: Sequence[dict[str, Any]], command: str, machine: dict[str, An
   ]
   for r in rows:
     acc = "" if r["eval_accuracy_mean"] is None else f"{r['eval_accuracy_mean']:.4f}"
-    within = "" if r["arm"] == "Adam" else ("yes" if abs(r["rel_diff_to_adam"]) <= 0.01 else "**no**")
+    within = ("" if r["arm"] == "Adam"
+              else "yes" if abs(r["rel_diff_to_adam"]) <= 0.01 else "**no**")
     rel = "" if r["arm"] == "Adam" else f"{100 * r['rel_diff_to_adam']:+.2f}%"
     paired = "" if r["arm"] == "Adam" else f"{100 * r['paired_rel_diff_max']:.2f}%"
     lines.append(

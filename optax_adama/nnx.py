@@ -16,7 +16,9 @@ class itself is made then).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ import optax
 
 from optax_adama import _microbatch
 
-__all__ = ("MicroBatchOptimizer",)
+__all__ = ("MicroBatchOptimizer",)  # noqa: F822 (made on first use: __getattr__ below)
 
 Batch = Any
 Metrics = dict[str, Any]

@@ -15,8 +15,14 @@ import json
 import numpy as np
 import pytest
 
-from models import bench, demo, gpu_bench, harness, planner, train, validate
+from models import bench
 from models import checkpoint as checkpointing
+from models import demo
+from models import gpu_bench
+from models import harness
+from models import planner
+from models import train
+from models import validate
 
 
 def _refusal(main, argv, capsys) -> str:

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import update_with_halves
 from flax import nnx
 
 import optax_adama
-from conftest import update_with_halves
 from optax_adama import nnx as adama_nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ import sysconfig
 import venv
 
 import pytest
-
-from conftest import REPO, load_script
+from conftest import REPO
+from conftest import load_script
 
 build = load_script("notebooks/build.py")
 
