@@ -52,14 +52,19 @@ def fresh_python(tmp_path_factory) -> pathlib.Path:
   return python
 
 
+def _env() -> dict[str, str]:
+  """This process's environment, less what would find the project, with the URL."""
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  env.update(OPTAX_ADAMA_REPO=f"git+file://{REPO}", PIP_NO_INDEX="1",
+             PIP_DISABLE_PIP_VERSION_CHECK="1")
+  return env
+
+
 def _run_cell(python: pathlib.Path, cwd: pathlib.Path, then: str) -> str:
   """The first cell, then ``then``, with OPTAX_ADAMA_REPO this repository's URL."""
   if subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True).returncode:
     pytest.skip("not a git checkout: nothing to clone")
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-  env.update(OPTAX_ADAMA_REPO=f"git+file://{REPO}", PIP_NO_INDEX="1",
-             PIP_DISABLE_PIP_VERSION_CHECK="1")
-  result = subprocess.run([python, "-c", build.INSTALL + "\n" + then], cwd=cwd, env=env,
+  result = subprocess.run([python, "-c", build.INSTALL + "\n" + then], cwd=cwd, env=_env(),
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
@@ -73,7 +78,7 @@ def _found_in_the_clone(out: str, clone: pathlib.Path) -> None:
 
 def test_first_cell_finds_the_project_in_a_clone_of_the_git_url(fresh_python, tmp_path):
   # Without the cell, nothing of the project is found here.
-  bare = subprocess.run([fresh_python, "-c", "import models"], cwd=tmp_path,
+  bare = subprocess.run([fresh_python, "-c", "import models"], cwd=tmp_path, env=_env(),
                         capture_output=True, text=True)
   assert "No module named 'models'" in bare.stderr
   _found_in_the_clone(_run_cell(fresh_python, tmp_path, FOUND), tmp_path / "optax_adama_repo")
