@@ -40,6 +40,10 @@ unrolled model's, whose largest gradient is one layer's leaf or an outer leaf:
     python -m models.bench memory --scan-layers --presets gpt2_small \
         --num-micro-batches 4 --methods scan_accumulation adama adama_release
 
+``--dtype bfloat16`` runs every model in bf16 compute with float32 params and
+moments (mixed precision, as on a GPU), as ``models.train`` and
+``models.gpu_bench`` take it; the memory rows then read ``preset (bfloat16)``.
+
 Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
 laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
 AdamA's analytic floor from ``optax_adama.memory.memory_floor``.
