@@ -860,8 +860,9 @@ def test_eight_bit_moments_are_split_where_their_gradients_are(stage):
       "straddling": jnp.zeros((3, 8 * 2048)),  # split along columns: 24 blocks, none whole
       "odd": jnp.zeros((3, 5 * 2048 + 2)),  # no dimension divides by 8: the param is whole
   }
+  # The flat layout (blocks over the whole leaf), whose splits are checked here.
   tx = optax_adama.adamaw(1e-3, num_micro_batches=2,
-                          quantization=optax_adama.BlockQuantization())
+                          quantization=optax_adama.BlockQuantization(layer_aligned=False))
   state = jax.eval_shape(tx.init, params)
   shardings = optax_adama.sharding.step_shardings(params, state, mesh, shard_states=stage)
   adama = optax_adama.find_adama_state(shardings.opt_state)
