@@ -70,4 +70,6 @@ def test_wheel_installs_the_library_and_nothing_else(tmp_path):
   assert {t for t in top if not t.endswith(".dist-info")} == {"optax_adama"}, sorted(top)
   library = {f"optax_adama/{p.name}" for p in (ROOT / "optax_adama").glob("*.py")}
   assert library <= names, sorted(library - names)
+  # PEP 561: type checkers read the library's annotations from the wheel.
+  assert "optax_adama/py.typed" in names
   assert not any(name.startswith("models/") for name in names)
