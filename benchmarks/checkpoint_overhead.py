@@ -89,8 +89,8 @@ def main() -> None:
         f"{median['checkpoint']:.2f} s | {100 * overhead:+.2f}% (paired: "
         + ", ".join(f"{100 * p:+.2f}%" for p in paired) + ") |")
   print(f"one save of {costs['leaves']} leaves, {costs['bytes'] / 1e6:.2f} MB: blocks "
-        f"{1e3 * costs['median_blocking_s']:.1f} ms, writes {1e3 * costs['median_background_write_s']:.1f} "
-        f"ms more in the background")
+        f"{1e3 * costs['median_blocking_s']:.1f} ms, writes "
+        f"{1e3 * costs['median_background_write_s']:.1f} ms more in the background")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def estimator_totals(preset: str, batch_size: int, num_micro_batches: int = 4, *
   batch = harness.abstract_batch(config, batch_size, None)
   totals = {}
   for estimator in estimators:
-    tx = optax_adama.contrib.adama(1e-3, num_micro_batches=num_micro_batches, nu_estimator=estimator)
+    tx = optax_adama.contrib.adama(1e-3, num_micro_batches=num_micro_batches,
+                                   nu_estimator=estimator)
     state = jax.eval_shape(tx.init, params)
     steps = {estimator: optax_adama.microbatch_step(loss_fn, tx)}
     if scan_layers:
@@ -72,7 +73,8 @@ def main() -> None:
     totals = estimator_totals(preset, args.batch_size, scan_layers=args.scan_layers,
                               remat=args.remat, estimators=args.estimators,
                               dtype=jnp.dtype(args.dtype),
-                              **({"loss_chunks": args.loss_chunks} if args.loss_chunks != 1 else {}))
+                              **({"loss_chunks": args.loss_chunks}
+                                 if args.loss_chunks != 1 else {}))
     params = nnx.eval_shape(lambda: models.create(models.get_config(preset), rngs=nnx.Rngs(0)))
     param_bytes = optax_adama.memory.tree_bytes(nnx.state(params, nnx.Param))
     print(preset)

@@ -55,6 +55,7 @@ METHODS = ("fsdp_scan_accumulation", "fsdp_adama", "fsdp_adama_release",
 def _optimizer(method, num_micro_batches):
   import jax.numpy as jnp
   import optax
+
   import optax_adama
   if method == "fsdp_scan_accumulation":
     return optax.adamw(1e-4)
@@ -66,7 +67,6 @@ def _optimizer(method, num_micro_batches):
 
 def measure(preset, args):
   import jax
-  import jax.numpy as jnp
   import optax
   from flax import nnx
 
@@ -162,7 +162,8 @@ def main(argv=None):
                              + f" --xla_force_host_platform_device_count={args.devices}")
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   rows = [r for preset in args.presets for r in measure(preset, args)]
-  command = "python benchmarks/fsdp_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  command = ("python benchmarks/fsdp_memory.py "
+             + " ".join(argv if argv is not None else sys.argv[1:]))
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
   args.markdown.write_text(markdown(rows, command.strip()))

@@ -29,7 +29,8 @@ import numpy as np
 import optax
 
 import optax_adama
-from models import harness, validate
+from models import harness
+from models import validate
 
 NUM_MICRO_BATCHES = 4
 ARMS = ("adam", "adama", "adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload",
@@ -117,7 +118,8 @@ def main(argv=None) -> None:
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--markdown", type=Path, required=True)
   args = parser.parse_args(argv)
-  command = "python benchmarks/low_rank_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
+  command = ("python benchmarks/low_rank_convergence.py "
+             + " ".join(sys.argv[1:] if argv is None else argv))
   settings = (f"rank {args.rank}, refreshed every {args.refresh_period} mini-batches, "
               + ("blocks' kernels only" if args.blocks_only else "embeddings projected too"))
   runs = []

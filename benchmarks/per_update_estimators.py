@@ -260,7 +260,8 @@ def markdown(result: dict) -> str:
       "",
       "## Medians over seeds (per-seed range in parentheses)",
       "",
-      "| rate | arm | held-out loss | held-out gap | function error gap | training loss | training gap |",
+      "| rate | arm | held-out loss | held-out gap | function error gap | training loss "
+      "| training gap |",
       "|---|---|---|---|---|---|---|",
   ]
   for e in result["summary"]:
@@ -292,10 +293,12 @@ def markdown(result: dict) -> str:
       "",
       "## Every run",
       "",
-      "| seed | rate | arm | training loss | held-out loss | function error | held-out gap | function error gap | training gap |",
+      "| seed | rate | arm | training loss | held-out loss | function error | held-out gap "
+      "| function error gap | training gap |",
       "|---|---|---|---|---|---|---|---|---|",
   ]
-  for r in sorted(result["rows"], key=lambda r: (r["learning_rate"], r["seed"], ARMS.index(r["arm"]))):
+  for r in sorted(result["rows"],
+                  key=lambda r: (r["learning_rate"], r["seed"], ARMS.index(r["arm"]))):
     g = r.get("gap_pct", {})
     gaps = [f"{g[k]:+.2f} %" if k in g else ""
             for k in ("heldout_loss", "heldout_function_error", "train_loss")]

@@ -502,7 +502,8 @@ class GroupedQueryAttention(nnx.Module):
       [batch, length, hidden] outputs.
     """
     batch, length, _ = x.shape
-    kv_heads, groups, head_dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+    kv_heads, groups, head_dim = (self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                                  self.head_dim)
     q = checkpoint_name(self.q(x), "qkv").reshape(batch, length, self.num_heads, head_dim)
     k = checkpoint_name(self.k(x), "qkv").reshape(batch, length, kv_heads, head_dim)
     v = checkpoint_name(self.v(x), "qkv").reshape(batch, length, kv_heads, head_dim)

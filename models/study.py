@@ -36,7 +36,8 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -630,7 +631,8 @@ def run_rho_rows(model_kinds: Sequence[str], num_micro_batches: Sequence[int],
         table_path.write_text(tails_markdown(results["rows"], results["commands"]))
 
 
-def plot_rho(diagnoses: dict[str, optax_adama.diagnostics.SecondMomentDiagnosis], path: Path) -> None:
+def plot_rho(diagnoses: dict[str, optax_adama.diagnostics.SecondMomentDiagnosis],
+             path: Path) -> None:
   """Median rho, its interquartile band and its 5th percentile (the coordinates whose
   steps most exceed Adam's) over training, per model and estimator."""
   import matplotlib

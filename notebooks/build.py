@@ -19,6 +19,8 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 
+# In the cell sources below, a backslash that ends a line joins it to the next one (the
+# string literal drops both): the notebook's cell has one line where this file has two.
 INSTALL = '''\
 # This repository and its Flax models. From a clone this is the parent folder;
 # elsewhere (Colab) set OPTAX_ADAMA_REPO to the repository's git URL: it is
@@ -65,7 +67,8 @@ from models.harness import warmup_cosine_schedule
 NUM_MICRO_BATCHES, BATCH_SIZE, SEQ_LEN = 4, 32, 64
 STEPS = 20 if SMOKE else 300
 text = data.load_stdlib_text(max_bytes=2_000_000)  # Python's own sources, offline
-print(f"{len(text.train):,} training bytes, {len(text.valid):,} held out; jax {jax.__version__} on {jax.devices()[0].platform}")'''),
+print(f"{len(text.train):,} training bytes, {len(text.valid):,} held out; \
+jax {jax.__version__} on {jax.devices()[0].platform}")'''),
     ("markdown", """\
 ## 1. `nnx.Optimizer`, one update per micro-batch
 
@@ -88,17 +91,21 @@ def train_per_micro_batch(tx, steps=STEPS):
   losses = []
   batches = data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=0)
   for _, batch in zip(range(steps), batches):
-    micro = [jax.tree.map(lambda x: x[i::NUM_MICRO_BATCHES], batch) for i in range(NUM_MICRO_BATCHES)]
+    micro = [jax.tree.map(lambda x: x[i::NUM_MICRO_BATCHES], batch) \
+for i in range(NUM_MICRO_BATCHES)]
     losses.append(np.mean([float(train_micro_batch(model, optimizer, mb)) for mb in micro]))
   return model, losses
 
-baseline_tx = optax.MultiSteps(optax.adamw(schedule, weight_decay=1e-4), every_k_schedule=NUM_MICRO_BATCHES)
-adama_tx = optax_adama.adamaw(schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES)  # the swap
+baseline_tx = optax.MultiSteps(optax.adamw(schedule, weight_decay=1e-4), \
+every_k_schedule=NUM_MICRO_BATCHES)
+adama_tx = optax_adama.adamaw(schedule, weight_decay=1e-4, \
+num_micro_batches=NUM_MICRO_BATCHES)  # the swap
 
 start = time.perf_counter()
 _, adam_losses = train_per_micro_batch(baseline_tx)
 _, adama_losses = train_per_micro_batch(adama_tx)
-print(f"trained both in {time.perf_counter() - start:.0f} s; final loss Adam {np.mean(adam_losses[-20:]):.3f}, AdamA {np.mean(adama_losses[-20:]):.3f}")'''),
+print(f"trained both in {time.perf_counter() - start:.0f} s; \
+final loss Adam {np.mean(adam_losses[-20:]):.3f}, AdamA {np.mean(adama_losses[-20:]):.3f}")'''),
     ("markdown", """\
 ## 2. The fused step: `optax_adama.microbatch_step`
 
@@ -137,7 +144,8 @@ plt.plot(smooth(adam_losses), label="Adam (optax.MultiSteps), per micro-batch", 
 plt.plot(smooth(adama_losses), label="AdamA (nnx.Optimizer), per micro-batch")
 plt.plot(smooth(fused_losses), "--", label="AdamA, fused microbatch_step (same optimizer)")
 plt.xlabel("mini-batch step"); plt.ylabel("training loss (10-step average)")
-plt.title(f"gpt_tiny on the standard library, N = {NUM_MICRO_BATCHES}"); plt.legend(); plt.grid(alpha=0.3)
+plt.title(f"gpt_tiny on the standard library, N = {NUM_MICRO_BATCHES}"); \
+plt.legend(); plt.grid(alpha=0.3)
 plt.show()'''),
     ("markdown", """\
 Both AdamA curves are the same optimizer, `adama_tx`, through `nnx.Optimizer` (one
@@ -160,7 +168,8 @@ measures it on your model). To see them side by side, name it:"""),
 momentum_losses, momentum_held_out = train_fused(optax_adama.contrib.adamaw(
     schedule, weight_decay=1e-4, num_micro_batches=NUM_MICRO_BATCHES, nu_estimator="momentum"))
 for name, held_out in [("AdamA 'momentum'", momentum_held_out), ("AdamA default", fused_held_out)]:
-  print(f"{name:>16}: held-out {held_out:.4f}, {held_out / accumulation_held_out - 1:+.2%} against Adam + accumulation")
+  print(f"{name:>16}: held-out {held_out:.4f}, \
+{held_out / accumulation_held_out - 1:+.2%} against Adam + accumulation")
 
 plt.figure(figsize=(7, 4))
 plt.plot(smooth(accumulation_losses), label="Adam + accumulation", color="black")
@@ -200,7 +209,8 @@ for name, tx in [("AdamA", optax_adama.adamaw(1e-3, num_micro_batches=NUM_MICRO_
   state = jax.eval_shape(tx.init, params)
   fused = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES)
   report = optax_adama.memory_report(fused, params, state, batch)
-  print(f"{name:>26}: {report.total_bytes / 2**20:6.2f} MiB = {report.in_p(report.total_bytes):5.2f} P")'''),
+  print(f"{name:>26}: {report.total_bytes / 2**20:6.2f} MiB = \
+{report.in_p(report.total_bytes):5.2f} P")'''),
     ("markdown", """\
 On this tiny model activations dominate, so one P is a small share. The
 `memory_anatomy` notebook shows where the bytes go on GPT-2-sized models."""),
@@ -225,15 +235,18 @@ PRESET = "gpt_test" if SMOKE else "gpt2_small"
 NUM_MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 1
 SEQ_LEN = 32 if SMOKE else 512
 config = models.get_config(PRESET)
-print(f"{PRESET}: {models.param_count(config):,} parameters; micro-batch {MICRO_BATCH_SIZE} x {SEQ_LEN} tokens")'''),
+print(f"{PRESET}: {models.param_count(config):,} parameters; \
+micro-batch {MICRO_BATCH_SIZE} x {SEQ_LEN} tokens")'''),
     ("code", '''\
 rows = bench.measure_memory(PRESET, harness.METHODS, NUM_MICRO_BATCHES,
                             micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN)
 floor = rows[0].floor
 P = floor["param_bytes"]
 for r in rows:
-  print(f"{r.method:>20}: {r.report['total_bytes'] / 2**30:6.3f} GiB = {r.report['total_p']:5.2f} P")
-print(f"{'AdamA floor':>20}: {floor['total_bytes'] / 2**30:6.3f} GiB = {floor['total_p']:5.2f} P")'''),
+  print(f"{r.method:>20}: {r.report['total_bytes'] / 2**30:6.3f} GiB = \
+{r.report['total_p']:5.2f} P")
+print(f"{'AdamA floor':>20}: {floor['total_bytes'] / 2**30:6.3f} GiB = \
+{floor['total_p']:5.2f} P")'''),
     ("markdown", """\
 ## The anatomy
 
@@ -249,7 +262,8 @@ scratch. (The full-batch step has N micro-batches' worth of activations, so its
 loss_fn, abstract_params = harness.split_model(config)
 state_bytes = {  # each method's optimizer state, from its abstract init
     m: optax_adama.memory.tree_bytes(jax.eval_shape(
-        harness.make_step(m, loss_fn, num_micro_batches=NUM_MICRO_BATCHES)[1].init, abstract_params))
+        harness.make_step(m, loss_fn, num_micro_batches=NUM_MICRO_BATCHES)[1].init, \
+abstract_params))
     for m in harness.METHODS}
 
 def anatomy(row):
@@ -290,7 +304,8 @@ for method in ["scan_accumulation", "multisteps", "adama"]:
   pts = sorted((r.num_micro_batches, r.report["total_p"]) for r in sweep if r.method == method)
   plt.plot(*zip(*pts), marker="o", label=method)
 plt.xscale("log", base=2); plt.xlabel("N"); plt.ylabel("compiled step memory (P)")
-plt.title(f"{PRESET}: the same micro-batch, N of them per step"); plt.grid(alpha=0.3); plt.legend(); plt.show()'''),
+plt.title(f"{PRESET}: the same micro-batch, N of them per step"); \
+plt.grid(alpha=0.3); plt.legend(); plt.show()'''),
     ("markdown", """\
 ## What the v difference means
 
@@ -315,7 +330,8 @@ ever holds a full gradient; 8-bit moments shrink the slices a further 4x."""),
     ("code", INSTALL + '''
 
 # Before JAX starts: a CPU backend's device count is fixed when it starts.
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"'''),
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") \
++ " --xla_force_host_platform_device_count=8"'''),
     ("code", '''\
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -328,7 +344,8 @@ STEPS = 5 if SMOKE else 50
 model = models.create("gpt_test" if SMOKE else "gpt_tiny", rngs=nnx.Rngs(0))
 loss_fn, params0 = models.split_loss_fn(model)
 text = data.load_stdlib_text(max_bytes=1_000_000)
-batches = [next(data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=s)) for s in range(STEPS)]
+batches = [next(data.lm_batches(text.train, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=s)) \
+for s in range(STEPS)]
 print(jax.device_count(), "devices:", mesh)'''),
     ("markdown", """\
 ## The same step, three ways
@@ -343,7 +360,8 @@ def run(shard_states=None, quantization=None):
   kwargs = {} if shard_states is None else {"mesh": mesh, "shard_states": shard_states}
   step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES, **kwargs)
   if shard_states is not None:
-    shardings = optax_adama.sharding.step_shardings(params, opt_state, mesh, shard_states=shard_states)
+    shardings = optax_adama.sharding.step_shardings(params, opt_state, mesh, \
+shard_states=shard_states)
     params = jax.device_put(params, shardings.params)
     opt_state = jax.device_put(opt_state, shardings.opt_state)
   report = optax_adama.memory_report(step, params, opt_state, batches[0])
@@ -356,9 +374,11 @@ def run(shard_states=None, quantization=None):
 single, single_losses, single_report = run()
 zero2, zero2_losses, zero2_report = run("zero2")
 _, q_losses, q_report = run("zero2", optax_adama.BlockQuantization())
-gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(zero2)))
+gap = max(float(jnp.max(jnp.abs(a - b))) \
+for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(zero2)))
 print(f"largest param difference, ZeRO-2 vs one device: {gap:.2e}")
-print(f"final loss: one device {single_losses[-1]:.4f}, ZeRO-2 {zero2_losses[-1]:.4f}, ZeRO-2 + 8-bit {q_losses[-1]:.4f}")'''),
+print(f"final loss: one device {single_losses[-1]:.4f}, ZeRO-2 {zero2_losses[-1]:.4f}, \
+ZeRO-2 + 8-bit {q_losses[-1]:.4f}")'''),
     ("markdown", """\
 ## Memory per device
 
@@ -369,7 +389,8 @@ rows = [("one device, float32 moments", single_report),
         ("ZeRO-2 on 8, float32 moments", zero2_report),
         ("ZeRO-2 on 8, 8-bit moments", q_report)]
 for name, r in rows:
-  print(f"{name:>30}: arguments {r.in_p(r.argument_bytes):5.2f} P, temp {r.in_p(r.temp_bytes):5.2f} P, total {r.in_p(r.total_bytes):5.2f} P")
+  print(f"{name:>30}: arguments {r.in_p(r.argument_bytes):5.2f} P, \
+temp {r.in_p(r.temp_bytes):5.2f} P, total {r.in_p(r.total_bytes):5.2f} P")
 
 import matplotlib.pyplot as plt
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -398,7 +419,8 @@ the budget is per device). The committed results, from a clone of the repository
 from pathlib import Path
 for name in ("capacity.md", "capacity_24gb.md", "capacity_8_devices_4gb.md"):
   table = Path(REPO) / "benchmarks" / "raw" / name
-  print(f"{name}:\\n{table.read_text()}" if table.exists() else f"{name}: not in this checkout")'''),
+  print(f"{name}:\\n{table.read_text()}" \
+if table.exists() else f"{name}: not in this checkout")'''),
 ]
 
 

@@ -15,6 +15,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 # The tests check math and bytes, not speed: XLA compiles them without LLVM's
 # costly optimization passes (the compiled HLO, and so every memory analysis,
 # is the same; the machine code is slower). Measured on 2 cores: 94 s -> 66 s
@@ -22,9 +24,9 @@ import tempfile
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import pytest  # pylint: disable=wrong-import-position
+# After the line above: jax reads XLA_FLAGS when it is first imported.
+import jax  # noqa: E402  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # noqa: E402  # pylint: disable=wrong-import-position
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -37,7 +37,8 @@ def test_top_level_holds_what_a_training_script_types():
     assert all(name not in getattr(optax_adama, m).__all__ for m in SUBMODULES), name
 
 
-@pytest.mark.parametrize("qualname, obj", list(_public_objects()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("qualname, obj", list(_public_objects()),
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_every_public_name_is_documented_with_an_example(qualname, obj):
   doc = inspect.getdoc(obj) or ""
   summary = doc.split("\n", 1)[0]

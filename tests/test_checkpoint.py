@@ -20,10 +20,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import xla_flags
 
 from models import checkpoint as checkpointing
 from models import harness
-from conftest import xla_flags
 
 # One xdist worker runs this file (make test: --dist loadgroup), so the
 # module's uninterrupted runs are trained once, not once per worker.
@@ -68,7 +68,8 @@ def _assert_bitwise_equal(got, want):
 
 
 def _stopped_after(source, target, step):
-  """``target``: ``source``'s checkpoints up to ``step``, as a run killed after saving it leaves them."""
+  """``target``: ``source``'s checkpoints up to ``step``, as a run killed after saving it leaves
+  them."""
   shutil.copytree(source, target)
   for path in target.iterdir():
     if path.name.isdigit() and int(path.name) > step:

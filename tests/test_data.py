@@ -43,7 +43,8 @@ def test_load_text_suffix_filter_and_cap(text_dir):
   capped = data.load_text(text_dir, max_bytes=100, suffixes=(".txt",))
   # Only the first file fits under the cap, so its tail is held out.
   assert len(capped.train) + len(capped.valid) == 100
-  assert (capped.train.tobytes() + capped.valid.tobytes()) == (text_dir / "a.txt").read_bytes()[:100]
+  assert ((capped.train.tobytes() + capped.valid.tobytes())
+          == (text_dir / "a.txt").read_bytes()[:100])
 
 
 def test_load_text_single_file_splits_bytes(text_dir):

@@ -5,7 +5,8 @@ import json
 import jax
 import pytest
 
-from models import demo, harness
+from models import demo
+from models import harness
 
 
 @pytest.fixture(autouse=True)
@@ -17,8 +18,8 @@ def _standard_promotion():
 
 def test_demo_reports_the_gap_and_the_saving_from_its_own_runs(tmp_path, capsys):
   out = tmp_path / "demo.json"
-  result = demo.main(["--steps", "2", "--micro-batch-size", "4", "--memory-preset", "gpt_tiny", "--memory-seq-len", "16",
-                      "--json", str(out), "--no-progress"])
+  result = demo.main(["--steps", "2", "--micro-batch-size", "4", "--memory-preset", "gpt_tiny",
+                      "--memory-seq-len", "16", "--json", str(out), "--no-progress"])
   training, memory = result["training"], result["memory"]
   assert training["tokens_per_micro_batch"] == 4 * 64
   assert training["nu_estimator"] == "mean"  # the library's default

@@ -145,7 +145,8 @@ def test_summary_says_where_a_suggested_estimator_runs():
   assert "Suggested: nu_estimator='mean'." in text  # runs on every path: no note
   # "split" runs only where the step takes each micro-batch's halves; a
   # suggestion of it says where.
-  rho = lambda median: np.full((4, len(optax_adama.diagnostics.SecondMomentDiagnosis.QUANTILES)), median)
+  rho = lambda median: np.full(
+      (4, len(optax_adama.diagnostics.SecondMomentDiagnosis.QUANTILES)), median)
   fused = optax_adama.diagnostics.SecondMomentDiagnosis(
       NUM_MICRO, {"mean": rho(3.0), "split": rho(1.01)}, np.ones(4))
   assert fused.suggested_estimator() == "split"

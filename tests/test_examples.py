@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +57,7 @@ def test_two_processes_of_four_devices_over_localhost():
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True) for i in range(2)]
   outputs = [p.communicate(timeout=600) for p in processes]
-  for p, (out, err) in zip(processes, outputs):
+  for p, (_out, err) in zip(processes, outputs):
     assert p.returncode == 0, err[-3000:]
   first = outputs[0][0]
   assert "2 process(es), 8 devices (4 local)" in first

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import MLP
 
 import optax_adama
-from conftest import MLP
 
 # Eight unrolled 256x256 layers: P = 2.1 MB, the largest leaf P/8, and a
 # micro-batch of 8 rows keeps activations small (about P/130), so the floor
@@ -129,23 +129,28 @@ def test_scanned_layers_make_the_stack_one_gradient_leaf():
 # A module as XLA prints it, cut to what collective_bytes reads: a loop of 4
 # micro-batches around a loop of 3 layers, each layer gathering 1 KiB and
 # reduce-scattering 256 B to each of 4 devices, and one all-reduce outside.
-_LOOPED_HLO = """\
-HloModule step
-
-%layer_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
-  %all-gather.1 = f32[256]{0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
-  %reduce-scatter.2 = f32[64]{0} reduce-scatter(%y), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
-}
-
-%micro_batch_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
-  %while.1 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
-}
-
-ENTRY %main (a: f32[64]) -> f32[64] {
-  %while.2 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%micro_batch_body, backend_config={"known_trip_count":{"n":"4"}}
-  %all-reduce.3 = f32[8]{0} all-reduce(%z), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
-}
-"""
+_LOOPED_HLO = (
+    "HloModule step\n"
+    "\n"
+    "%layer_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {\n"
+    "  %all-gather.1 = f32[256]{0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4],"
+    " dimensions={0}\n"
+    "  %reduce-scatter.2 = f32[64]{0} reduce-scatter(%y), channel_id=2,"
+    " replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add\n"
+    "}\n"
+    "\n"
+    "%micro_batch_body (p: (s32[], f32[64])) -> (s32[], f32[64]) {\n"
+    "  %while.1 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%layer_body,"
+    ' backend_config={"known_trip_count":{"n":"3"}}\n'
+    "}\n"
+    "\n"
+    "ENTRY %main (a: f32[64]) -> f32[64] {\n"
+    "  %while.2 = (s32[], f32[64]{0}) while(%t), condition=%cond, body=%micro_batch_body,"
+    ' backend_config={"known_trip_count":{"n":"4"}}\n'
+    "  %all-reduce.3 = f32[8]{0} all-reduce(%z), channel_id=3, replica_groups={{0,1,2,3}},"
+    " to_apply=%add\n"
+    "}\n"
+)
 
 
 def test_collective_bytes_weighs_each_collective_by_its_loops():

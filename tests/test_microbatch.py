@@ -8,15 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP
+from flax import nnx
 
+import models
 import optax_adama
+from models import harness
 from optax_adama import _microbatch
 from optax_adama import _steps
-import models
-from flax import nnx
-from models import harness
-
-from conftest import MLP
 
 MODEL = MLP(num_layers=3, width=8)
 BATCH, WIDTH = 12, MODEL.width
@@ -261,7 +260,7 @@ def test_bf16_params_with_float32_moments_in_scan():
       chex.assert_max_traces(lambda p, b: loss_fn(p, b), n=1), tx,
       num_micro_batches=4)
   losses = []
-  for seed in range(5):
+  for _seed in range(5):
     params, state, metrics = step(params, state, _batch(0))
     losses.append(float(metrics["loss"]))
     assert jax.tree.map(lambda x: x.dtype, (params, state)) == dtypes
@@ -503,7 +502,6 @@ def test_momentum_estimator_costs_no_memory_in_a_transformer(preset):
   model = models.create(models.get_config(preset), rngs=nnx.Rngs(0))
   loss_fn, params = models.split_loss_fn(model)
   batch = harness.abstract_batch(models.get_config(preset), 4, None)
-  P = optax_adama.memory.tree_bytes(params)
   totals = _estimator_totals(loss_fn, jax.eval_shape(lambda: params), batch,
                              ("mean", "momentum"))
   # Less than any weight matrix: at most a small leaf's folded m kept beside

@@ -400,7 +400,8 @@ def test_preset_param_counts(name):
   model = models.create_abstract(name)
   # eval_shape allocated nothing: the parameters are shape/dtype placeholders.
   assert all(
-      isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
+      isinstance(leaf, jax.ShapeDtypeStruct)
+      for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
   )
   count = models.param_count(model)
   assert count == closed_form_count(models.PRESETS[name])
@@ -455,7 +456,8 @@ def test_loss_fn_scans_over_micro_batches():
     return accumulated, jax.grad(loss_fn)(params, batch)
 
   accumulated, full = both(params, batch)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), accumulated, full)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+               accumulated, full)
 
 
 def adam_step(loss_fn, tx):
@@ -597,7 +599,8 @@ def test_scan_layers_preset_param_counts():
 # against the unrolled model by test_scan_layers_equals_unrolled; the
 # release on them takes 25 s each on 2 cores.
 @pytest.mark.parametrize("kind", [
-    "gpt", pytest.param("bert", marks=pytest.mark.slow), pytest.param("vit", marks=pytest.mark.slow)])
+    "gpt", pytest.param("bert", marks=pytest.mark.slow),
+    pytest.param("vit", marks=pytest.mark.slow)])
 def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
   config = smoke_config(kind, num_layers=2)
   batches = [make_batch(config, seed=seed) for seed in range(2)]

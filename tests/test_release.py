@@ -364,7 +364,8 @@ def test_release_memory_is_well_below_the_fused_step():
   # are no-ops, so the codes' bytes are taken off; the temps must not grow
   # (measured equal, 0.53 P: no stack-sized copy of the codes in the update).
   tx_offloaded = optax_adama.offload_moments(tx_8bit)
-  state_offloaded = optax_adama.moments.offloaded_state_shapes(jax.eval_shape(tx_offloaded.init, params))
+  state_offloaded = optax_adama.moments.offloaded_state_shapes(
+      jax.eval_shape(tx_offloaded.init, params))
   offloaded = optax_adama.memory_report(
       optax_adama.release_step(staged, tx_offloaded), params, state_offloaded, batch)
   host_bytes = optax_adama.moments.host_state_bytes(state_offloaded)
@@ -388,8 +389,9 @@ def test_bench_memory_scan_layers_smoke():
 
 
 def test_release_floor_is_the_scanned_remat_full_one_with_a_layer_slice():
-  from models import bench, harness  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
+  from models import bench  # pylint: disable=g-import-not-at-top
+  from models import harness  # pylint: disable=g-import-not-at-top
 
   config = models.get_config("gpt_test", scan_layers=True)
   batch = harness.abstract_batch(config, 4, None)
@@ -421,10 +423,11 @@ def test_bfloat16_params_with_float32_moments_update_as_the_fused_step():
   loss_fn = lambda p, b: staged(jax.tree.map(lambda x: x.astype(jnp.float32), p), b)
   results = []
   for step in (optax_adama.release_step(
-      optax_adama.StagedLoss(lambda o, b: embed(jax.tree.map(lambda x: x.astype(jnp.float32), o), b),
-                             lambda l, x, b: block(jax.tree.map(lambda y: y.astype(jnp.float32), l), x, b),
-                             lambda o, x, b: head(jax.tree.map(lambda y: y.astype(jnp.float32), o), x, b)[0],
-                             layers=("body", "stack")), tx),
+      optax_adama.StagedLoss(
+          lambda o, b: embed(jax.tree.map(lambda x: x.astype(jnp.float32), o), b),
+          lambda l, x, b: block(jax.tree.map(lambda y: y.astype(jnp.float32), l), x, b),
+          lambda o, x, b: head(jax.tree.map(lambda y: y.astype(jnp.float32), o), x, b)[0],
+          layers=("body", "stack")), tx),
                optax_adama.microbatch_step(loss_fn, tx)):
     new, _, _ = step(jax.tree.map(jnp.copy, params), tx.init(params), make_batch(0))
     results.append(new)

@@ -18,7 +18,8 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import harness, savers
+from models import harness
+from models import savers
 
 ALL_BITS = savers.CODE_BITS
 
@@ -154,7 +155,8 @@ def test_bad_bits_raise():
 
 
 @pytest.mark.parametrize("kind", [
-    "gpt", pytest.param("bert", marks=pytest.mark.slow), pytest.param("vit", marks=pytest.mark.slow)])
+    "gpt", pytest.param("bert", marks=pytest.mark.slow),
+    pytest.param("vit", marks=pytest.mark.slow)])
 def test_model_with_few_bit_gelu_has_the_same_loss_and_close_gradients(kind):
   exact_config = models.get_config(f"{kind}_test")
   exact_loss, params = models.split_loss_fn(models.create(exact_config, rngs=nnx.Rngs(0)))

@@ -71,7 +71,8 @@ def _hand_step_ratios(batches, n):
     assert 0 < moving.sum() < moving.size  # the zero feature's row is left out
     for name in optax_adama.contrib.NU_ESTIMATORS:
       ratio = np.abs(direction(name))[moving] / np.abs(u_adam)[moving]
-      out[name].append(np.quantile(ratio, optax_adama.diagnostics.SecondMomentDiagnosis.STEP_QUANTILES))
+      out[name].append(
+          np.quantile(ratio, optax_adama.diagnostics.SecondMomentDiagnosis.STEP_QUANTILES))
     w = w - LR * u_adam
   return {name: np.stack(q) for name, q in out.items()}
 

@@ -22,7 +22,8 @@ def test_adam_runs_are_shared_by_every_split_of_one_batch():
   assert a.key == b.key and c.key != d.key
   assert a.config().num_micro_batches == 1 and c.config().num_micro_batches == 4
   assert b.config().batch_size == 32
-  assert study.Run("gpt", "adam_bf16acc", 4, 8, 2e-3, 0, 300).config().accumulation_dtype == "bfloat16"
+  assert (study.Run("gpt", "adam_bf16acc", 4, 8, 2e-3, 0, 300).config().accumulation_dtype
+          == "bfloat16")
 
 
 def test_best_rate_against_best_with_edges_flagged():

@@ -9,7 +9,8 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import harness, train
+from models import harness
+from models import train
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,8 @@ def _standard_promotion():
 # --compare) and ViT through models.harness in tests/test_validate.py; their
 # runs here are slow tests.
 @pytest.mark.parametrize("model", [
-    pytest.param("gpt", marks=pytest.mark.slow), "bert", pytest.param("vit", marks=pytest.mark.slow)])
+    pytest.param("gpt", marks=pytest.mark.slow), "bert",
+    pytest.param("vit", marks=pytest.mark.slow)])
 def test_cli_writes_metrics(model, tmp_path):
   out = tmp_path / "run.json"
   train.main([
