@@ -15,7 +15,12 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
-import pytest
+
+try:  # run as a script (the census below) where pytest is not installed
+  import pytest
+  _expected_failure = pytest.mark.xfail
+except ImportError:
+  _expected_failure = lambda **kwargs: (lambda test: test)
 
 import optax_adama
 
@@ -95,7 +100,7 @@ def test_release_loop_bodies_write_the_stack_in_place_only():
   assert set(writes) == {("fusion", "dynamic-update-slice")}, writes
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@_expected_failure(strict=True, reason=(
     "8-bit moments: the CPU backend widens a float8 stack to float16 to update one "
     "layer's codes (a whole-stack convert fusion and copy per leaf in the loop; "
     "written as uint8 bytes instead it bitcast-converts the whole stack, as costly)"))
