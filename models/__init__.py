@@ -30,19 +30,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
+from typing import Union
 
 import jax
 from flax import nnx
 
 import optax_adama
-
-from models.bert import BERT, BERTConfig
-from models.gpt import GPT, GPTConfig
 from models import layers
-from models.layers import COMPUTE_DTYPES, REMAT_POLICIES
-from models.llama import Llama, LlamaConfig
-from models.vit import ViT, ViTConfig
+from models.bert import BERT
+from models.bert import BERTConfig
+from models.gpt import GPT
+from models.gpt import GPTConfig
+from models.layers import COMPUTE_DTYPES
+from models.layers import REMAT_POLICIES
+from models.llama import Llama
+from models.llama import LlamaConfig
+from models.vit import ViT
+from models.vit import ViTConfig
 
 Config = Union[GPTConfig, BERTConfig, ViTConfig, LlamaConfig]
 Model = Union[GPT, BERT, ViT, Llama]

@@ -26,7 +26,10 @@ import dataclasses
 import math
 import pathlib
 import warnings
-from typing import Any, Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
 
 import jax
 import numpy as np

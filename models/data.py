@@ -23,7 +23,8 @@ import dataclasses
 import importlib.util
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np

@@ -39,7 +39,8 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ from safetensors.numpy import save_file
 import models
 import optax_adama
 from models import layers
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
+from models.llama import LlamaConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -137,7 +137,7 @@ def _lloyd(cuts: np.ndarray, weights: np.ndarray, derivative: np.ndarray,
   return cuts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gelu_derivative_code(bits: int, approximate: bool = False) -> DerivativeCode:
   """The optimal `bits`-bit piecewise-constant approximation of GELU'.
 

@@ -20,24 +20,24 @@ from optax_adama import memory
 from optax_adama import moments
 from optax_adama import schedules
 from optax_adama import sharding
-from optax_adama._chain import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._chain import adama
-from optax_adama._chain import adamaw
 from optax_adama._adama import find_adama_state
 from optax_adama._adama import has_updated
-from optax_adama._chain import mini_batch_chain
 from optax_adama._adama import scale_by_adama
+from optax_adama._chain import MiniBatchChainState
+from optax_adama._chain import adama
+from optax_adama._chain import adamaw
+from optax_adama._chain import mini_batch_chain
 from optax_adama._low_rank import low_rank
 from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_report
 from optax_adama._microbatch import microbatch_step
 from optax_adama._offload import offload_moments
 from optax_adama._quantize import BlockQuantization
-from optax_adama._staged import StagedLoss
 from optax_adama._release import release_step
 from optax_adama._schedules import inject_hyperparams
 from optax_adama._schedules import mini_batch_schedule
+from optax_adama._staged import StagedLoss
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,9 @@ import dataclasses
 import functools
 import operator
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ class FoldingParts:
 # object or a function attribute: optax's GradientTransformation is a pair of
 # plain functions, and users' tools rely on that (chex.assert_max_traces reads
 # the update's source; optax.with_extra_args_support its signature).
-_FOLDING_PARTS: "weakref.WeakKeyDictionary[Callable, FoldingParts]" = (
+_FOLDING_PARTS: weakref.WeakKeyDictionary[Callable, FoldingParts] = (
     weakref.WeakKeyDictionary())
 
 
@@ -385,8 +387,9 @@ def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
 
 def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict:
   """The keyword arguments of :func:`_direction` for ``state``'s step."""
-  return dict(count=state.count, b1=config.b1, b2=config.b2, eps=config.eps,
-              eps_root=config.eps_root, floor_nu=_estimators.takes_halves(state))
+  return dict(corrections=_fold.bias_corrections(state.count, config.b1, config.b2),
+              eps=config.eps, eps_root=config.eps_root,
+              floor_nu=_estimators.takes_halves(state))
 
 
 def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
@@ -395,7 +398,8 @@ def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
   direction = direction_args(state, config)
   leaves, treedef = jax.tree.flatten(params)
   mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-  floors = [None if f is None else floor_estimate(f) for f in _estimators.leaf_floors(state, treedef)]
+  floors = [None if f is None else floor_estimate(f)
+            for f in _estimators.leaf_floors(state, treedef)]
   return treedef.unflatten(
       [_fold.gated_direction_of_leaf(m, v, p, emit, direction, f)
        for m, v, p, f in zip(mus, nus, leaves, floors)])

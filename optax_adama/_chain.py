@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp

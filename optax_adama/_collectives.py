@@ -87,8 +87,8 @@ def collective_bytes(compiled: Any) -> CollectiveBytes:
     CollectiveBytes(by_kind={}, uncounted_loops=0)
   """
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  own = collections.defaultdict(collections.Counter)
-  calls = collections.defaultdict(list)
+  own: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
   uncounted = 0
   entry, current = None, None
   for line in text.splitlines():
@@ -121,7 +121,7 @@ def collective_bytes(compiled: Any) -> CollectiveBytes:
   def total(name: str) -> collections.Counter:
     if name not in memo:
       memo[name] = collections.Counter()  # cycles cannot occur; guards recursion
-      counts = collections.Counter(own[name])
+      counts: collections.Counter[str] = collections.Counter(own[name])
       for callee, times in calls[name]:
         for kind, nbytes in total(callee).items():
           counts[kind] += times * nbytes

@@ -20,20 +20,22 @@ its 99.9th percentile.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Iterable
-from typing import Any, Callable, ClassVar
+from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_adama._estimators import DEFAULT_NU_ESTIMATOR
-from optax_adama._estimators import NU_ESTIMATORS
-from optax_adama._checks import check_num_micro_batches
-from optax_adama._checks import complex_leaf_names
 from optax_adama import _floor
 from optax_adama import _steps
+from optax_adama._checks import check_num_micro_batches
+from optax_adama._checks import complex_leaf_names
+from optax_adama._estimators import DEFAULT_NU_ESTIMATOR
+from optax_adama._estimators import NU_ESTIMATORS
 
 __all__ = ["SecondMomentDiagnosis", "diagnose_second_moment"]
 
@@ -143,6 +145,9 @@ class SecondMomentDiagnosis:
     where = (" (in microbatch_step or release_step, which take each micro-batch's "
              "halves)") if best in FUSED_ONLY else ""
     lines.append(f"Suggested: nu_estimator={best!r}{where}.")
+    if best != DEFAULT_NU_ESTIMATOR:
+      lines.append(f"  A research estimator: optax_adama.contrib.adamaw(..., "
+                   f"nu_estimator={best!r}) (or contrib.adama, contrib.scale_by_adama).")
     rescaled = abs(np.log(factor)) > np.log(1.05)
     if rescaled:
       rate = "" if learning_rate is None else f" ({learning_rate * factor:.3g})"
@@ -258,8 +263,8 @@ def diagnose_second_moment(
   state = {"count": jnp.zeros([], jnp.int32), "m": zeros(), "adam": zeros(),
            **{name: zeros() for name in NU_ESTIMATORS}}
   losses = []
-  rho = {name: [] for name in NU_ESTIMATORS}
-  step_ratio = {name: [] for name in NU_ESTIMATORS}
+  rho: dict[str, list[Any]] = {name: [] for name in NU_ESTIMATORS}
+  step_ratio: dict[str, list[Any]] = {name: [] for name in NU_ESTIMATORS}
   for batch in batches:
     params, state, loss, (rho_quantiles, step_quantiles) = step(params, state, batch)
     losses.append(float(loss))

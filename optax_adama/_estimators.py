@@ -9,7 +9,8 @@ and keeps a factored floor. docs/estimators.md has the evidence.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,6 @@ from optax_adama._floor import FactoredSquares
 from optax_adama._quantize import QuantizedArray
 from optax_adama._state import AdamAConfig
 from optax_adama._state import ScaleByAdamAState
-
-
 
 # The estimators of v, by name (``nu_estimator=``); see scale_by_adama and
 # docs/estimators.md. "auto" is "split" where the step hands over each

@@ -12,7 +12,9 @@ part of a sum (``factored_axes``).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +35,12 @@ class FactoredSquares(NamedTuple):
   per-layer vectors.
   """
 
-  rows: jax.Array  # float32 [*shape[:-1]]: sums over the last axis; below 2-D the squares themselves, shaped like the leaf.
-  cols: jax.Array  # float32 [*shape[:-2], shape[-1]]: sums over the second-to-last axis; below 2-D a scalar, their total.
+  # float32 [*shape[:-1]]: sums over the last axis; below 2-D the squares
+  # themselves, shaped like the leaf.
+  rows: jax.Array
+  # float32 [*shape[:-2], shape[-1]]: sums over the second-to-last axis; below
+  # 2-D a scalar, their total.
+  cols: jax.Array
 
 
 # optax.adafactor's min_dim_size_to_factor.

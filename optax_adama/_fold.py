@@ -10,17 +10,20 @@ steps' scan, and the release's layer scan.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 
-from optax_adama import _quantize
 from optax_adama import _checks
+from optax_adama import _quantize
 from optax_adama._quantize import QuantizedArray
 from optax_adama._state import AdamAConfig
 from optax_adama._state import ScaleByAdamAState
-
 
 Moment = Union[jax.Array, QuantizedArray]
 
@@ -30,10 +33,10 @@ def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
   # arithmetic would round most contributions away before the store. (Chosen
   # by width, since strict dtype promotion has no bf16 -> f32 path.) A
   # complex moment folds in complex of its own width.
-  dtypes = [jnp.dtype(d) for d in dtypes]
-  is_complex = [jnp.issubdtype(d, jnp.complexfloating) for d in dtypes]
+  widths = [jnp.dtype(d) for d in dtypes]
+  is_complex = [jnp.issubdtype(d, jnp.complexfloating) for d in widths]
   # The width of one real component: a complex64 is two float32s.
-  wide = any(d.itemsize > (8 if c else 4) for d, c in zip(dtypes, is_complex))
+  wide = any(d.itemsize > (8 if c else 4) for d, c in zip(widths, is_complex))
   if any(is_complex):
     return jnp.dtype(jnp.complex128 if wide else jnp.complex64)
   return jnp.dtype(jnp.float64 if wide else jnp.float32)
@@ -91,7 +94,8 @@ def _store(
     if order == 2:
       signed_root = jnp.sign(value) * jnp.sqrt(jnp.abs(value))
       return _quantize.quantize_blocks(
-          signed_root, like.codes.dtype, seed, absmax=jnp.sqrt(absmax),
+          signed_root, like.codes.dtype, seed,
+          absmax=None if absmax is None else jnp.sqrt(absmax),
           unbiased_square=True)
     return _quantize.quantize_blocks(value, like.codes.dtype, seed, absmax=absmax)
   narrows = jnp.dtype(like.dtype).itemsize < value.dtype.itemsize
@@ -123,8 +127,9 @@ def _fold_moment(
   """``decay * moment + weight * (grad**order - less)``, not yet stored.
 
   ``grad`` is the raw gradient leaf, ``is_finite`` where it (and the half
-  difference) is finite: the other entries are folded as zero; ``less`` is the "split" estimator's noise term
-  (``less_absmax`` bounds it per block where ``moment`` is quantized).
+  difference) is finite: the other entries are folded as zero; ``less`` is
+  the "split" estimator's noise term (``less_absmax`` bounds it per block
+  where ``moment`` is quantized).
   ``whole_block_absmax`` makes a per-block absmax of this leaf's part of
   each block the whole block's (a ``pmax`` where a mesh splits blocks).
   """
@@ -163,32 +168,46 @@ def _fold_moment(
   return _Folded(new, decay * stored_absmax + weight * grad_absmax)
 
 
+def bias_corrections(count: jax.Array, b1: Any, b2: Any) -> tuple[jax.Array, jax.Array]:
+  """``(1 - b1**t, 1 - b2**t)`` once per step, in float32, as optax computes them.
+
+  ``optax.tree.bias_correction`` raises ``decay**count`` in float32 once for
+  the whole tree and casts it to each moment's dtype; computed the same way
+  (one scalar each, shared by every leaf) XLA simplifies each leaf's
+  direction as it simplifies optax's, and ``N = 1`` matches
+  ``optax.scale_by_adam`` bit for bit. Explicit casts keep this valid under
+  ``jax_numpy_dtype_promotion="strict"`` (optax's ``float ** int32`` raises there).
+  """
+  t = jnp.asarray(count).astype(jnp.float32)
+  correction1, correction2 = (1 - jnp.asarray(b).astype(jnp.float32) ** t for b in (b1, b2))
+  return correction1, correction2
+
+
 def _direction(
-    mu: Moment, nu: Moment, like: jax.ShapeDtypeStruct, count: jax.Array,
-    b1: jax.Array, b2: jax.Array, eps: jax.Array, eps_root: jax.Array,
-    floor_nu: bool = False, nu_floor: Optional[jax.Array] = None,
+    mu: Moment, nu: Moment, like: jax.ShapeDtypeStruct, corrections: tuple,
+    eps: jax.Array, eps_root: jax.Array, floor_nu: bool = False,
+    nu_floor: Optional[jax.Array] = None,
 ) -> jax.Array:
   """The bias-corrected Adam direction of one leaf, shaped and typed as ``like``.
 
-  ``floor_nu`` reads ``v_hat`` as at least ``m_hat**2`` (the "split"
-  estimator, whose v can dip to or below zero where noise dominates): no
-  coordinate then steps more than the learning rate. ``nu_floor`` (shaped
-  like the leaf, raw as v is) raises ``v_hat`` further to at least its own
-  bias-corrected value: :class:`FactoredSquares`.
+  ``corrections`` is :func:`bias_corrections` of the step. ``floor_nu``
+  reads ``v_hat`` as at least ``m_hat**2`` (the "split" estimator, whose v
+  can dip to or below zero where noise dominates): no coordinate then steps
+  more than the learning rate. ``nu_floor`` (shaped like the leaf, raw as v
+  is) raises ``v_hat`` further to at least its own bias-corrected value:
+  :class:`FactoredSquares`.
   """
   dtype = compute_dtype(_quantize.storage_dtype(mu), _quantize.storage_dtype(nu))
-  # Explicit casts keep this valid under jax_numpy_dtype_promotion="strict"
-  # (optax.tree.bias_correction raises there: float ** int32).
-  t = count.astype(dtype)
-  b1, b2, eps, eps_root = (jnp.asarray(x).astype(dtype) for x in (b1, b2, eps, eps_root))
+  correction1, correction2 = (c.astype(dtype) for c in corrections)
+  eps, eps_root = (jnp.asarray(x).astype(dtype) for x in (eps, eps_root))
   # A complex m beside a real v (complex params, nu_dtype=float32; or real
   # params, mu_dtype=complex64): both in ``dtype``, for strict promotion.
-  m_hat = load(mu, 1).astype(dtype) / (1 - b1**t)
-  v_hat = load(nu, 2).astype(dtype) / (1 - b2**t)
+  m_hat = load(mu, 1).astype(dtype) / correction1
+  v_hat = load(nu, 2).astype(dtype) / correction2
   if floor_nu:
     v_hat = jnp.maximum(v_hat, m_hat * m_hat)
   if nu_floor is not None:
-    v_hat = jnp.maximum(v_hat, to_layout(nu_floor.astype(dtype), mu) / (1 - b2**t))
+    v_hat = jnp.maximum(v_hat, to_layout(nu_floor.astype(dtype), mu) / correction2)
   u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
   if isinstance(mu, QuantizedArray):
     u = _quantize.from_blocks(u, like.shape)
@@ -331,7 +350,9 @@ def add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   # The price: where activations are tiny (an 8-layer MLP) the fold of m is
   # kept beside its in-place update, one more leaf alive; not on GPT-2.
   value = v.value + weight * abs_squared(m.value).astype(dtype)
-  absmax = None if v.absmax is None else v.absmax + weight * m.absmax**2
+  absmax = None
+  if v.absmax is not None and m.absmax is not None:  # both quantized, or neither
+    absmax = v.absmax + weight * m.absmax**2
   return _Folded(value, absmax)
 
 

@@ -27,7 +27,10 @@ any AdamA transformation and adds the four things AdamA needs from it:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +38,8 @@ import optax
 from optax.contrib import GaLoreDimensionNumbers
 from optax.contrib import GaLoreState
 
-from optax_adama._checks import complex_leaf_names
 from optax_adama._adama import find_adama_state
+from optax_adama._checks import complex_leaf_names
 
 __all__ = ["low_rank", "low_rank_mask"]
 

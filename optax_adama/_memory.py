@@ -8,7 +8,9 @@ quoted in bytes and in units of P, the bytes of one copy of the parameters.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
 
 import jax
 import numpy as np
@@ -30,7 +32,8 @@ def tree_bytes(tree: Any) -> int:
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
-    >>> shapes = jax.eval_shape(lambda: {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8, jnp.bfloat16)})
+    >>> shapes = jax.eval_shape(
+    ...     lambda: {"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(8, jnp.bfloat16)})
     >>> optax_adama.memory.tree_bytes(shapes)
     4194320
   """
@@ -214,7 +217,8 @@ def memory_floor(
     >>> floor = optax_adama.memory.memory_floor(
     ...     loss_fn, params, state, batch, num_micro_batches=4)
     >>> # params, m, v, one gradient of w
-    >>> round(floor.in_p(floor.param_bytes + floor.opt_state_bytes + floor.largest_gradient_bytes), 2)
+    >>> kept = floor.param_bytes + floor.opt_state_bytes + floor.largest_gradient_bytes
+    >>> round(floor.in_p(kept), 2)
     4.0
   """
   micro_batch = jax.eval_shape(
@@ -222,6 +226,8 @@ def memory_floor(
       batch)
   grad_fn = jax.jit(jax.grad(loss_fn, has_aux=has_aux))
   grad_memory = grad_fn.lower(params, micro_batch).compile().memory_analysis()
+  if grad_memory is None:
+    raise ValueError(f"the {jax.default_backend()} backend reports no memory analysis.")
   return MemoryFloor(
       param_bytes=tree_bytes(params),
       opt_state_bytes=tree_bytes(opt_state),

@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +23,17 @@ import optax
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
-from optax_adama import _estimators
 from optax_adama import _chain
+from optax_adama import _estimators
 from optax_adama import _offload
 from optax_adama import _schedules
 from optax_adama import _sharding
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
-from optax_adama._checks import check_num_micro_batches
 from optax_adama._adama import find_adama_state
-from optax_adama._staged import StagedLoss
+from optax_adama._checks import check_num_micro_batches
 from optax_adama._release_mesh import stack_shardings
+from optax_adama._staged import StagedLoss
 
 __all__ = ["microbatch_step"]
 
@@ -70,8 +73,8 @@ def microbatch_step(
   ``batch`` into ``N`` micro-batches and runs a :func:`jax.lax.scan` over them.
   Micro-batch ``i`` holds rows ``i, i + N, i + 2N, ...`` (a column-major
   reshape, as :func:`optax.microbatching.reshape_batch_axis`), so a batch axis
-  sharded over devices stays sharded inside every micro-batch. ``params`` and ``opt_state`` are donated:
-  their input buffers are reused for the outputs.
+  sharded over devices stays sharded inside every micro-batch. ``params`` and
+  ``opt_state`` are donated: their input buffers are reused for the outputs.
 
   Two modes, picked from the optimizer state unless forced:
 
@@ -86,13 +89,13 @@ def microbatch_step(
     the same results without a params-sized read and write per micro-batch.
     That path takes each call to start a mini-batch, as the previous call
     leaves it; do not interleave your own ``tx.update`` calls on the same
-    state mid-mini-batch. With AdamA's ``nu_estimator="auto"`` or
-    ``"split"`` (not the default, ``"mean"``) each micro-batch's gradient is taken as its two halves' (its
-    first and second half of rows) in one vmapped backward, and their half
-    difference goes to ``update`` as well; on a mesh each half's rows are
-    split over the devices. ``"auto"`` does so where the rows halve (on a
-    mesh: where each device holds rows of both halves) and folds as
-    ``"mean"`` elsewhere; ``"split"`` raises there. The micro-batch's loss
+    state mid-mini-batch. With :mod:`optax_adama.contrib`'s
+    ``nu_estimator="auto"`` or ``"split"`` each micro-batch's gradient is
+    taken as its two halves' (its first and second half of rows) in one
+    vmapped backward, and their half difference goes to ``update`` as well;
+    on a mesh each half's rows are split over the devices. ``"auto"`` does
+    so where the rows halve (on a mesh: where each device holds rows of both
+    halves) and folds as ``"mean"`` elsewhere; ``"split"`` raises there. The micro-batch's loss
     and gradient are then the mean of its halves' (its own for a loss
     averaged over equally weighted examples; close to it for a loss
     normalised by a data-dependent count, such as masked tokens); its aux

@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
 
 import chex
 import jax

@@ -32,11 +32,17 @@ communication.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
 from optax_adama import _offload
@@ -135,8 +141,9 @@ def sharded_tree_shardings(
 
   The mesh's axes are used in GSPMD's ``Auto`` mode. The rule of
   :func:`shard_leaf_spec`: the first dimension the data axis
-  divides is split (the largest with ``largest``), other leaves are replicated. Moments, gradients and
-  params of the same shape get the same sharding.
+  divides is split (the largest with ``largest``), other leaves are
+  replicated. Moments, gradients and params of the same shape get the same
+  sharding.
 
   Args:
     tree: a pytree of arrays or `jax.ShapeDtypeStruct` (e.g. params, or an

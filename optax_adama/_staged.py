@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
+from typing import Union
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import chex
 import jax
@@ -37,15 +38,30 @@ class ScaleByAdamAState(NamedTuple):
     (0, 0, 4)
   """
 
-  count: chex.Array  # int32 []: mini-batches completed, dropped ones included; bias correction and schedules count these.
-  micro_step: chex.Array  # int32 []: micro-batches folded into the current mini-batch, in [0, N).
-  mu: optax.Updates  # like params (dtype mu_dtype): first moment; with quantization, a QuantizedArray per large leaf.
-  nu: optax.Updates  # like params (dtype nu_dtype): second moment, mean of g_i**2; with quantization, a QuantizedArray of sign(v) sqrt(|v|) per large leaf.
-  nu_floor: Any  # "auto"/"split" at N > 1: a FactoredSquares per param leaf (float32 row and column sums, 0.26% of P on GPT-2 small), the floor of "split"'s v; otherwise () (nothing).
-  mini_batch_accepted: chex.Array  # int32 []: micro-batches of the current (or just completed) mini-batch with an all-finite gradient.
-  num_dropped: chex.Array  # int32 []: micro-batches with any non-finite gradient entry, since init.
-  num_micro_batches: int  # static Python int: N, the update calls per mini-batch.
-  nu_estimator: str = "mean"  # static: the estimator of v ("auto" or one of NU_ESTIMATORS).
+  # int32 []: mini-batches completed, dropped ones included; bias correction
+  # and schedules count these.
+  count: chex.Array
+  # int32 []: micro-batches folded into the current mini-batch, in [0, N).
+  micro_step: chex.Array
+  # Like params (dtype mu_dtype): the first moment; with quantization, a
+  # QuantizedArray per large leaf.
+  mu: optax.Updates
+  # Like params (dtype nu_dtype): the second moment, mean of g_i**2; with
+  # quantization, a QuantizedArray of sign(v) sqrt(|v|) per large leaf.
+  nu: optax.Updates
+  # contrib's "auto"/"split" at N > 1: a FactoredSquares per param leaf
+  # (float32 row and column sums, 0.26% of P on GPT-2 small), the floor of
+  # "split"'s v; otherwise () (nothing).
+  nu_floor: Any
+  # int32 []: micro-batches of the current (or just completed) mini-batch with
+  # an all-finite gradient.
+  mini_batch_accepted: chex.Array
+  # int32 []: micro-batches with any non-finite gradient entry, since init.
+  num_dropped: chex.Array
+  # Static Python int: N, the update calls per mini-batch.
+  num_micro_batches: int
+  # Static: the estimator of v ("mean"; contrib's "auto" or one of NU_ESTIMATORS).
+  nu_estimator: str = "mean"
 
 
 # `_fields` names the pytree children only: optax's tree_get / tree_set walk a
@@ -53,7 +69,7 @@ class ScaleByAdamAState(NamedTuple):
 # leaf they count that jax's flattening does not (tree_set then failed on any
 # state holding this one: inject_hyperparams, chain). `_replace`, repr and
 # pickling keep every field.
-ScaleByAdamAState._fields = ("count", "micro_step", "mu", "nu", "nu_floor",
+ScaleByAdamAState._fields = ("count", "micro_step", "mu", "nu", "nu_floor",  # type: ignore[assignment]
                              "mini_batch_accepted", "num_dropped")
 
 

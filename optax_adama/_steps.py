@@ -10,7 +10,9 @@ shared buffers before donating them. Nothing here knows which step calls it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +47,9 @@ def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
   leaves = jax.tree.leaves(batch)
   if not leaves:
     raise ValueError("batch has no array leaves.")
-  sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
-  if None in sizes:
+  if any(jnp.ndim(leaf) == 0 for leaf in leaves):
     raise ValueError("every batch leaf needs a leading batch axis; got a scalar.")
+  sizes = {jnp.shape(leaf)[0] for leaf in leaves}
   if len(sizes) != 1:
     raise ValueError(
         f"batch leaves must share one leading batch size, got {sorted(sizes)}.")
@@ -85,7 +87,7 @@ def _explicit_sharding(x: jax.Array) -> Optional[tuple[jax.sharding.Mesh, tuple[
   all explicit (sharding in types); ``None`` elsewhere."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not mesh.axis_names or not mesh.are_all_axes_explicit:
+  if sharding is None or mesh is None or not mesh.axis_names or not mesh.are_all_axes_explicit:
     return None
   return mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
@@ -241,7 +243,7 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
       params, opt_state = place_off_mesh((params, opt_state), expected)
     return jitted(params, opt_state, batch)
 
-  step.lower = jitted.lower
+  step.lower = jitted.lower  # type: ignore[attr-defined]  # as a jitted function's
   return step
 
 
@@ -258,11 +260,12 @@ def check_rows_per_device(batch, opt_state, num_devices: int, data_axis: Any,
     return  # split_micro_batches names these while tracing
   (rows,) = sizes
   if rows % (n * num_devices):
+    example = n * num_devices * max(1, rows // (n * num_devices))
     raise ValueError(
         f"batch has {rows} rows: on a mesh of {num_devices} devices along "
         f"{data_axis!r}, each of the N = {n} micro-batches must give every "
         f"device the same number of rows, so the batch needs a multiple of "
-        f"N x {num_devices} = {n * num_devices} rows (e.g. {n * num_devices * max(1, rows // (n * num_devices))}).")
+        f"N x {num_devices} = {n * num_devices} rows (e.g. {example}).")
 
 
 def check_placement(params, opt_state, param_shardings, state_shardings) -> None:

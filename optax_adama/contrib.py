@@ -44,7 +44,10 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
+from typing import Optional
+from typing import Union
 
 import jax
 import optax

@@ -74,6 +74,55 @@ def test_one_micro_batch_matches_optax(make, nu_estimator):
   chex.assert_trees_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("hyper", [
+    dict(b1=0.9, b2=0.98, eps=1e-9),  # Flax's Gemma example's settings
+    dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=1e-12),
+    dict(b1=0.5, b2=0.9, eps=1e-3),
+], ids=["gemma", "eps_root", "fast_decay"])
+def test_one_micro_batch_is_optax_scale_by_adam_bit_for_bit(hyper):
+  """N = 1 is optax.scale_by_adam exactly: moments, count and updates, every
+  step of 300 jitted ones (a last-bit drift would compound and show). With
+  float32 moments: narrower ones round stochastically by default, where
+  optax rounds to nearest."""
+  ours = optax_adama.scale_by_adama(num_micro_batches=1, **hyper)
+  ref = optax.scale_by_adam(**hyper)
+  params = {"w": jnp.zeros((40, 25)), "b": jnp.zeros(7)}
+  ours_update, ref_update = jax.jit(ours.update), jax.jit(ref.update)
+  state, ref_state = ours.init(params), ref.init(params)
+  key = jax.random.PRNGKey(0)
+  for step in range(300):
+    keys = jax.random.split(jax.random.fold_in(key, step), 2)
+    # Scales from 1e-3 to 1e3: the fold's products round in every binade.
+    grads = {"w": jax.random.normal(keys[0], (40, 25)) * 10.0 ** (step % 7 - 3),
+             "b": jax.random.normal(keys[1], (7,))}
+    updates, state = ours_update(grads, state)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+      ref_updates, ref_state = ref_update(grads, ref_state)
+    chex.assert_trees_all_equal(updates, ref_updates)
+  chex.assert_trees_all_equal((state.mu, state.nu, state.count),
+                              (ref_state.mu, ref_state.nu, ref_state.count))
+
+
+def test_one_micro_batch_adam_trains_as_optax_adam_bit_for_bit():
+  """The alias too: jitted, adama(lr, N = 1) moves params as optax.adam(lr)."""
+
+  def train(tx):
+    @jax.jit
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    params = _params()
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+      for i in range(100):
+        params, state = step(params, state, _grads(params, i))
+    return params
+
+  chex.assert_trees_all_equal(train(optax_adama.adama(0.05, num_micro_batches=1)),
+                              train(optax.adam(0.05)))
+
+
 # Identical micro-batches are Adam exactly under "mean" (the default; and
 # "split", whose halves then agree); "momentum" reads the squared mean gradient
 # from m_hat**2, exact at N = 1 only (test_one_micro_batch_matches_optax).
@@ -128,7 +177,8 @@ def _factored_float64(squares):
     return squares
   rows, cols = squares.sum(-1), squares.sum(-2)
   total = rows.sum(-1)[..., None, None]
-  return np.where(total > 0, rows[..., :, None] * cols[..., None, :] / np.where(total > 0, total, 1), 0)
+  outer = rows[..., :, None] * cols[..., None, :]
+  return np.where(total > 0, outer / np.where(total > 0, total, 1), 0)
 
 
 def _step_float64(params, m, v, t, lr, b1, b2, eps, floor_nu=False, nu_floor=None):
@@ -257,7 +307,8 @@ def test_split_floor_is_factored_as_adafactor_for_large_leaves():
   halves = [[[tuple((mean + 3 * rng.normal(size=s)).astype(np.float32) for _ in range(2))
               for s in shapes for mean in [0.1 * rng.normal(size=s)]]
              for _ in range(n)] for _ in range(num_steps)]
-  tx = optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator="auto")  # "split" given halves
+  # "split" given halves
+  tx = optax_adama.contrib.adama(lr, num_micro_batches=n, nu_estimator="auto")
   got = [jnp.asarray(p) for p in params]
   state = tx.init(got)
   floor_shapes = [(f.rows.shape, f.cols.shape) for f in state.adama.nu_floor]
@@ -642,7 +693,8 @@ def test_complex_params_refuse_eight_bit_moments_and_split_naming_the_leaf():
     optax_adama.low_rank(optax_adama.adama(0.05, num_micro_batches=2), rank=2,
                          refresh_period=10, min_size=16).init(wide)
   with pytest.raises(TypeError, match=r"measures real params.*\['w'\]"):
-    optax_adama.diagnostics.diagnose_second_moment(lambda p, b: 0.0, params, [], num_micro_batches=2)
+    optax_adama.diagnostics.diagnose_second_moment(
+        lambda p, b: 0.0, params, [], num_micro_batches=2)
 
 
 def test_nonfinite_entries_never_reach_moments_and_are_counted():
@@ -672,7 +724,7 @@ def test_all_micro_batches_dropped_leaves_params_unchanged():
     params = optax.apply_updates(params, updates)
   before = params
   nan = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
-  for micro in range(2):
+  for _ in range(2):
     updates, state = tx.update(nan, state, params)
     params = optax.apply_updates(params, updates)
   chex.assert_trees_all_equal(params, before)
@@ -814,7 +866,7 @@ def test_optax_inject_hyperparams_with_static_num_micro_batches_works_as_written
     chex.assert_trees_all_close(got, want, rtol=RTOL)
   # Changing the rate between steps, the Flax way.
   state.hyperparams["learning_rate"] = jnp.asarray(0.0, jnp.float32)
-  for call in range(4):
+  for _ in range(4):
     got, state = update({"w": jnp.ones(6)}, state, params)
   chex.assert_trees_all_equal(got, {"w": jnp.zeros(6)})
 

@@ -15,13 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_release
+from conftest import MLP
 
 import optax_adama
 from optax_adama import _chain
 from optax_adama import _fold
-
-from conftest import MLP
-import test_release
 
 MODEL = MLP(num_layers=3, width=8)
 

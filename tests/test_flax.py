@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import update_with_halves
 from flax import linen
 from flax import nnx
 from flax.training import train_state
 
 import models
 import optax_adama
-from conftest import update_with_halves
 from models import data
 
 NUM_MICRO, BATCH, SEQ = 2, 8, 16

@@ -6,11 +6,10 @@ import subprocess
 
 import jax
 import numpy as np
-
 import pytest
+from conftest import REPO
 
 import models
-from conftest import REPO
 from models import gpu_bench
 
 GIB = 2**30
@@ -93,6 +92,7 @@ def test_default_cases_fill_the_device_and_add_reference_rows():
 
 def test_a_compute_dtype_the_models_cannot_run_is_refused():
   import pytest
+
   import models
   with pytest.raises(ValueError, match="float16 needs loss scaling"):
     models.get_config("gpt_test", dtype="float16")

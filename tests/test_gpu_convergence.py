@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import REPO as ROOT, load_script
+from conftest import REPO as ROOT
+from conftest import load_script
 
 
 def committed_gpt2_small_runs(raw):

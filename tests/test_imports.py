@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,9 @@ from flax import nnx
 
 import models
 import optax_adama
-from models import harness, layers, train
+from models import harness
+from models import layers
+from models import train
 
 # The published counts (Meta's model cards as counted by Hugging Face transformers).
 PUBLISHED = {"llama2_7b": 6_738_415_616, "llama3_8b": 8_030_261_248,
@@ -234,7 +236,8 @@ def test_cli_trains_a_llama(tmp_path):
 @pytest.mark.slow
 def test_llama_tiny_learns_stdlib_bytes():
   from models import data
-  from tests.test_models import train as train_steps, unigram_entropy
+  from tests.test_models import train as train_steps
+  from tests.test_models import unigram_entropy
 
   text = data.load_stdlib_text(max_bytes=1_000_000)
   batches = data.lm_batches(text.train, batch_size=16, seq_len=64, seed=0)

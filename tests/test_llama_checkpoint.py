@@ -21,13 +21,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import xla_flags
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+from safetensors.numpy import save_file
 
 import models
-from models import harness, layers, train
+from models import harness
+from models import layers
 from models import llama_checkpoint as hf
-from conftest import xla_flags
+from models import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP
 
 import optax_adama
-from conftest import MLP
 
 MODEL = MLP(num_layers=3, width=8)
 SQUARE = 8

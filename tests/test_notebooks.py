@@ -1,8 +1,8 @@
 """Executes every notebook on its smallest setting, so none of them rots."""
 
 import pytest
-
-from conftest import REPO, load_script
+from conftest import REPO
+from conftest import load_script
 
 NOTEBOOKS = REPO / "notebooks"
 build = load_script("notebooks/build.py")

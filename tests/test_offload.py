@@ -4,9 +4,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import MLP
 
 import optax_adama
-from conftest import MLP
 
 MODEL = MLP(num_layers=3, width=16)  # 256-element kernels, 16-element biases
 MIN_SIZE = 64  # the kernels' moments are offloaded, the biases' and counters stay

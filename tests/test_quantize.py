@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MLP
 
 import optax_adama
-from conftest import MLP
 from optax_adama import _quantize
 
 CODE_MAX = 448.0  # largest float8_e4m3fn value

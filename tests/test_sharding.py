@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
+from conftest import MLP
+from conftest import xla_flags
 from jax.sharding import PartitionSpec
 
 import optax_adama
 from optax_adama import _steps
-from conftest import MLP, xla_flags
 
 # Keeps this file on one xdist worker (make test: --dist loadgroup; under
 # pytest 9 through tests/conftest.py's hook); the `eight_devices` fixture also
@@ -455,6 +455,7 @@ FLOOR_STAGES = ("zero1", "zero2")
 def _release_worker(mesh, full):
   """release_step on the mesh against itself on one device, and its memory."""
   import warnings  # pylint: disable=g-import-not-at-top
+
   import test_release  # the scanned MLP with a tied outer leaf
 
   staged = test_release.staged_loss(has_aux=True)
