@@ -83,8 +83,9 @@ def test_default_layout_release_equals_microbatch_step():
       (make_step, quant): run(make_step, optax_adama.adamaw(
           1e-2, weight_decay=0.1, num_micro_batches=3, quantization=quant,
           stochastic_rounding=False), 3)
-      for make_step in (optax_adama.release_step, optax_adama.microbatch_step)
-      for quant in (quantization, None)}
+      for make_step, quant in ((optax_adama.release_step, quantization),
+                               (optax_adama.microbatch_step, quantization),
+                               (optax_adama.microbatch_step, None))}
   (params, state), (ref_params, ref_state) = (
       runs[make_step, quantization]
       for make_step in (optax_adama.release_step, optax_adama.microbatch_step))
