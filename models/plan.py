@@ -40,7 +40,8 @@ from flax import nnx
 from tqdm import tqdm
 
 import models
-from models import harness, planner
+from models import harness
+from models import planner
 
 
 def survey_candidates(
@@ -60,7 +61,7 @@ def survey_candidates(
 
 def survey(preset: str, candidates: Sequence[planner.Candidate], *, batch_size: int,
            seq_len: int | None = None,
-           machine: planner.Machine = planner.Machine()) -> list[planner.Considered]:
+           machine: planner.Machine = planner.DEFAULT_MACHINE) -> list[planner.Considered]:
   """Each candidate compiled and measured, in order (fits: always True)."""
   rows = []
   for candidate in candidates:
@@ -304,7 +305,8 @@ def _chosen_lines(args: argparse.Namespace, result: planner.Plan,
           + ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in parts.items()
                       if seconds) + ")\n"
           f"run with: harness.make_train_step(run, model, loss_fn, tx, mesh=mesh, "
-          f"shard_states={choice.shard_states!r}) on a {result.devices}-device 'data' mesh, params and state "
+          f"shard_states={choice.shard_states!r}) on a {result.devices}-device 'data' mesh, "
+          "params and state "
           f"placed by harness.train_step_shardings, run = planner.train_config("
           f"{args.preset!r}, chosen.choice, batch_size={args.batch_size}, "
           f"seq_len={args.seq_len}) (models.train runs one device)")

@@ -84,15 +84,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax_adama
 
 import models
-from models import harness, savers
+import optax_adama
+from models import harness
+from models import savers
 
 # Activation settings: (remat policy, few-bit GELU bits). Few-bit GELU only
 # changes what is saved where the GELU input would be saved: with no remat.
@@ -141,6 +143,7 @@ Machine = optax_adama.memory.Machine
 Measurement = optax_adama.memory.Measurement
 Considered = optax_adama.memory.Considered
 Skipped = optax_adama.memory.Skipped
+DEFAULT_MACHINE = Machine()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +350,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
       state_shards=devices if candidate.shard_states is not None else 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size: int,
                 seq_len: int | None) -> tuple[float, float]:
   """(flops, bytes) of one block's forward and backward under `remat`, compiled alone.
@@ -364,7 +367,7 @@ def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size
                                        policy=models.REMAT_POLICIES[remat])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loss_chunk_cost(preset: str, num_chunks: int, micro_batch_size: int,
                      seq_len: int | None) -> tuple[float, float]:
   """(flops, bytes) of the chunked LM-head loss's forward and backward, compiled alone.
@@ -399,7 +402,7 @@ def plan(
     batch_size: int,
     seq_len: int | None = None,
     devices: int = 1,
-    machine: Machine = Machine(),
+    machine: Machine = DEFAULT_MACHINE,
     activation_settings: Sequence[tuple[str, int | None]] | None = None,
     moment_storages: Sequence[str] = MOMENT_STORAGES,
     loss_chunks: Sequence[int] | None = None,
@@ -516,7 +519,7 @@ def replicated_bytes(preset: str, shard_states: str | None, moments: str) -> int
   return param_bytes + state_bytes if shard_states is None else param_bytes
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _whole_bytes(preset: str, moments: str) -> tuple[int, int]:
   """(params, optimizer state) bytes of `preset` with `moments` storage."""
   run = train_config(preset, Candidate(1, moments=moments), batch_size=1, seq_len=None)
@@ -550,7 +553,7 @@ def cached_measure(preset: str, *, batch_size: int, seq_len: int | None,
                    devices: int = 1) -> Callable[[Candidate], Measurement]:
   """`measure` for one preset, batch and mesh size, with each candidate compiled once."""
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def measure_candidate(candidate: Candidate) -> Measurement:
     return measure(preset, candidate, batch_size=batch_size, seq_len=seq_len, devices=devices)
 

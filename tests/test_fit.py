@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPO
+from conftest import xla_flags
 from flax import nnx
 
 import optax_adama
-from conftest import REPO, xla_flags
 
 plan = optax_adama.memory.plan
 LEARNING_RATE = 3e-3
@@ -224,7 +225,8 @@ def _mesh_worker() -> dict:
   tx = chosen.optimizer(LEARNING_RATE)
   state = tx.init(params)
   shardings = chosen.shardings(params, state)
-  params, state = jax.device_put(params, shardings.params), jax.device_put(state, shardings.opt_state)
+  params = jax.device_put(params, shardings.params)
+  state = jax.device_put(state, shardings.opt_state)
   step = chosen.step(tx)
   compiled_bytes = optax_adama.memory_report(step, params, state, batch).total_bytes
   params, state, metrics = step(params, state, batch)

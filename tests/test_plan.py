@@ -19,11 +19,15 @@ import sys
 
 import jax
 import pytest
+from conftest import REPO
+from conftest import xla_flags
 
 import models
 import optax_adama
-from conftest import REPO, xla_flags
-from models import harness, plan, planner, train
+from models import harness
+from models import plan
+from models import planner
+from models import train
 
 MACHINE = planner.Machine(peak_flops=1.0, memory_bandwidth=1e12, host_bandwidth=1.0)
 
@@ -195,7 +199,8 @@ def test_measure_completes_the_loss_chunks_and_the_release_scans(saver):
     # Uncompleted, the chunk scans would count a quarter of the head: -3/4 of it.
     assert extra == pytest.approx(2 * head_forward, rel=0.1)
   else:
-    released, full = flops(planner.Candidate(2, planner.RELEASE)), flops(planner.Candidate(2, "full"))
+    released = flops(planner.Candidate(2, planner.RELEASE))
+    full = flops(planner.Candidate(2, "full"))
     assert released == pytest.approx(full, rel=0.05)
 
 
