@@ -281,7 +281,7 @@ class _StepCache:
   ``nnx.split(opt)`` works and two optimizers never share steps.
   """
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._steps: dict[Any, Callable[..., Any]] = {}
 
   def get(self, key, build):
@@ -447,9 +447,9 @@ def __getattr__(name: str) -> Any:
   # The public class derives from nnx.Pytree, so it is made on first use, when
   # Flax is imported; `from optax_adama.nnx import MicroBatchOptimizer` lands here.
   if name == "MicroBatchOptimizer":
-    nnx = _nnx()
+    pytree: Any = _nnx().Pytree  # a class only known once Flax is imported
 
-    class MicroBatchOptimizer(_MicroBatchOptimizer, nnx.Pytree):
+    class MicroBatchOptimizer(_MicroBatchOptimizer, pytree):
       __doc__ = _MicroBatchOptimizer.__doc__
 
     MicroBatchOptimizer.__module__ = __name__
