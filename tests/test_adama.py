@@ -1205,3 +1205,30 @@ def test_adamaw_weight_decay_may_be_a_schedule_as_in_optax():
       updates, state = tx.update(grads, state, params)
       want, ref_state = ref.update(grads, ref_state, params)
       np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("factory", ["adama", "adamaw", "scale_by_adama"])
+@pytest.mark.parametrize("removed", [{"nu_estimator": "split"}, {"nu_estimator": "mean"},
+                                     {"split_floor": False}])
+def test_research_arguments_name_their_contrib_replacement(factory, removed):
+  """The main transforms fold "mean" only; the estimators' arguments moved."""
+  args = () if factory == "scale_by_adama" else (1e-3,)
+  with pytest.raises(TypeError, match=rf"optax_adama\.contrib\.{factory}\("):
+    getattr(optax_adama, factory)(*args, num_micro_batches=2, **removed)
+  # The contrib versions take them, and their states are the main ones.
+  tx = getattr(optax_adama.contrib, factory)(
+      *args, num_micro_batches=2, nu_estimator=removed.get("nu_estimator", "split"),
+      split_floor=removed.get("split_floor", True))
+  assert isinstance(optax_adama.find_adama_state(tx.init({"w": jnp.ones(3)})),
+                    optax_adama.ScaleByAdamAState)
+
+
+def test_the_main_signatures_hold_no_research_arguments():
+  # optax.inject_hyperparams reads the signature: it must be the clean one.
+  for factory in (optax_adama.adama, optax_adama.adamaw, optax_adama.scale_by_adama):
+    names = inspect.signature(factory).parameters
+    assert "nu_estimator" not in names and "split_floor" not in names
+  tx = optax.inject_hyperparams(optax_adama.adama, static_args=("num_micro_batches",))(
+      learning_rate=1e-3, num_micro_batches=2)
+  state = tx.init({"w": jnp.ones(3)})
+  assert optax_adama.find_adama_state(state).nu_estimator == "mean"
