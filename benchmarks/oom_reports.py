@@ -106,7 +106,8 @@ def largest_axis_shardings(tree, mesh, axis="data"):
   """Each leaf split along its largest axis the mesh divides (the first of equals),
   as FSDP users write it by hand and as ``step_shardings(..., "fsdp")`` splits it."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec
 
   size = mesh.shape[axis]
 
@@ -125,7 +126,8 @@ def hand_written_accumulation(loss_fn, tx, params, mesh, num_micro_batches):
   import jax
   import jax.numpy as jnp
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec
 
   param_shardings = largest_axis_shardings(params, mesh)
   rows = NamedSharding(mesh, PartitionSpec(None, "data"))
@@ -287,14 +289,14 @@ def capacity(args):
 
   import jax
 
-  import models
-  from models import bench, harness
+  from models import bench
+  from models import harness
 
   mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   n = (args.num_micro_batches or [4])[0]
   methods = args.methods or CAPACITY_METHODS
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def measure(method, scale):
     config = llama_family(scale)
     loss_fn, staged, params = _model(config)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
+from typing import Optional
 
 import chex
 import jax
@@ -133,9 +134,9 @@ class BlockQuantization:
 
   def layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
     """``(num_blocks, block_len)`` of a leaf of ``shape`` (all its blocks)."""
-    if self._aligns(shape):
-      slice_size = math.prod(shape[1:])
-      block_len = _exact_block_len(slice_size, self.block_size)
+    slice_size = math.prod(shape[1:])
+    block_len = _exact_block_len(slice_size, self.block_size)
+    if self._aligns(shape) and block_len is not None:
       return shape[0] * (slice_size // block_len), block_len
     if self.layer_aligned is True and len(shape) >= 2:
       raise ValueError(
@@ -187,7 +188,7 @@ def _exact_block_len(size: int, block_size: int) -> Optional[int]:
     return size
   divisors = [n for n in range(block_size, max(1, block_size // 8) - 1, -1) if size % n == 0]
   preferred = [n for n in divisors if (size // n) % _PREFERRED_BLOCKS_MULTIPLE == 0]
-  return (preferred or divisors or [None])[0]
+  return (preferred + divisors)[0] if divisors else None
 
 
 def block_layout(size: int, block_size: int) -> tuple[int, int]:

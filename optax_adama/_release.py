@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +29,18 @@ import optax
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
-from optax_adama import _estimators
-from optax_adama import _fold
 from optax_adama import _chain
+from optax_adama import _estimators
 from optax_adama import _floor
+from optax_adama import _fold
 from optax_adama import _offload
 from optax_adama import _release_fold
 from optax_adama import _release_mesh
 from optax_adama import _sharding
 from optax_adama import _staged
 from optax_adama import _steps
-from optax_adama._chain import MiniBatchChainState
 from optax_adama._adama import ScaleByAdamAState
+from optax_adama._chain import MiniBatchChainState
 
 __all__ = ["release_step"]
 
@@ -236,7 +238,8 @@ def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_a
 
 def _check_is_state_of_tx(opt_state, inner) -> None:
   chained = isinstance(opt_state, MiniBatchChainState)
-  if not isinstance(_chain.adama_of(opt_state), ScaleByAdamAState) or chained != (inner is not None):
+  is_adama = isinstance(_chain.adama_of(opt_state), ScaleByAdamAState)
+  if not is_adama or chained != (inner is not None):
     raise TypeError(
         f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
         "pass tx.init(params).")

@@ -13,21 +13,22 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from optax_adama import _adama
 from optax_adama import _estimators
-from optax_adama import _fold
 from optax_adama import _floor
+from optax_adama import _fold
 from optax_adama import _offload
 from optax_adama import _quantize
 from optax_adama import _staged
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
-
 
 is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
 
@@ -178,9 +179,10 @@ def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offl
   # "split"'s floor: decayed once here, then each gradient adds its part
   # (on the device throughout: offloaded, it comes in whole).
   floor_offloaded = offloaded[2]
-  floor_outer, floor_stacked = (None, None) if not _estimators.floors_split(state) else staged.split(
-      _estimators.decayed_floor(state._replace(
-          nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
+  floor_outer, floor_stacked = None, None
+  if _estimators.floors_split(state):
+    floor_outer, floor_stacked = staged.split(_estimators.decayed_floor(state._replace(
+        nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
   x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
       parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,

@@ -8,14 +8,16 @@ reductions, and the update is applied to each device's slices.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
-from optax_adama import _estimators
 from optax_adama import _chain
+from optax_adama import _estimators
 from optax_adama import _floor
 from optax_adama import _offload
 from optax_adama import _quantize
