@@ -2,7 +2,8 @@
 #   make demo   AdamA against Adam + gradient accumulation at 2,048-token
 #               micro-batches: trains the tiny GPT both ways on the offline
 #               corpus (held-out loss), compiles GPT-2 small's step (memory).
-#   make test   the test suite (heavy runs marked `slow` are left out).
+#   make test   lint (ruff), types (mypy on optax_adama) and the test suite
+#               (heavy runs marked `slow` are left out).
 # Both create .venv and install the package with its extras if needed.
 
 PYTHON ?= python3
@@ -25,6 +26,8 @@ demo: $(STAMP)
 	$(BIN)/python -m models.demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadgroup --durations=15
 
 test-all: $(STAMP)

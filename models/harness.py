@@ -854,8 +854,11 @@ def make_step(
   if method == "optax_microbatching":
     return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam
   if method == "adama" or method in ESTIMATOR_METHODS:
-    estimator = {} if method == "adama" else {"nu_estimator": method.removeprefix("adama_")}
-    tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches, **estimator)
+    if method == "adama":
+      tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
+    else:  # a research estimator of v
+      tx = optax_adama.contrib.adama(learning_rate, num_micro_batches=num_micro_batches,
+                                     nu_estimator=method.removeprefix("adama_"))
     return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
   if method in RELEASE_METHODS:
     quantization = (optax_adama.BlockQuantization(layer_aligned=True)

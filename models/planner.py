@@ -41,7 +41,7 @@ gpt2_large costs seconds per candidate, and on the CPU backend the remat policy
 shows in the compiled memory only under a scan (XLA's CPU scheduler keeps an
 unrolled model's activations alive whatever the policy saves).
 
-The search and the predictor are the library's (`optax_adama.memory.search_plan`,
+The search and the predictor are the library's (`optax_adama._search.search`,
 `Machine`, `Measurement`: `optax_adama.memory.plan` runs them on a user's own
 model); this module adds the zoo's settings to them. Search, per activation
 setting (remat policy or release, GELU bits): the
@@ -95,6 +95,7 @@ import models
 import optax_adama
 from models import harness
 from models import savers
+from optax_adama import _search  # the search and the cost model under memory.plan
 
 # Activation settings: (remat policy, few-bit GELU bits). Few-bit GELU only
 # changes what is saved where the GELU input would be saved: with no remat.
@@ -327,7 +328,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
                                              candidate.shard_states)
     args = (_placed(params, shardings.params), _placed(state, shardings.opt_state))
   start = time.perf_counter()
-  compiled = optax_adama.memory.compile_for_measurement(step.lower(*args, batch))
+  compiled = _search.compile_for_measurement(step.lower(*args, batch))
   # The layer and chunk completions are one device's share of a micro-batch.
   micro_batch_size = batch_size // run.num_micro_batches // devices
   # XLA counts a loop body once: complete the layer scan (and the loss's chunk
@@ -342,7 +343,7 @@ def measure(preset: str, candidate: Candidate, *, batch_size: int,
   compile_s = time.perf_counter() - start
   extra_layers, extra_chunks = config.num_layers - 1, run.loss_chunks - 1
   n = run.num_micro_batches
-  return optax_adama.memory.measure_compiled(
+  return _search.measure_compiled(
       compiled, params=params, opt_state=state,
       flops=n * (step_flops + extra_layers * layer_flops + extra_chunks * chunk_flops),
       bytes_accessed=n * (step_bytes + extra_layers * layer_bytes + extra_chunks * chunk_bytes),
@@ -363,7 +364,7 @@ def _layer_cost(preset: str, remat: str, gelu_bits: int | None, micro_batch_size
   config = models.get_config(preset, remat="none", gelu_bits=gelu_bits, scan_layers=True)
   staged, params = models.staged_loss(models.create_abstract(config))
   micro_batch = harness.abstract_batch(config, micro_batch_size, seq_len)
-  return optax_adama.memory.block_cost(staged, params, micro_batch,
+  return _search.block_cost(staged, params, micro_batch,
                                        policy=models.REMAT_POLICIES[remat])
 
 
@@ -386,7 +387,7 @@ def _loss_chunk_cost(preset: str, num_chunks: int, micro_batch_size: int,
     loss = lambda f, t: savers.chunked_cross_entropy(f, t, labels, num_chunks=num_chunks)[0]
     return jax.value_and_grad(loss, argnums=(0, 1))(features, table)
 
-  return _cost(optax_adama.memory.compile_for_measurement(
+  return _cost(_search.compile_for_measurement(
       jax.jit(loss_and_grads).lower(features, table, labels)))
 
 
@@ -471,7 +472,7 @@ def plan(
   if not splits:
     raise ValueError(f"batch_size={batch_size} does not give each of {devices} devices whole "
                      f"rows; pass a multiple of {devices}.")
-  found = optax_adama.memory.search_plan(
+  found = _search.search(
       budget_bytes=budget_bytes, splits=splits, stages=shard_stages,
       activations=activation_settings, moment_storages=moment_storages,
       levers=lambda storages: memory_levers(storages, loss_chunks),

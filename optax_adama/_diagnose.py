@@ -243,7 +243,7 @@ def diagnose_second_moment(
     >>> keys = jax.random.split(jax.random.key(0), 20)
     >>> batches = [{"x": jax.random.normal(k, (32, 4)), "y": jnp.ones((32,))}
     ...            for k in keys]
-    >>> d = optax_adama.diagnose_second_moment(
+    >>> d = optax_adama.diagnostics.diagnose_second_moment(
     ...     loss_fn, {"w": jnp.zeros(4)}, batches, num_micro_batches=4)
     >>> d.median("mean") > d.median("sum")
     True

@@ -207,6 +207,10 @@ def memory_floor(
   Returns:
     A :class:`MemoryFloor`.
 
+  Raises:
+    ValueError: if the backend reports no memory analysis of the compiled
+      gradient.
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax_adama
     >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
-import optax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
 

@@ -11,36 +11,8 @@ stage. Every candidate is compiled for abstract inputs (nothing is allocated
 or run) and measured as :func:`memory_report` measures: argument + output +
 temp - alias bytes of one device.
 
-Time is a roofline prediction, summed rather than overlapped (an upper bound
-where XLA hides one behind another):
-
-- compute: XLA's ``cost_analysis()`` flops over ``Machine.peak_flops``. XLA
-  counts a loop body once, so the step's flops are taken per micro-batch and
-  multiplied by N, and a :class:`StagedLoss`'s layer scan is completed with
-  one more block's forward and backward, compiled alone (:func:`block_cost`),
-  per uncounted layer. A plain loss's own loops are counted once each: the
-  same for every candidate, so the ranking holds, the absolute time is low;
-- folds: AdamA reads the gradient and m, v and writes m, v once per
-  micro-batch, ``N * (P + 2 * state) / memory_bandwidth`` (a device's share
-  under a ZeRO stage);
-- host: what lives in host memory crosses the link out and back once per
-  micro-batch, ``N * 2 * host_bytes / host_bandwidth``;
-- collectives: :func:`collective_bytes` of the compiled step (every loop trip
-  counted) as one device sends them on a ring, over
-  ``Machine.interconnect_bandwidth``.
-
-The search (:func:`search`, which ``models.planner`` runs for the zoo with its
-remat policies and savers as more activation settings): per ZeRO stage and
-activation setting, the smallest N that fits with the first memory lever, by
-bisection over the divisors (memory falls as N grows, time grows with N: each
-micro-batch pays the fold), then each further lever only where it lets a
-smaller N fit. Exact levers come first (float32 moments, then float32 moments
-in host memory), then narrower moments, which change the optimizer's numerics;
-a narrower storage is not compiled where the float32 step at that N, less the
-device bytes the narrower moments save, is still over the budget (a lower
-bound: the program differs only in the optimizer's arithmetic). Compiles are
-memoised by settings. The fastest predicted candidate wins and is
-compiled once more, uncached, to confirm that it fits.
+The candidates are measured and ranked by :mod:`optax_adama._search` (the
+roofline prediction and the search, shared with ``models.planner``).
 """
 
 from __future__ import annotations
@@ -49,7 +21,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -62,7 +33,6 @@ import numpy as np
 import optax
 
 from optax_adama import _chain
-from optax_adama import _collectives
 from optax_adama import _memory
 from optax_adama import _microbatch
 from optax_adama import _offload
@@ -70,16 +40,26 @@ from optax_adama import _quantize
 from optax_adama import _release
 from optax_adama import _release_mesh
 from optax_adama import _sharding
+from optax_adama._search import DEFAULT_MACHINE
+from optax_adama._search import MOMENT_STORAGES
+from optax_adama._search import PLAIN
+from optax_adama._search import RELEASE
+from optax_adama._search import SHARD_STAGES
+from optax_adama._search import Considered
+from optax_adama._search import Machine
+from optax_adama._search import Measurement
+from optax_adama._search import Search
+from optax_adama._search import Skipped
+from optax_adama._search import block_cost
+from optax_adama._search import compile_for_measurement
+from optax_adama._search import compiled_cost
+from optax_adama._search import divisors
+from optax_adama._search import measure_compiled
+from optax_adama._search import search
 from optax_adama._staged import StagedLoss
 
-__all__ = ["Considered", "Machine", "Measurement", "Plan", "PlanSettings", "Skipped", "block_cost",
-           "compile_for_measurement", "measure_compiled", "plan", "search"]
+__all__ = ["Plan", "PlanSettings", "plan"]
 
-# Moment storages, most precise first: the planner narrows them only to fit.
-MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
-SHARD_STAGES: tuple[Optional[str], ...] = (None, "zero1", "zero2", "fsdp")
-# The library's activation settings: the loss as given, or the gradient release.
-PLAIN, RELEASE = "plain", "release"
 # offload_moments' default: smaller state leaves stay on the device.
 OFFLOAD_MIN_SIZE = 4096
 # Rates a candidate is measured with; the learning rate changes no buffer.
@@ -87,328 +67,10 @@ _MEASURED_LEARNING_RATE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
-class Machine:
-  """The rates of the roofline time predictor (defaults: a 24 GB-class GPU).
-
-  Attributes:
-    peak_flops: float32 flop/s (per device).
-    memory_bandwidth: device memory bytes/s.
-    host_bandwidth: bytes/s each way between device and pinned host memory.
-    interconnect_bandwidth: bytes/s one device sends to the others in a
-      collective, on a mesh. 100 GB/s: the order of a TPU core's ICI or a
-      GPU's NVLink share; PCIe-only GPUs and hosts over a network are slower.
-  """
-
-  peak_flops: float = 80e12
-  memory_bandwidth: float = 1.0e12
-  host_bandwidth: float = 25e9
-  interconnect_bandwidth: float = 100e9
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-  """Compile-only numbers of one candidate's step.
-
-  Attributes:
-    device_bytes: argument + output + temp - alias bytes on one device.
-    host_bytes: the same over the host_* fields (what lives in host memory).
-    param_bytes: P, bytes of one copy of the params (whole).
-    state_bytes: bytes of the optimizer state (whole, m and v in their storage).
-    flops: predicted flops of the whole step (all micro-batches and layers),
-      on one device of a mesh.
-    bytes_accessed: XLA's memory traffic of the whole step, recorded, not used
-      (on the CPU backend it counts every unfused elementwise op's traffic).
-    compile_s: seconds spent compiling.
-    collective_bytes: on a mesh, the bytes of the arrays the step's
-      collectives make or take apart (:func:`collective_bytes`).
-    link_bytes: what one device sends for them on a ring.
-    state_shards: devices the moments are split over (each folds its share).
-  """
-
-  device_bytes: int
-  host_bytes: int
-  param_bytes: int
-  state_bytes: int
-  flops: float
-  bytes_accessed: float
-  compile_s: float
-  collective_bytes: int = 0
-  link_bytes: float = 0.0
-  state_shards: int = 1
-
-  def predicted_parts(self, machine: Machine, num_micro_batches: int) -> dict[str, float]:
-    """The roofline's terms, seconds: compute, folds, host and collectives."""
-    fold_bytes = (self.param_bytes + 2 * self.state_bytes) / self.state_shards
-    return {"compute": self.flops / machine.peak_flops,
-            "folds": num_micro_batches * fold_bytes / machine.memory_bandwidth,
-            "host": num_micro_batches * 2 * self.host_bytes / machine.host_bandwidth,
-            "collectives": self.link_bytes / machine.interconnect_bandwidth}
-
-  def predicted_s(self, machine: Machine, num_micro_batches: int) -> float:
-    """The roofline step time: the sum of :meth:`predicted_parts`, seconds."""
-    return sum(self.predicted_parts(machine, num_micro_batches).values())
-
-
-@dataclasses.dataclass(frozen=True)
-class Considered:
-  """A candidate the search compiled, and whether it fits.
-
-  ``measurable`` is False where the backend cannot show what the candidate
-  saves (host memory on a backend that counts it as device memory): the
-  search does not choose it.
-  """
-
-  candidate: Any
-  measurement: Measurement
-  predicted_s: float
-  fits: bool
-  measurable: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class Skipped:
-  """A ZeRO stage not compiled: what it keeps whole on every device, whatever
-  N, is over the budget.
-
-  Attributes:
-    shard_states: the stage (None: data parallel).
-    moments: the moment storage it was skipped with; None: with every storage
-      (zero1 and zero2 keep only the params whole).
-    replicated_bytes: those whole bytes on every device.
-  """
-
-  shard_states: Optional[str]
-  moments: Optional[str]
-  replicated_bytes: int
-
-  def describe(self) -> str:
-    what = ("params" if self.moments is None
-            else f"params and {self.moments} moments")
-    return (f"stage={self.shard_states or 'dp'} moments={self.moments or 'any'}, every N and "
-            f"remat: {what} whole on every device")
-
-
-@dataclasses.dataclass(frozen=True)
-class Search:
-  """What :func:`search` compiled: the smallest fitting N per setting and lever
-  (``fitting``), every candidate (``considered``, in compile order), the
-  stages skipped without compiling, and the candidates not compiled because a
-  lower bound of their bytes was already over the budget (``bounded``:
-  (candidate, bound) pairs)."""
-
-  fitting: tuple[Considered, ...]
-  considered: tuple[Considered, ...]
-  skipped: tuple[Skipped, ...]
-  bounded: tuple[tuple[Any, int], ...] = ()
-
-
-def divisors(n: int) -> list[int]:
-  """The divisors of n, increasing: the N that split a batch of n rows evenly."""
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def smallest_fitting(fits: Callable[[int], bool], upper: int) -> Optional[int]:
-  """Smallest i in [0, upper) with fits(i), for fits monotone in i; None if none."""
-  if upper == 0 or not fits(upper - 1):
-    return None
-  low, high = 0, upper - 1  # fits(high) holds
-  while low < high:
-    mid = (low + high) // 2
-    if fits(mid):
-      high = mid
-    else:
-      low = mid + 1
-  return high
-
-
-def search(
-    *,
-    budget_bytes: float,
-    splits: Sequence[int],
-    stages: Sequence[Optional[str]],
-    activations: Sequence[Any],
-    moment_storages: Sequence[str],
-    levers: Callable[[Sequence[str]], Sequence[Any]],
-    candidate_of: Callable[[int, Any, Any, Optional[str]], Any],
-    measure: Callable[[Any], Measurement],
-    machine: Machine,
-    replicated: Optional[Callable[[Optional[str], str], int]] = None,
-    measurable: Callable[[Any, Measurement], bool] = lambda candidate, measurement: True,
-    describe: Callable[[Any], str] = str,
-    lower_bound: Optional[Callable[[Any, dict[Any, Considered]], Optional[int]]] = None,
-    progress: bool = False,
-) -> Search:
-  """The planner's search, over settings it only names (see the module docstring).
-
-  Args:
-    budget_bytes: per device.
-    splits: the N to try, increasing.
-    stages: ZeRO stages (None: data parallel or one device).
-    activations: activation settings (opaque here: the library's plain loss
-      and release, the zoo's remat policies and savers).
-    moment_storages: storages to try, most precise first.
-    levers: the memory levers, in the order to pull them, from the storages
-      left after skipping those a stage cannot hold.
-    candidate_of: ``candidate_of(n, activation, lever, stage)``: hashable,
-      with a ``num_micro_batches`` attribute (n).
-    measure: compiles and measures a candidate (called once per candidate).
-    machine: the predictor's rates.
-    replicated: ``replicated(stage, moments)``, bytes a stage keeps whole on
-      every device; None: no stage is skipped.
-    measurable: whether a measurement shows what its candidate saves.
-    describe: a candidate's one-line name, for ``progress``.
-    lower_bound: ``lower_bound(candidate, considered)``, bytes the candidate
-      takes at least, from what was compiled so far (or None): over the
-      budget, it is not compiled.
-    progress: print each compile to stderr.
-
-  Returns:
-    A :class:`Search`.
-  """
-  considered: dict[Any, Considered] = {}
-  bounded: dict[Any, int] = {}
-
-  def fits(candidate: Any) -> bool:
-    bound = None if lower_bound is None else lower_bound(candidate, considered)
-    if candidate not in considered and bound is not None and bound > budget_bytes:
-      bounded[candidate] = bound
-      if progress:
-        print(f"  {describe(candidate)}: at least {bound / 1e9:.2f} GB, not compiled",
-              file=sys.stderr)
-      return False
-    return consider(candidate).fits
-
-  def consider(candidate: Any) -> Considered:
-    if candidate not in considered:
-      measurement = measure(candidate)
-      considered[candidate] = Considered(
-          candidate, measurement,
-          measurement.predicted_s(machine, candidate.num_micro_batches),
-          measurement.device_bytes <= budget_bytes, measurable(candidate, measurement))
-      if progress:
-        print(f"  {describe(candidate)}: {measurement.device_bytes / 1e9:.2f} GB, "
-              f"{considered[candidate].predicted_s * 1e3:.1f} ms, compiled in "
-              f"{measurement.compile_s:.1f} s", file=sys.stderr)
-    return considered[candidate]
-
-  fitting: list[Considered] = []
-  skipped: list[Skipped] = []
-  for stage in stages:
-    storages = list(moment_storages)
-    if replicated is not None:  # skip the storages whose whole part alone is over
-      whole = {moments: replicated(stage, moments) for moments in moment_storages}
-      over = [moments for moments in moment_storages if whole[moments] > budget_bytes]
-      storages = [moments for moments in moment_storages if moments not in over]
-      if over and stage in ("zero1", "zero2"):  # the params alone, whatever the moments
-        skipped.append(Skipped(stage, None, whole[over[0]]))
-      else:
-        skipped += [Skipped(stage, moments, whole[moments]) for moments in over]
-      if progress and over:
-        print(f"  stage={stage or 'dp'}: skipped with {', '.join(over)} moments "
-              f"({min(whole[m] for m in over) / 1e9:.2f} GB or more whole on every device)",
-              file=sys.stderr)
-    if not storages:
-      continue
-    for activation in activations:
-      upper = len(splits)  # each lever must beat the last one's N
-      for lever in levers(storages):
-        def candidate(i: int, lever=lever, activation=activation, stage=stage) -> Any:
-          return candidate_of(splits[i], activation, lever, stage)
-        index = smallest_fitting(lambda i: fits(candidate(i)), upper)
-        if index is not None:
-          found = considered[candidate(index)]
-          if found.measurable:
-            fitting.append(found)
-          upper = index
-        if upper == 0:
-          break
-  return Search(tuple(fitting), tuple(considered.values()), tuple(skipped),
-                tuple(bounded.items()))
-
-
-def ring_factor(kind: str, devices: int) -> float:
-  """What one device sends, per byte of a collective's array, on a ring of D devices."""
-  if kind == "collective-permute":
-    return 1.0
-  share = (devices - 1) / devices
-  return 2 * share if kind == "all-reduce" else share
-
-
-# Compile only: on the CPU the machine code is never run, so XLA skips its costly
-# optimisation; the HLO, its memory and cost analyses and collectives are the same
-# (MLP steps at N = 4 and 16: equal temp, argument bytes and flops, 3.2 s to compile
-# instead of 6.3 s on 2 shared cores).
-_CHEAP_CPU_CODEGEN: dict[str, str | bool] = {"xla_backend_optimization_level": "0",
-                                              "xla_llvm_disable_expensive_passes": True}
-
-
-def compile_for_measurement(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-  """``lowered.compile()``, with the CPU's code generation at its cheapest."""
-  if jax.default_backend() == "cpu":
-    return lowered.compile(compiler_options=_CHEAP_CPU_CODEGEN)
-  return lowered.compile()
-
-
-def compiled_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
-  """(flops, bytes accessed) of XLA's cost analysis of a compiled program."""
-  analysis = compiled.cost_analysis() or {}
-  return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-
-
-def measure_compiled(
-    compiled: jax.stages.Compiled, *, params: Any, opt_state: Any, flops: float,
-    bytes_accessed: float, compile_s: float, devices: int = 1, state_shards: int = 1,
-) -> Measurement:
-  """A compiled step's :class:`Measurement`: bytes as :func:`memory_report`
-  counts them, collectives from its HLO; ``flops`` as the caller completed them."""
-  report = _memory.memory_report(compiled, param_bytes=_memory.tree_bytes(params))
-  memory: Any = compiled.memory_analysis()  # not None: memory_report read it
-  collectives = _collectives.collective_bytes(compiled).by_kind
-  return Measurement(
-      device_bytes=report.total_bytes,
-      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
-                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      param_bytes=report.param_bytes, state_bytes=_memory.tree_bytes(opt_state),
-      flops=flops, bytes_accessed=bytes_accessed, compile_s=compile_s,
-      collective_bytes=sum(collectives.values()),
-      link_bytes=sum(nbytes * ring_factor(kind, devices) for kind, nbytes in collectives.items()),
-      state_shards=state_shards)
-
-
-def block_cost(staged: StagedLoss, params: Any, micro_batch: Any, *,
-               policy: Optional[Callable[..., bool]] = None,
-               remat: bool = False) -> tuple[float, float]:
-  """(flops, bytes accessed) of one block's forward and backward, compiled alone.
-
-  What each layer of the stack beyond the first adds to a step whose layer scan
-  XLA counts once. The program returns the block's output as well as its
-  gradients, so the forward is kept (in the model it feeds the next block); with
-  ``remat`` (or a ``policy``) the block is under ``jax.checkpoint`` with
-  ``prevent_cse=True``, so XLA cannot merge the recomputation into that forward
-  (inside the model's scan it cannot either): the release's work, which
-  recomputes each layer.
-  """
-  outer, stacked = staged.split(params)
-  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-  x = jax.eval_shape(staged.embed, outer, micro_batch)
-
-  def block(layer_params, x):
-    return staged.block(layer_params, x, micro_batch)
-
-  if remat or policy is not None:
-    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
-
-  def forward_and_backward(layer_params, x):
-    out, vjp = jax.vjp(block, layer_params, x)
-    return out, vjp(jax.tree.map(jnp.ones_like, out))
-
-  return compiled_cost(compile_for_measurement(
-      jax.jit(forward_and_backward).lower(layer_params, x)))
-
-
-@dataclasses.dataclass(frozen=True)
 class PlanSettings:
   """One setting of the step: what the library switches without touching the model.
+
+  :func:`plan`'s example shows one (``plan.settings``).
 
   Attributes:
     num_micro_batches: N.
@@ -458,6 +120,8 @@ class PlanSettings:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """:func:`plan`'s answer: the settings, their verified bytes and predicted time.
+
+  :func:`plan`'s example shows one.
 
   Attributes:
     settings: the chosen :class:`PlanSettings`.
@@ -564,8 +228,8 @@ def plan(
     mesh: Optional[jax.sharding.Mesh] = None,
     data_axis: _sharding.AxisName = "data",
     has_aux: bool = False,
-    machine: Machine = Machine(),
-    moment_storages: Sequence[str] = MOMENT_STORAGES,
+    machine: Optional[Machine] = None,
+    moment_storages: Optional[Sequence[str]] = None,
     offload: Optional[bool] = None,
     shard_stages: Optional[Sequence[Optional[str]]] = None,
     progress: bool = False,
@@ -589,8 +253,9 @@ def plan(
       ``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
     data_axis: the mesh axis (or axes) the batch is split over.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    machine: the time predictor's rates.
-    moment_storages: storages to try, most precise first.
+    machine: the time predictor's rates; None: :class:`Machine`'s defaults.
+    moment_storages: storages to try, most precise first; None: "float32",
+      "bfloat16" and "8bit".
     offload: try moments in host memory; None: where the backend counts host
       memory apart from device memory (not the CPU's).
     shard_stages: ZeRO stages to try on a mesh; None: all four.
@@ -623,8 +288,14 @@ def plan(
                  shard_states=None)
     >>> tx = chosen.optimizer(1e-3)   # adamaw with N = 2
     >>> step = chosen.step(tx)        # microbatch_step(loss_fn, tx, num_micro_batches=2)
+    >>> chosen.device_bytes <= 1.5e6, chosen.measurement.device_bytes == chosen.device_bytes
+    (True, True)
+    >>> all(c.fits == (c.measurement.device_bytes <= 1.5e6) for c in chosen.considered)
+    True
   """
   budget_bytes = _check_budget(budget_bytes)
+  machine = DEFAULT_MACHINE if machine is None else machine
+  moment_storages = MOMENT_STORAGES if moment_storages is None else moment_storages
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable as loss_fn(params, micro_batch), got "
                     f"{type(loss_fn).__name__}.")
@@ -890,4 +561,3 @@ class _Context:
     return (f"nothing fits {budget}: the smallest step compiled, "
             f"{settings.describe(on_mesh=self.mesh is not None)}, takes {total:,} B "
             f"({total / 1e9:.3g} GB): {listed}. The {dominant} {verb}: try {advice}.")
-

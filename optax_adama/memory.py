@@ -7,9 +7,9 @@ GPU, quoted in bytes and in units of P, the bytes of one copy of the params.
 model fit, and how?": the AdamA step (N, moments, release, ZeRO stage) that
 fits a memory budget, found by compiling each candidate (see ``docs/fit.md``).
 The rest is for benchmarks, with :func:`collective_bytes`, the bytes a compiled
-step moves between devices, and the planner's search and time predictor
-(:func:`search_plan`, :class:`Machine`), which ``models.planner`` runs for the
-model zoo with its remat policies and savers.
+step moves between devices, and the time predictor's rates (:class:`Machine`).
+``models.planner`` runs the same search for the model zoo with its remat
+policies and savers.
 """
 
 from optax_adama._collectives import CollectiveBytes
@@ -19,19 +19,14 @@ from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_floor
 from optax_adama._memory import memory_report
 from optax_adama._memory import tree_bytes
-from optax_adama._plan import Considered
-from optax_adama._plan import Machine
-from optax_adama._plan import Measurement
 from optax_adama._plan import Plan
 from optax_adama._plan import PlanSettings
-from optax_adama._plan import Skipped
-from optax_adama._plan import block_cost
-from optax_adama._plan import compile_for_measurement
-from optax_adama._plan import measure_compiled
 from optax_adama._plan import plan
-from optax_adama._plan import search as search_plan
+from optax_adama._search import Considered
+from optax_adama._search import Machine
+from optax_adama._search import Measurement
+from optax_adama._search import Skipped
 
 __all__ = ("CollectiveBytes", "Considered", "Machine", "Measurement", "MemoryFloor",
-           "MemoryReport", "Plan", "PlanSettings", "Skipped", "block_cost", "collective_bytes",
-           "compile_for_measurement", "measure_compiled", "memory_floor", "memory_report", "plan",
-           "search_plan", "tree_bytes")
+           "MemoryReport", "Plan", "PlanSettings", "Skipped", "collective_bytes", "memory_floor",
+           "memory_report", "plan", "tree_bytes")

@@ -15,12 +15,13 @@ from models import gpu_bench
 GIB = 2**30
 
 
-def waiting_command(target):
+def waiting_command(target, containing):
   """The ready-to-run `make <target> ...` line of benchmarks/README.md's
-  "Waiting for a GPU" list."""
+  "Waiting for a GPU" list that names ``containing``."""
   text = (REPO / "benchmarks" / "README.md").read_text()
   section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
-  [line] = [l.strip() for l in section.splitlines() if l.strip().startswith(f"make {target} ")]
+  [line] = [l.strip() for l in section.splitlines()
+            if l.strip().startswith(f"make {target} ") and containing in l]
   return line
 
 
@@ -211,7 +212,8 @@ def _train_small_family_member(method):
 
 
 def test_the_waiting_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit():
-  args = gpu_bench._parse_args(make_argv(waiting_command("bench-gpu"), "models.gpu_bench"))
+  command = waiting_command("bench-gpu", "llama32_1b")
+  args = gpu_bench._parse_args(make_argv(command, "models.gpu_bench"))
   assert (args.tag, args.workers, args.rounds) == ("llama32_1b", 2, 3)
   unrolled, scanned = gpu_bench.make_cases(args)  # no rows without remat
   for case in (unrolled, scanned):
@@ -252,7 +254,7 @@ def test_dry_run_of_the_waiting_llama_command_on_llama_test(tmp_path, monkeypatc
                      gpu_bench.TIMED_TOGETHER, gpu_bench.MEMORY_FRACTIONS):
     monkeypatch.setitem(per_preset, "llama_test", per_preset["llama32_1b"])
   argv = [w.replace("llama32_1b", "llama_test")
-          for w in make_argv(waiting_command("bench-gpu"), "models.gpu_bench")]
+          for w in make_argv(waiting_command("bench-gpu", "llama32_1b"), "models.gpu_bench")]
   rows = gpu_bench.main(argv + [
       "--layouts", *layouts, "--seq-len", "16", "--num-micro-batches", "2", "--rounds", "1",
       "--steps-per-round", "1", "--out-dir", str(tmp_path)])

@@ -204,7 +204,7 @@ def test_fused_step_hands_the_half_difference_through():
 
   def run(**estimator):
     tx = optax_adama.low_rank(
-        optax_adama.adama(1e-2, num_micro_batches=2, **estimator), rank=3,
+        optax_adama.contrib.adama(1e-2, num_micro_batches=2, **estimator), rank=3,
         refresh_period=2, min_size=0)
     step = optax_adama.microbatch_step(MODEL.loss, tx)
     p, state = jax.tree.map(jnp.array, params), tx.init(params)

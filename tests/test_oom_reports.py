@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import xla_flags
 
 # One worker runs this file's subprocess once (conftest's --dist loadgroup).
@@ -74,7 +73,8 @@ def _worker() -> dict:
     runs[on_mesh] = (params, float(metrics["loss"]))
   diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), runs[True][0], runs[False][0])
   out["param_diff"] = max(jax.tree.leaves(diffs))
-  out["param_diffs"] = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_leaves_with_path(diffs)}
+  out["param_diffs"] = {jax.tree_util.keystr(p): d
+                        for p, d in jax.tree_util.tree_leaves_with_path(diffs)}
   out["loss_diff"] = abs(runs[True][1] - runs[False][1])
   q_kernel = runs[True][0]["blocks"]["attention"]["q"]["kernel"]
   out["q_kernel_spec"] = str(q_kernel.sharding.spec)
