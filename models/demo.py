@@ -73,11 +73,9 @@ class DemoConfig:
         **adama_options)
 
   def adama(self) -> optax.GradientTransformation:
-    if self.nu_estimator == harness.DEFAULT_NU_ESTIMATOR:
-      return optax_adama.adama(self.learning_rate, num_micro_batches=self.num_micro_batches)
-    return optax_adama.contrib.adama(self.learning_rate,
-                                     num_micro_batches=self.num_micro_batches,
-                                     nu_estimator=self.nu_estimator)
+    return harness.adama_transform("adama", self.learning_rate,
+                                   num_micro_batches=self.num_micro_batches,
+                                   nu_estimator=self.nu_estimator)
 
 
 def check(config: DemoConfig) -> None:

@@ -414,6 +414,16 @@ def warmup_cosine_schedule(
       end_value=0.1 * learning_rate)
 
 
+def adama_transform(factory: str, *args: Any, nu_estimator: str = DEFAULT_NU_ESTIMATOR,
+                    split_floor: bool = True, **kwargs: Any) -> optax.GradientTransformation:
+  """``optax_adama.<factory>`` (``"adama"``, ``"adamaw"``) for the default estimator
+  of v, ``optax_adama.contrib.<factory>`` for a research one (the study's arms)."""
+  if nu_estimator == DEFAULT_NU_ESTIMATOR and split_floor:
+    return getattr(optax_adama, factory)(*args, **kwargs)
+  return getattr(optax_adama.contrib, factory)(
+      *args, nu_estimator=nu_estimator, split_floor=split_floor, **kwargs)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """The optimizer of a run; every one counts its schedule in mini-batches."""
   schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
@@ -425,11 +435,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     options = dict(weight_decay=config.weight_decay,
                    num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
                    nu_dtype=config.nu_dtype, quantization=quantization)
-    if config.nu_estimator == DEFAULT_NU_ESTIMATOR and config.split_floor:
-      return optax_adama.adamaw(schedule, **options)
-    return optax_adama.contrib.adamaw(
-        schedule, nu_estimator=config.nu_estimator, split_floor=config.split_floor,
-        **options)
+    return adama_transform("adamaw", schedule, nu_estimator=config.nu_estimator,
+                           split_floor=config.split_floor, **options)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
@@ -854,11 +861,9 @@ def make_step(
   if method == "optax_microbatching":
     return _optax_microbatching_step(loss_fn, adam, num_micro_batches), adam
   if method == "adama" or method in ESTIMATOR_METHODS:
-    if method == "adama":
-      tx = optax_adama.adama(learning_rate, num_micro_batches=num_micro_batches)
-    else:  # a research estimator of v
-      tx = optax_adama.contrib.adama(learning_rate, num_micro_batches=num_micro_batches,
-                                     nu_estimator=method.removeprefix("adama_"))
+    estimator = DEFAULT_NU_ESTIMATOR if method == "adama" else method.removeprefix("adama_")
+    tx = adama_transform("adama", learning_rate, num_micro_batches=num_micro_batches,
+                         nu_estimator=estimator)
     return optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=num_micro_batches), tx
   if method in RELEASE_METHODS:
     quantization = (optax_adama.BlockQuantization(layer_aligned=True)

@@ -144,7 +144,7 @@ Machine = optax_adama.memory.Machine
 Measurement = optax_adama.memory.Measurement
 Considered = optax_adama.memory.Considered
 Skipped = optax_adama.memory.Skipped
-DEFAULT_MACHINE = Machine()
+DEFAULT_MACHINE = _search.DEFAULT_MACHINE
 
 
 @dataclasses.dataclass(frozen=True)

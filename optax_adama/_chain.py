@@ -21,8 +21,6 @@ from optax_adama import _adama
 from optax_adama import _checks
 from optax_adama._quantize import BlockQuantization
 
-ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
-
 
 class MiniBatchChainState(NamedTuple):
   """State of :func:`mini_batch_chain` (and so of :func:`adama`, :func:`adamaw`).
@@ -168,7 +166,7 @@ def per_mini_batch_update(inner, direction, adama_state, inner_state, params,
 
 @_checks.refuses_contrib_arguments
 def adama(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -252,7 +250,7 @@ def adama(
 
 
 def adama_chain(head: optax.GradientTransformation,
-                learning_rate: ScalarOrSchedule) -> optax.GradientTransformation:
+                learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
   """:func:`adama` of an AdamA ``head``: its direction scaled by ``-learning_rate``."""
   return mini_batch_chain(
       head, optax.scale_by_learning_rate(_checks.real_hyperparam(learning_rate)))
@@ -260,7 +258,7 @@ def adama_chain(head: optax.GradientTransformation,
 
 @_checks.refuses_contrib_arguments
 def adamaw(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -334,7 +332,7 @@ def adamaw(
       learning_rate, weight_decay, mask)
 
 
-def adamaw_chain(head: optax.GradientTransformation, learning_rate: ScalarOrSchedule,
+def adamaw_chain(head: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule,
                  weight_decay: Any, mask: Any) -> optax.GradientTransformation:
   """:func:`adamaw` of an AdamA ``head``: decoupled weight decay, then the rate."""
   return mini_batch_chain(

@@ -59,8 +59,6 @@ from optax_adama._quantize import BlockQuantization
 
 __all__ = ("NU_ESTIMATORS", "adama", "adamaw", "scale_by_adama")
 
-ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
-
 
 def scale_by_adama(
     b1: float = 0.9,
@@ -111,7 +109,7 @@ def scale_by_adama(
 
 
 def adama(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -140,7 +138,7 @@ def adama(
 
 
 def adamaw(
-    learning_rate: ScalarOrSchedule,
+    learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
