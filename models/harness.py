@@ -428,8 +428,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """The optimizer of a run; every one counts its schedule in mini-batches."""
   schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   if config.optimizer == "adama":
-    # The release folds one layer's slice of the stack's moments at a time: its
-    # 8-bit blocks must not straddle layers (release_step refuses them).
+    # The release folds one layer's slice of the stack's moments at a time:
+    # layer-aligned blocks let it read that slice's codes alone (the default
+    # layout tiles wide layers too; the fused runs keep the flat layout they
+    # were measured with).
     quantization = (optax_adama.BlockQuantization(layer_aligned=config.release)
                     if config.quantize_moments else None)
     options = dict(weight_decay=config.weight_decay,

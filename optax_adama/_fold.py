@@ -308,9 +308,9 @@ def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds
     if isinstance(nu, QuantizedArray):  # from the raw input: see _fold_moment
       less_absmax = (1 - 1 / n) * whole_block_absmax(_quantize.finite_absmax_blocks(
           half_difference, *nu.codes.shape))**2
-  m = _fold_moment(mu, grad, is_finite, _decay(b1, starts, n), (1 - b1) / n, 1,
+  m = _fold_moment(mu, grad, is_finite, jnp.where(starts, b1, 1.0), (1 - b1) / n, 1,
                    whole_block_absmax=whole_block_absmax)
-  v = _fold_moment(nu, grad, is_finite, _decay(b2, starts, n),
+  v = _fold_moment(nu, grad, is_finite, jnp.where(starts, b2, 1.0),
                    nu_weight(b2, n, nu_estimator), 2, less, less_absmax,
                    whole_block_absmax=whole_block_absmax)
   if nu_estimator == "momentum" and n > 1:
@@ -318,16 +318,6 @@ def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds
   return (_store(m.value, mu, 1, seeds[0], m.absmax),
           _store(v.value, nu, 2, seeds[1], v.absmax),
           jnp.all(is_finite))  # the flag is counted only, never gating: free.
-
-
-def _decay(b, starts: jax.Array, num_micro_batches: int) -> Any:
-  """A moment's decay this call: ``b`` on a mini-batch's first micro-batch, else 1.
-
-  At ``N = 1`` every call starts one, and ``b`` stays the constant it is in
-  ``optax.scale_by_adam``: XLA then fuses the fold's multiply-add as it fuses
-  optax's, and the moments round bit for bit alike.
-  """
-  return b if num_micro_batches == 1 else jnp.where(starts, b, 1.0)
 
 
 def add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
