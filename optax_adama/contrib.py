@@ -1,4 +1,4 @@
-"""Research estimators of AdamA's second moment: useful, not settled.
+"""Research for AdamA: estimators of v, and narrow params. Useful, not settled.
 
 The main transforms (:func:`optax_adama.adama`, :func:`~optax_adama.adamaw`,
 :func:`~optax_adama.scale_by_adama`) fold the paper's estimator of v,
@@ -34,6 +34,10 @@ m and v but ``"split"``'s floor):
 * ``"auto"``: ``"split"`` where the step hands over a half difference (fused
   steps, micro-batches of an even number of rows), ``"mean"`` where none comes.
 
+:func:`round_params_stochastically` keeps bfloat16 params training where
+round-to-nearest would drop small updates (half the params' bytes, for the
+devices' share of a model; evidence on the tiny GPT only, so here too).
+
 Examples:
   >>> import jax.numpy as jnp, optax_adama
   >>> from optax_adama import contrib
@@ -55,9 +59,12 @@ import optax
 from optax_adama import _adama
 from optax_adama import _chain
 from optax_adama._estimators import NU_ESTIMATORS
+from optax_adama._param_rounding import RoundParamsStochasticallyState
+from optax_adama._param_rounding import round_params_stochastically
 from optax_adama._quantize import BlockQuantization
 
-__all__ = ("NU_ESTIMATORS", "adama", "adamaw", "scale_by_adama")
+__all__ = ("NU_ESTIMATORS", "adama", "adamaw", "scale_by_adama", "round_params_stochastically",
+           "RoundParamsStochasticallyState")
 
 
 def scale_by_adama(
@@ -100,6 +107,13 @@ def scale_by_adama(
       :func:`optax_adama.scale_by_adama` raises.
     TypeError: if ``split_floor`` is not a bool, or (at ``init``) a leaf is
       complex under ``"split"`` / ``"auto"``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from optax_adama import contrib
+    >>> tx = contrib.scale_by_adama(num_micro_batches=2, nu_estimator="sum")
+    >>> tx.init({"w": jnp.ones(3)}).nu_estimator
+    'sum'
   """
   return _adama.make_scale_by_adama(
       b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
@@ -126,8 +140,25 @@ def adama(
 ) -> optax.GradientTransformation:
   """:func:`optax_adama.adama` with a research estimator of v.
 
-  ``nu_estimator`` and ``split_floor`` as in :func:`scale_by_adama`; the
-  other arguments as in :func:`optax_adama.adama`.
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype,
+      num_micro_batches, nesterov, nu_dtype, quantization, stochastic_rounding:
+      as in :func:`optax_adama.adama`.
+    nu_estimator, split_floor: as in :func:`scale_by_adama`.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with state
+    :class:`optax_adama.MiniBatchChainState`.
+
+  Raises:
+    As :func:`scale_by_adama` and :func:`optax_adama.adama` raise.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> from optax_adama import contrib
+    >>> tx = contrib.adama(1e-3, num_micro_batches=4, nu_estimator="momentum")
+    >>> optax_adama.find_adama_state(tx.init({"w": jnp.ones(2)})).nu_estimator
+    'momentum'
   """
   head = scale_by_adama(b1, b2, eps, eps_root, mu_dtype,
                         num_micro_batches=num_micro_batches, nu_estimator=nu_estimator,
@@ -157,8 +188,25 @@ def adamaw(
 ) -> optax.GradientTransformation:
   """:func:`optax_adama.adamaw` with a research estimator of v.
 
-  ``nu_estimator`` and ``split_floor`` as in :func:`scale_by_adama`; the
-  other arguments as in :func:`optax_adama.adamaw`.
+  Args:
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+      num_micro_batches, nesterov, nu_dtype, quantization, stochastic_rounding:
+      as in :func:`optax_adama.adamaw`.
+    nu_estimator, split_floor: as in :func:`scale_by_adama`.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with state
+    :class:`optax_adama.MiniBatchChainState`.
+
+  Raises:
+    As :func:`scale_by_adama` and :func:`optax_adama.adamaw` raise.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> from optax_adama import contrib
+    >>> tx = contrib.adamaw(1e-3, num_micro_batches=4, nu_estimator="momentum")
+    >>> optax_adama.find_adama_state(tx.init({"w": jnp.ones(2)})).nu_estimator
+    'momentum'
   """
   head = scale_by_adama(b1, b2, eps, eps_root, mu_dtype,
                         num_micro_batches=num_micro_batches, nu_estimator=nu_estimator,

@@ -11,7 +11,7 @@ import pytest
 
 import optax_adama
 
-SUBMODULES = ("diagnostics", "memory", "moments", "schedules", "sharding")
+SUBMODULES = ("contrib", "diagnostics", "memory", "moments", "schedules", "sharding")
 # Helpers that only tests use: private, reachable from their modules only.
 PRIVATE = ("quantize_blocks", "dequantize_blocks", "stochastic_round",
            "split_micro_batches", "updates_every_micro_batch", "sharded_tree_shardings")
@@ -87,6 +87,16 @@ def _documented_signatures():
       params = [p.strip() for p in entry.group(2).split(",") if p.strip()]
       yield module, entry.group(1), [tuple(p.split("=", 1)) if "=" in p else (p, _REQUIRED)
                                      for p in params]
+
+
+def test_every_public_name_is_in_the_api_reference_under_its_module():
+  text = (SOURCE.parent / "docs" / "api.md").read_text()
+  for module in ["optax_adama"] + [f"optax_adama.{m}" for m in SUBMODULES]:
+    start = text.index(f"## `{module}`")
+    section = text[start:text.find("\n## `", start + 1)]
+    for name in importlib.import_module(module).__all__:
+      if name not in SUBMODULES:
+        assert re.search(rf"`{name}[`(]", section), f"docs/api.md has no {module}.{name}"
 
 
 def test_every_signature_line_of_the_api_reference_is_read():
