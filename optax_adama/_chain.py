@@ -69,8 +69,13 @@ def mini_batch_chain(
   micro-batches were all dropped included, so schedules and bias correction
   count the same steps); every call that emits nothing emits exactly zero.
 
+  ``head`` may itself be such a chain (:func:`adama`, :func:`adamaw`): then
+  ``transforms`` run after its own, on the update it emits, e.g.
+  ``mini_batch_chain(adamaw(...), contrib.round_params_stochastically())``.
+
   Args:
-    head: a :func:`scale_by_adama` transformation.
+    head: a :func:`scale_by_adama` transformation, or a chain of one
+      (:func:`adama`, :func:`adamaw`, a ``mini_batch_chain``).
     *transforms: transformations applied to the emitted direction, in order.
 
   Returns:
@@ -91,6 +96,9 @@ def mini_batch_chain(
     (0, 2)
   """
   inner = optax.chain(*map(_taking_its_extra_args, transforms))
+  head_parts = _adama.folding_parts(head)
+  if head_parts is not None and head_parts.inner is not None:
+    return _extended(head, head_parts, inner)
 
   def init_fn(params):
     adama_state = head.init(params)
@@ -110,9 +118,38 @@ def mini_batch_chain(
         inner, direction, adama_state, state.inner, params, **extra_args)
     return new_updates, MiniBatchChainState(adama=adama_state, inner=inner_state)
 
-  head_parts = _adama.folding_parts(head)
   if head_parts is None:  # e.g. optax.scale_by_adam: refused by init_fn.
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      init_fn, _adama.folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
+
+
+def _extended(head: optax.GradientTransformation, head_parts: _adama.FoldingParts,
+              tail: optax.GradientTransformation) -> optax.GradientTransformation:
+  """An AdamA chain ``head`` with ``tail`` run after its transforms, once per
+  mini-batch; its inner state is ``(head's inner state, tail's state)``, as
+  ``optax.chain(head's transforms, tail)`` keeps it."""
+  if head_parts.offload_min_size is not None:
+    raise TypeError(
+        "mini_batch_chain takes AdamA's chain before offload_moments: write "
+        "offload_moments(mini_batch_chain(adamaw(...), ...)).")
+
+  def init_fn(params):
+    head_state = head.init(params)
+    return MiniBatchChainState(adama=head_state.adama,
+                               inner=(head_state.inner, tail.init(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    head_inner, tail_state = state.inner
+    updates, head_state = optax.with_extra_args_support(head).update(
+        updates, MiniBatchChainState(adama=state.adama, inner=head_inner), params,
+        **extra_args)
+    updates, tail_state = per_mini_batch_update(
+        tail, updates, head_state.adama, tail_state, params, **extra_args)
+    return updates, MiniBatchChainState(adama=head_state.adama,
+                                        inner=(head_state.inner, tail_state))
+
+  inner = optax.chain(head_parts.inner, tail)
   return optax.GradientTransformationExtraArgs(
       init_fn, _adama.folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
 

@@ -773,6 +773,39 @@ def test_mini_batch_chain_requires_adama_head():
     tx.init({"w": jnp.zeros(1)})
 
 
+def test_mini_batch_chain_extends_an_adamaw_as_the_spelled_out_chain():
+  # adamaw(...) then a tail == scale_by_adama, decay, rate, tail in one chain:
+  # the same updates one update per micro-batch and in the fused step.
+  tail = lambda: optax.scale_by_schedule(
+      lambda count: 1.0 / (1.0 + count.astype(jnp.float32)))
+  extended = optax_adama.mini_batch_chain(
+      optax_adama.adamaw(1e-2, weight_decay=0.1, num_micro_batches=2), tail())
+  spelled = optax_adama.mini_batch_chain(
+      optax_adama.scale_by_adama(num_micro_batches=2), optax.add_decayed_weights(0.1),
+      optax.scale_by_learning_rate(1e-2), tail())
+  params = {"w": jnp.array([1.0, -2.0, 0.5])}
+  states = [tx.init(params) for tx in (extended, spelled)]
+  assert isinstance(states[0].adama, optax_adama.ScaleByAdamAState)
+  with jax.numpy_dtype_promotion("standard"):
+    for call in range(6):
+      grads = {"w": jnp.array([0.5, 0.25, -1.0]) * (call + 1)}
+      outs = [tx.update(grads, st, params) for tx, st in zip((extended, spelled), states)]
+      np.testing.assert_array_equal(outs[0][0]["w"], outs[1][0]["w"])
+      states = [o[1] for o in outs]
+  assert int(optax.tree.get(states[0].inner[1], "count")) == 3  # mini-batches, not calls
+
+  def loss(p, batch):
+    return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+
+  batch = {"x": jnp.arange(12.0).reshape(4, 3) / 10, "y": jnp.arange(4.0)}
+  fused = [optax_adama.microbatch_step(loss, tx, num_micro_batches=2)(
+      jax.tree.map(jnp.copy, params), tx.init(params), batch)[0] for tx in (extended, spelled)]
+  np.testing.assert_array_equal(fused[0]["w"], fused[1]["w"])
+  with pytest.raises(TypeError, match="before offload_moments"):
+    optax_adama.mini_batch_chain(optax_adama.offload_moments(
+        optax_adama.adama(1e-2, num_micro_batches=2)), tail())
+
+
 def test_mini_batch_chain_passes_extra_args_on_as_optax_multisteps_does():
   # Identical micro-batch gradients make AdamA's v Adam's, so the two chains
   # agree to rounding; in both the plateau transform keeps the value of the
