@@ -24,7 +24,13 @@ method:
   mesh=mesh, shard_states="fsdp")`` on the model's plain loss.
 - ``adama_release`` / ``_8bit`` / ``_offload``: AdamA through ``release_step``
   on the model's ``StagedLoss`` under FSDP, with float32, 8-bit
-  (``BlockQuantization(layer_aligned=True)``) and host-offloaded moments.
+  (``BlockQuantization()``) and host-offloaded moments.
+- ``..._bf16``: the same method with bfloat16 params. AdamA's moments stay
+  float32 and its updates land with stochastic rounding
+  (``optax_adama.contrib.round_params_stochastically``, benchmarks/bf16_params.md
+  has its convergence cost); ``scan_accumulation_bf16`` is Adam with optax's
+  defaults for bfloat16 params (bfloat16 moments, round-to-nearest add) and the
+  float32 accumulator.
 
 Each row gives one device's compiled bytes (``memory_analysis()``: argument +
 output + temp - alias), whether it fits a v3 core (15.48 GiB usable) and a v2
@@ -65,7 +71,18 @@ SCENARIOS = {
 # The largest llama_family member each method fits per device (see `capacity`).
 CAPACITY = "capacity"
 METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
-           "adama_release_8bit", "adama_release_offload", "adama_release_8bit_offload")
+           "adama_release_8bit", "adama_release_offload", "adama_release_8bit_offload",
+           "scan_accumulation_bf16", "adama_release_offload_bf16")
+# Where a backend moves bfloat16 natively: the float32-params method's compiled
+# bytes less the bytes a parameter its bfloat16 storage saves a device (params
+# 4 -> 2; Adam's moments too, as optax stores them in the params' dtype).
+# XLA's CPU backend widens bfloat16 all-gathers and dynamic-update-slices to
+# float32 (over a whole stack, hoisted out of the layer loop), so the compiled
+# `_bf16` methods hold more there than float32 params do; docs/scale_out.md
+# shows it. Not compiled: the gathered layer and gradients in bfloat16 would
+# save more.
+PROJECTED = {"adama_release_offload_bf16_projected": ("adama_release_offload", 2),
+             "scan_accumulation_bf16_projected": ("scan_accumulation", 6)}
 GIB = 2**30
 V3_USABLE_GIB = 15.48  # what XLA reported usable of a v3 core's 16 GiB (EasyLM #36)
 V2_GIB = 8.0
@@ -78,7 +95,7 @@ def _parse(argv):
                       help="capacity: per-device budgets, GB")
   parser.add_argument("--preset", help="another model preset (e.g. llama_test for a smoke run)")
   parser.add_argument("--num-micro-batches", type=int, nargs="+")
-  parser.add_argument("--methods", nargs="+", choices=METHODS)
+  parser.add_argument("--methods", nargs="+", choices=METHODS + tuple(PROJECTED))
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=2048)
   parser.add_argument("--rows", type=int, default=1, help="sequences per device per micro-batch")
@@ -96,6 +113,9 @@ def _parse(argv):
     parser.error("--budgets-gb must be positive.")
   if args.num_micro_batches and min(args.num_micro_batches) < 1:
     parser.error("--num-micro-batches must be positive.")
+  if args.scenario != CAPACITY and any(bf16_params(m) or m in PROJECTED
+                                      for m in args.methods or ()):
+    parser.error("the _bf16 methods are the capacity scenario's (--methods).")
   stem = "capacity_llama_8_devices" if args.scenario == CAPACITY else f"oom_{args.scenario}"
   args.json = args.json or Path(f"benchmarks/raw/{stem}.json")
   args.markdown = args.markdown or Path(f"benchmarks/{stem}.md")
@@ -183,12 +203,30 @@ def _model(config):
   return models.make_loss_fn(graphdef, rest), staged, params
 
 
+def offloads(method: str) -> bool:
+  """Whether ``method`` keeps its moments in host memory."""
+  return "_offload" in method
+
+
+def bf16_params(method: str) -> bool:
+  """Whether ``method`` stores its params in bfloat16 (compiled so)."""
+  return method.endswith("_bf16")
+
+
 def _adama(method, n):
+  import jax.numpy as jnp
+
   import optax_adama
 
   quantization = optax_adama.BlockQuantization() if "_8bit" in method else None
-  tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization)
-  return optax_adama.offload_moments(tx) if method.endswith("_offload") else tx
+  if bf16_params(method):  # float32 moments, updates rounded stochastically
+    tx = optax_adama.mini_batch_chain(
+        optax_adama.adamaw(1e-5, num_micro_batches=n, mu_dtype=jnp.float32,
+                           nu_dtype=jnp.float32, quantization=quantization),
+        optax_adama.contrib.round_params_stochastically())
+  else:
+    tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization)
+  return optax_adama.offload_moments(tx) if offloads(method) else tx
 
 
 def compile_method(method, n, loss_fn, staged, params, batch, mesh):
@@ -200,7 +238,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh):
 
   place = lambda tree, shardings: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-  if method in ("scan_accumulation", "multisteps"):
+  if method.startswith(("scan_accumulation", "multisteps")):
     adam = optax.adam(1e-5)
     tx = optax.MultiSteps(adam, every_k_schedule=n) if method == "multisteps" else adam
     state = jax.eval_shape(tx.init, params)
@@ -218,7 +256,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh):
     return compiled, state
   tx = _adama(method, n)
   state = jax.eval_shape(tx.init, params)
-  if method.endswith("_offload"):
+  if offloads(method):
     state = optax_adama.moments.offloaded_state_shapes(state)
   if method == "adama":
     step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=n, mesh=mesh,
@@ -243,19 +281,19 @@ def device_bytes(compiled, state, method, devices):
   import optax_adama
 
   total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
-  if method.endswith("_offload") and compiled.memory_analysis().host_argument_size_in_bytes == 0:
+  if offloads(method) and compiled.memory_analysis().host_argument_size_in_bytes == 0:
     # The CPU backend counts host-memory arguments with the device's.
     total -= optax_adama.moments.host_state_bytes(state) // devices
   return total
 
 
-def llama_family(scale: int):
+def llama_family(scale: int, param_dtype=None):
   """A Llama-3-shaped model grown in depth and width together, as the GPT family of
   benchmarks/capacity_fsdp_8_devices.md: ``scale`` layers of width 64 x scale (to a
   multiple of 128), heads of 128, a quarter as many kv heads (the largest divisor
   of the heads at most that), a SwiGLU of 3.5 x width (to 256), Llama 3's 128,256-token
-  vocabulary, bf16 compute with float32 params; scale 64 is 64 layers of llama3_8b's
-  width."""
+  vocabulary, bf16 compute with float32 params (``param_dtype`` else); scale 64 is 64
+  layers of llama3_8b's width."""
   import jax.numpy as jnp
 
   import models
@@ -266,7 +304,7 @@ def llama_family(scale: int):
   return models.LlamaConfig.llama3_8b(
       num_layers=scale, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
       mlp_dim=round(3.5 * hidden / 256) * 256, scan_layers=True, remat="full",
-      dtype=jnp.bfloat16)
+      dtype=jnp.bfloat16, param_dtype=param_dtype or jnp.float32)
 
 
 def llama_param_count(config) -> int:
@@ -280,7 +318,15 @@ def llama_param_count(config) -> int:
 
 
 CAPACITY_METHODS = ("scan_accumulation", "adama", "adama_release", "adama_release_8bit",
-                    "adama_release_offload")
+                    "adama_release_offload", "scan_accumulation_bf16",
+                    "adama_release_offload_bf16")
+
+
+def method_family(method: str, scale: int):
+  """``llama_family(scale)`` with the params' dtype of ``method``."""
+  import jax.numpy as jnp
+
+  return llama_family(scale, jnp.bfloat16 if bf16_params(method) else None)
 
 
 def capacity(args):
@@ -296,9 +342,14 @@ def capacity(args):
   n = (args.num_micro_batches or [4])[0]
   methods = args.methods or CAPACITY_METHODS
 
+  count = functools.lru_cache(maxsize=None)(lambda scale: llama_param_count(llama_family(scale)))
+
   @functools.cache
   def measure(method, scale):
-    config = llama_family(scale)
+    if method in PROJECTED:
+      base, saved_per_param = PROJECTED[method]
+      return measure(base, scale) - count(scale) * saved_per_param // args.devices
+    config = method_family(method, scale)
     loss_fn, staged, params = _model(config)
     batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
     start = time.perf_counter()
@@ -308,7 +359,6 @@ def capacity(args):
           f"{total / 1e9:.2f} GB per device in {time.perf_counter() - start:.0f} s", flush=True)
     return total
 
-  count = functools.lru_cache(maxsize=None)(lambda scale: llama_param_count(llama_family(scale)))
   rows = []
   for method in methods:
     # Bytes are about linear in the parameters: two anchors aim the gallop.
@@ -325,7 +375,9 @@ def capacity(args):
                    "num_layers": config.num_layers, "hidden": config.hidden,
                    "param_count": count(scale) if scale >= 8 else 0,
                    "per_device_bytes": measure(method, scale) if scale >= 8 else None,
-                   "host_bytes_per_device": host_bytes_per_device(method, scale, args.devices),
+                   "host_bytes_per_device": host_bytes_per_device(
+                       PROJECTED.get(method, (method,))[0], scale, args.devices),
+                   "projected": method in PROJECTED,
                    "num_micro_batches": n, "seq_len": args.seq_len, "devices": args.devices,
                    "rows_per_device": args.rows})
       _save_capacity(args, rows)
@@ -342,10 +394,17 @@ def capacity_markdown(rows, command):
       "`benchmarks/oom_reports.py`'s `llama_family`: `scale` layers of width 64 x scale, "
       "heads of 128, a quarter as many kv heads, SwiGLU 3.5 x width, Llama 3's 128,256-token "
       "vocabulary (scale 64 = 64 layers of llama3_8b's width), bf16 compute, float32 params "
-      f"and moments, remat \"full\", layers scanned; N = {first['num_micro_batches']}, "
+      "(bfloat16 in the `_bf16` columns: AdamA's updates rounded stochastically, Adam's to "
+      "nearest) and float32 moments (8-bit in the `_8bit` column; bfloat16, optax's default "
+      "for bfloat16 params, in `scan_accumulation_bf16`), remat \"full\", layers scanned; "
+      f"N = {first['num_micro_batches']}, "
       f"{first['rows_per_device']} sequence(s) of {first['seq_len']:,} tokens per device per "
       "micro-batch. Budget per device (GB = 1e9 B); the host memory of `_offload` is not in it "
-      "(a device's share given beside).",
+      "(a device's share given beside). The `_projected` columns are not compiled: the "
+      "float32-params method's compiled bytes less what bfloat16 storage saves a device "
+      "(2 B a parameter / devices for AdamA's params; 6 B for Adam's params, m and v), for "
+      "a backend that moves bfloat16 natively; the CPU compiler widens bfloat16 all-gathers "
+      "and dynamic-update-slices to float32, which the compiled `_bf16` columns pay.",
       "", "| budget | " + " | ".join(methods) + " | parameters vs scan_accumulation |",
       "|---|" + "---|" * (len(methods) + 1)]
   for budget in budgets:
@@ -365,9 +424,9 @@ def host_bytes_per_device(method, scale, devices):
 
   import optax_adama
 
-  if not method.endswith("_offload"):
+  if not offloads(method):
     return 0
-  _, _, params = _model(llama_family(scale))
+  _, _, params = _model(method_family(method, scale))
   state = jax.eval_shape(_adama(method, 1).init, params)
   return optax_adama.moments.host_state_bytes(state) // devices
 
@@ -444,8 +503,8 @@ def measure(args):
       total = device_bytes(compiled, state, method, args.devices)
       state_bytes = optax_adama.memory.tree_bytes(state)
       host_bytes = (optax_adama.moments.host_state_bytes(state)
-                    if method.endswith("_offload") else 0)
-      device_state = 0 if method.endswith("_offload") else state_bytes
+                    if offloads(method) else 0)
+      device_state = 0 if offloads(method) else state_bytes
       floor = (P + device_state) / args.devices + layer + activations
       row = {"preset": preset, "overrides": overrides, "method": method,
              "num_micro_batches": n, "devices": args.devices, "seq_len": args.seq_len,

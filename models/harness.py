@@ -267,6 +267,8 @@ MODEL_KIND_OF_CONFIG = {models.GPTConfig: "gpt", models.BERTConfig: "bert",
                         models.ViTConfig: "vit", models.LlamaConfig: "llama"}
 OPTIMIZERS = ("adama", "adam", "multisteps")
 MOMENT_DTYPES = ("float32", "bfloat16", "float16")
+PARAM_DTYPES = ("float32", "bfloat16")
+PARAM_ROUNDINGS = ("stochastic", "nearest")
 # AdamA's estimators of v: the main transforms' ("mean", the paper's) and the
 # research ones of optax_adama.contrib, which the study runs.
 NU_ESTIMATOR_NAMES = ("auto",) + optax_adama.contrib.NU_ESTIMATORS
@@ -295,6 +297,12 @@ class TrainConfig:
   # Compute dtype of the model (params, moments and the update stay float32):
   # "bfloat16" is mixed precision as practitioners train on a GPU.
   dtype: str = "float32"
+  # Storage of the params: "bfloat16" halves them (moments follow unless
+  # mu_dtype / nu_dtype say otherwise), and param_rounding says how a bfloat16
+  # param takes its update: "stochastic" (optax_adama.contrib.
+  # round_params_stochastically, chained last) or "nearest" (optax's add).
+  param_dtype: str = "float32"
+  param_rounding: str = "stochastic"
   gelu_bits: int | None = None  # few-bit GELU backward (models.savers); None: exact.
   linear_keep_ratio: float | None = None  # sampled MLP projection backward (models.savers).
   loss_chunks: int = 1  # gpt, llama: the LM head's loss over this many chunks of tokens.
@@ -355,6 +363,11 @@ class TrainConfig:
       raise ValueError(f"dtype (compute) must be one of {models.COMPUTE_DTYPES}, got "
                        f"{self.dtype!r} (float16 needs loss scaling, which the models do "
                        "not do).")
+    if self.param_dtype not in PARAM_DTYPES:
+      raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}.")
+    if self.param_rounding not in PARAM_ROUNDINGS:
+      raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got "
+                       f"{self.param_rounding!r}.")
     if self.nu_estimator not in NU_ESTIMATOR_NAMES:
       raise ValueError(f"nu_estimator must be one of {NU_ESTIMATOR_NAMES}, "
                        f"got {self.nu_estimator!r}.")
@@ -437,12 +450,24 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     options = dict(weight_decay=config.weight_decay,
                    num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
                    nu_dtype=config.nu_dtype, quantization=quantization)
-    return adama_transform("adamaw", schedule, nu_estimator=config.nu_estimator,
-                           split_floor=config.split_floor, **options)
+    tx = adama_transform("adamaw", schedule, nu_estimator=config.nu_estimator,
+                         split_floor=config.split_floor, **options)
+    rounding = param_rounding(config)
+    return tx if rounding is None else optax_adama.mini_batch_chain(tx, rounding)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
+  rounding = param_rounding(config)
+  adamw = adamw if rounding is None else optax.chain(adamw, rounding)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
   return adamw  # microbatch_step accumulates the mean gradient for it.
+
+
+def param_rounding(config: TrainConfig) -> optax.GradientTransformation | None:
+  """The transform chained last that rounds a run's narrow params stochastically;
+  ``None`` where optax's add (round to nearest) applies the update."""
+  if config.param_dtype == "float32" or config.param_rounding == "nearest":
+    return None
+  return optax_adama.contrib.round_params_stochastically(config.seed)
 
 
 def base_model_config(config: TrainConfig) -> models.Config:
@@ -475,6 +500,7 @@ def model_config_of(config: TrainConfig) -> models.Config:
   chunks = {"loss_chunks": config.loss_chunks} if config.loss_chunks != 1 else {}
   return models.get_config(base, remat=config.remat, gelu_bits=config.gelu_bits,
                            dtype=jnp.dtype(config.dtype),
+                           param_dtype=jnp.dtype(config.param_dtype),
                            scan_layers=config.scan_layers,
                            linear_keep_ratio=config.linear_keep_ratio, **chunks)
 

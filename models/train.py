@@ -104,6 +104,15 @@ def _add_memory_args(group: Any, defaults: harness.TrainConfig) -> None:
   group.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=defaults.dtype,
                      help="compute dtype; params, moments and updates stay float32 "
                           "(bfloat16: mixed precision, as on a GPU)")
+  group.add_argument("--param-dtype", choices=harness.PARAM_DTYPES,
+                     default=defaults.param_dtype,
+                     help="params' storage; bfloat16 halves them (moments follow unless "
+                          "--mu-dtype / --nu-dtype say otherwise)")
+  group.add_argument("--param-rounding", choices=harness.PARAM_ROUNDINGS,
+                     default=defaults.param_rounding,
+                     help="how bfloat16 params take their update: stochastic rounding "
+                          "(optax_adama.contrib.round_params_stochastically) or optax's "
+                          "round to nearest")
   group.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
                      help="GELU backward from a code of this many bits (models.savers); "
                           "default: exact")

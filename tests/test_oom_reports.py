@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,25 @@ def _worker() -> dict:
       compiled, _ = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh)
     out[method] = optax_adama.memory_report(compiled, param_bytes=P).total_bytes
   out["param_bytes"] = P
+  # The capacity table's bf16 columns, compiled as it compiles them.
+  for method in ("adama_release_offload", "adama_release_offload_bf16",
+                 "scan_accumulation_bf16"):
+    wanted = jnp.bfloat16 if oom_reports.bf16_params(method) else jnp.float32
+    loss_fn, staged, params = oom_reports._model(models.get_config(config, param_dtype=wanted))
+    with jax.numpy_dtype_promotion("standard" if method.startswith("scan") else "strict"):
+      compiled, state = oom_reports.compile_method(method, n, loss_fn, staged, params, batch,
+                                                   mesh)
+    out[method] = compiled.memory_analysis().argument_size_in_bytes
+    out[f"{method}/dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(params)})
+  # What the capacity table's _projected columns stand on: this backend
+  # gathers bfloat16 as float32.
+  spec = jax.sharding.PartitionSpec("data")
+  gather = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "data", tiled=True), mesh=mesh,
+                                 in_specs=spec, out_specs=jax.sharding.PartitionSpec(),
+                                 check_vma=False))
+  text = gather.lower(jax.ShapeDtypeStruct(
+      (64, 8), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))).compile().as_text()
+  out["gathered_dtype"] = re.search(r"= (\w+)\[[^\]]*\]\S* all-gather\(", text).group(1)
 
   # The plain-loss FSDP step against one device, two steps.
   model = models.create(config, rngs=nnx.Rngs(0))
@@ -127,6 +147,27 @@ def test_fsdp_on_a_plain_loss_splits_every_layer_and_equals_one_device(eight_dev
   # barely holds), so the bound is 1e-3 of it.
   assert eight_devices["param_diff"] < 1e-3 * 1e-2 * 2, eight_devices["param_diffs"]
   assert eight_devices["loss_diff"] < 1e-5, eight_devices
+
+
+def test_bfloat16_params_halve_the_params_a_device_takes_in(eight_devices):
+  # The capacity table's bf16 methods compile with bfloat16 params: one
+  # device's share of them (P/8) is halved in the step's arguments, the float32
+  # moments (here counted with them: the CPU keeps offloaded state on the
+  # device) unchanged. Their temp is the CPU's (it widens bf16 gathers, below).
+  per_device_params = eight_devices["param_bytes"] / NUM_DEVICES
+  assert eight_devices["adama_release_offload_bf16/dtypes"] == ["bfloat16"]
+  saved = eight_devices["adama_release_offload"] - eight_devices["adama_release_offload_bf16"]
+  assert saved == pytest.approx(per_device_params / 2, rel=0.02), saved / per_device_params
+  # Adam with optax's defaults for bf16 params: m and v in bfloat16 too, and a
+  # float32 accumulator in temp, not in the arguments.
+  adam = eight_devices["scan_accumulation_bf16"]
+  assert adam == pytest.approx(3 * per_device_params / 2, rel=0.02), adam / per_device_params
+
+
+def test_the_cpu_backend_gathers_bfloat16_as_float32(eight_devices):
+  # Were this to change, the capacity table could compile its bf16 columns
+  # (benchmarks/oom_reports.py's PROJECTED says why it projects them).
+  assert eight_devices["gathered_dtype"] == "f32", eight_devices["gathered_dtype"]
 
 
 @pytest.mark.parametrize("name", ["adama", "adama_bf16"])

@@ -195,3 +195,40 @@ def test_split_floor_option_reaches_adama_and_is_refused_for_adam():
   assert optax_adama.find_adama_state(floored.init({"w": jax.numpy.zeros((4, 4))})).nu_floor != ()
   with pytest.raises(ValueError, match="split_floor=False needs optimizer='adama'"):
     harness.TrainConfig(optimizer="adam", split_floor=False)
+
+
+def test_bfloat16_params_from_the_cli_train_with_stochastic_rounding(tmp_path):
+  out = tmp_path / "run.json"
+  runs = train.main([
+      "--preset", "gpt_test", "--param-dtype", "bfloat16", "--mu-dtype", "float32",
+      "--nu-dtype", "float32", "--num-micro-batches", "2", "--batch-size", "4",
+      "--seq-len", "16", "--steps", "3", "--eval-batches", "1", "--max-bytes", "200000",
+      "--metrics-out", str(out), "--no-progress", "--compare",
+  ])
+  assert [r["config"]["param_dtype"] for r in runs] == ["bfloat16", "bfloat16"]
+  for run in runs:
+    assert np.all(np.isfinite(run["train_loss"])) and np.isfinite(run["eval_loss"])
+  # P is the bfloat16 params' bytes here: float32 m and v are 2 P each, so the
+  # arguments are 5 P and the batch.
+  assert 5.0 <= runs[0]["memory"]["argument_p"] < 5.3
+
+
+@pytest.mark.parametrize("optimizer", ["adama", "adam", "multisteps"])
+def test_bfloat16_params_chain_stochastic_rounding_last_unless_asked_to_round_to_nearest(
+    optimizer):
+  params = models.split_loss_fn(models.create(
+      models.get_config("gpt_test", param_dtype=jax.numpy.bfloat16), rngs=nnx.Rngs(0)))[1]
+  for rounding, rounds in (("stochastic", True), ("nearest", False)):
+    config = harness.TrainConfig(optimizer=optimizer, param_dtype="bfloat16",
+                                 param_rounding=rounding, mu_dtype="float32")
+    state = harness.make_optimizer(config).init(params)
+    found = [s for s in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, optax_adama.contrib.RoundParamsStochasticallyState))
+        if isinstance(s, optax_adama.contrib.RoundParamsStochasticallyState)]
+    assert len(found) == rounds, (optimizer, rounding)
+  # float32 params: nothing to round.
+  assert harness.param_rounding(harness.TrainConfig(param_rounding="stochastic")) is None
+  with pytest.raises(ValueError, match="param_dtype must be one of"):
+    harness.TrainConfig(param_dtype="float16")
+  with pytest.raises(ValueError, match="param_rounding must be one of"):
+    harness.TrainConfig(param_rounding="up")

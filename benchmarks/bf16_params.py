@@ -1,0 +1,110 @@
+"""The convergence cost of bfloat16 params: AdamA with float32 against bfloat16 params.
+
+    python benchmarks/bf16_params.py --seeds 0 1 2 \
+        --out benchmarks/raw/bf16_params.json --markdown benchmarks/bf16_params.md \
+        --plot benchmarks/bf16_params.png
+    python benchmarks/bf16_params.py --seeds 0 --steps 20 --out /tmp/b.json \
+        --markdown /tmp/b.md --plot /tmp/b.png      # a smoke run, seconds
+
+The protocol of ``models.validate`` for gpt_tiny (same data order and initial
+weights per seed, held-out loss at the end), AdamA's default at N = 4 with
+float32 moments in every arm, so the params' storage is the only difference:
+
+- ``float32``: float32 params (the reference);
+- ``bf16_stochastic``: bfloat16 params, each update applied with stochastic
+  rounding (``optax_adama.contrib.round_params_stochastically``);
+- ``bf16_nearest``: bfloat16 params under optax's add (round to nearest), what a
+  user gets by casting the params alone.
+
+The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
+``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from models import harness
+from models import validate
+
+NUM_MICRO_BATCHES = 4
+ARMS = {"float32": {"param_dtype": "float32"},
+        "bf16_stochastic": {"param_dtype": "bfloat16", "param_rounding": "stochastic"},
+        "bf16_nearest": {"param_dtype": "bfloat16", "param_rounding": "nearest"}}
+
+
+def run(arm: str, seed: int, steps: int) -> dict:
+  """One training run of ``arm``: its held-out loss, losses and compiled memory."""
+  settings = {**validate.SETTINGS["gpt"], "steps": steps}
+  config = harness.TrainConfig(model="gpt", optimizer="adama",
+                               num_micro_batches=NUM_MICRO_BATCHES, seed=seed,
+                               mu_dtype="float32", nu_dtype="float32", **ARMS[arm], **settings)
+  result = harness.train(config, progress=False)
+  return {"arm": arm, "seed": seed, "eval_loss": result["eval_loss"],
+          "train_loss": result["train_loss"], "memory": result["memory"],
+          "machine": result["machine"]}
+
+
+def table(runs: list[dict], command: str) -> str:
+  """The markdown table: per arm the seeds' held-out losses against float32's."""
+  reference = {r["seed"]: r["eval_loss"] for r in runs if r["arm"] == "float32"}
+  lines = [f"Made by `{command}` on {runs[0]['machine'].get('cpu', 'CPU')}. gpt_tiny, "
+           f"AdamA (\"mean\") at N = {NUM_MICRO_BATCHES}, float32 moments, the settings of "
+           "`models.validate` (32 x 64 tokens per step); held-out loss at the end.", "",
+           "| params | seeds | held-out loss, mean ± std | vs float32 (mean) | per seed "
+           "| compiled step |", "|---|---|---|---|---|---|"]
+  for arm in ARMS:
+    mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+    if not mine:
+      continue
+    losses = np.array([r["eval_loss"] for r in mine])
+    paired = [f"{100 * (r['eval_loss'] / reference[r['seed']] - 1):+.2f}%"
+              for r in mine if r["seed"] in reference]
+    relative = (f"{100 * (losses.mean() / np.mean([reference[r['seed']] for r in mine]) - 1):+.2f}%"
+                if arm != "float32" and len(paired) == len(mine) else "")
+    memory = mine[0]["memory"]
+    lines.append(f"| {arm} | {len(mine)} | {losses.mean():.4f} ± {losses.std():.4f} | "
+                 f"{relative} | {', '.join(paired) if arm != 'float32' else ''} | "
+                 f"{memory['total_bytes'] / 2**20:.1f} MiB |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: Path) -> None:
+  """Training loss (running mean) of every run, one colour per arm."""
+  harness.plot_loss_curves(runs, lambda r: f"{r['arm']} (seed {r['seed']})", path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--steps", type=int, default=validate.SETTINGS["gpt"]["steps"])
+  parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+  parser.add_argument("--out", type=Path, required=True)
+  parser.add_argument("--markdown", type=Path, required=True)
+  parser.add_argument("--plot", type=Path)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(argv)
+  if args.steps < 1 or min(args.seeds) < 0:
+    parser.error("--steps must be 1 or more and --seeds non-negative.")
+  command = "python benchmarks/bf16_params.py " + " ".join(argv)
+  runs = []
+  jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
+  for seed, arm in tqdm(jobs, desc="runs"):
+    runs.append(run(arm, seed, args.steps))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": command, "runs": runs}, indent=1))
+    args.markdown.write_text(table(runs, command))
+  if args.plot:
+    plot(runs, args.plot)
+  print(table(runs, command))
+  return runs
+
+
+if __name__ == "__main__":
+  main()
