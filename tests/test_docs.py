@@ -67,7 +67,16 @@ def _page_id(path: pathlib.Path) -> str:
   return path.relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("path", PAGES, ids=_page_id)
+# The heaviest pages run with the slow tests; what their code calls keeps its
+# smoke in the default run (fit: tests/test_fit.py; the release step:
+# tests/test_release.py; 8 devices: tests/test_sharding.py, tests/test_examples.py;
+# nnx: tests/test_nnx_entry.py), as does this runner on the other pages.
+_SLOW_PAGES = ("docs/fit.md", "docs/release.md", "docs/scale_out.md", "docs/nnx.md")
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(path, marks=pytest.mark.slow) if _page_id(path) in _SLOW_PAGES else path
+    for path in PAGES], ids=_page_id)
 def test_python_blocks_run(path):
   match = _DEVICES.search(path.read_text())
   if match is None:

@@ -29,6 +29,13 @@ KINDS = ("gpt", "bert", "vit", "llama")
 # tests/test_llama_checkpoint.py (scanned against unrolled logits): here with
 # the slow tests, to keep the default suite's time.
 KINDS_LLAMA_SLOW = ("gpt", "bert", "vit", pytest.param("llama", marks=pytest.mark.slow))
+# Only the GPT in the default suite: each kind's loss against its module and
+# reference is checked there by test_forward_shapes_and_loss, and its split
+# loss's gradients by test_bfloat16_compute; the Adam step on BERT and ViT
+# (25-40 s each on 2 busy cores) runs with the slow tests.
+KINDS_GPT_ONLY = (
+    "gpt", pytest.param("bert", marks=pytest.mark.slow),
+    pytest.param("vit", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow))
 CAUSAL_LMS = (models.GPTConfig, models.LlamaConfig)
 
 
@@ -118,10 +125,11 @@ def test_bert_pooler_shape():
   config = smoke_config("bert")
   model = models.create(config, rngs=nnx.Rngs(0))
   tokens = make_batch(config)["tokens"]
-  assert model.pool(model.encode(tokens)).shape == (4, config.hidden)
+  pooled = nnx.jit(lambda model, tokens: model.pool(model.encode(tokens)))(model, tokens)
+  assert pooled.shape == (4, config.hidden)
 
 
-@pytest.mark.parametrize("kind", KINDS_LLAMA_SLOW)
+@pytest.mark.parametrize("kind", KINDS_GPT_ONLY)
 def test_loss_fn_matches_module_and_adam_step_lowers_loss(kind):
   config = smoke_config(kind)
   model = models.create(config, rngs=nnx.Rngs(0))
@@ -175,12 +183,13 @@ def test_split_loss_fn_equals_make_loss_fn():
 @pytest.mark.parametrize(
     "kind, policies",
     # Every policy goes through the same wrapper, and each costs a compile, so
-    # the fast set checks each model once and each policy but "dots_no_batch"
-    # once ("full" on BERT and ViT); the others run with the slow tests.
+    # the fast set checks "minimal" and "dots" on the GPT ("full" inside the
+    # scanned GPT: test_scan_layers_remat_applies_inside_the_scanned_block);
+    # the others, BERT and ViT included, run with the slow tests.
     [
         ("gpt", ("minimal", "dots")),
-        ("bert", ("full",)),
-        ("vit", ("full",)),
+        pytest.param("bert", ("full",), marks=pytest.mark.slow),
+        pytest.param("vit", ("full",), marks=pytest.mark.slow),
         pytest.param("gpt", ("full", "dots_no_batch"), marks=pytest.mark.slow),
         pytest.param("bert", ("minimal", "dots", "dots_no_batch"), marks=pytest.mark.slow),
         pytest.param("vit", ("minimal", "dots", "dots_no_batch"), marks=pytest.mark.slow),
@@ -280,12 +289,15 @@ def test_bert_attention_mask_equals_truncation():
   length = 20
   mask = jnp.broadcast_to(jnp.arange(config.max_len)[None, :] < length, tokens.shape)
   padded = jnp.where(mask, tokens, 256)  # [PAD]
-  np.testing.assert_allclose(
-      model.encode(padded, attention_mask=mask)[:, :length],
-      model.encode(tokens[:, :length]),
-      rtol=1e-4, atol=1e-5,
-  )
-  assert not np.allclose(model.encode(padded)[:, :length], model.encode(tokens[:, :length]))
+
+  @nnx.jit  # one compile: eager dispatch is slower here
+  def encode(model, padded, mask, truncated):
+    return (model.encode(padded, attention_mask=mask), model.encode(padded),
+            model.encode(truncated))
+
+  masked, unmasked, truncated = encode(model, padded, mask, tokens[:, :length])
+  np.testing.assert_allclose(masked[:, :length], truncated, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(unmasked[:, :length], truncated)
 
 
 def test_bert_token_types_change_output():
@@ -315,7 +327,9 @@ def test_vit_accepts_images_without_channel_axis():
   config = smoke_config("vit")
   model = models.create(config, rngs=nnx.Rngs(0))
   images = make_batch(config)["images"]
-  np.testing.assert_allclose(model(images[..., 0]), model(images))
+  no_channel, with_channel = nnx.jit(  # one compile: eager dispatch is slower here
+      lambda model, images: (model(images[..., 0]), model(images)))(model, images)
+  np.testing.assert_allclose(no_channel, with_channel)
   with pytest.raises(ValueError, match="shape"):
     model(jnp.zeros((2, 16, 16, 1), jnp.float32))
 
@@ -597,9 +611,13 @@ def test_scan_layers_preset_param_counts():
 
 # BERT's and ViT's stages (a mask side input, a class token) are checked
 # against the unrolled model by test_scan_layers_equals_unrolled; the
-# release on them takes 25 s each on 2 cores.
+# release on them takes 25 s each on 2 cores. The GPT's (48 s on 2 busy
+# cores) runs with them: the release on a scanned zoo model against the
+# unrolled fused step keeps its smoke in tests/test_llama.py
+# (test_release_equals_the_unrolled_fused_step), the GPT's stages theirs in
+# test_scan_layers_equals_unrolled.
 @pytest.mark.parametrize("kind", [
-    "gpt", pytest.param("bert", marks=pytest.mark.slow),
+    pytest.param("gpt", marks=pytest.mark.slow), pytest.param("bert", marks=pytest.mark.slow),
     pytest.param("vit", marks=pytest.mark.slow)])
 def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
   config = smoke_config(kind, num_layers=2)
