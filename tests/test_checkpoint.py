@@ -101,6 +101,11 @@ def test_resumed_run_is_bitwise_the_uninterrupted_run(uninterrupted, tmp_path, c
   _assert_resumed_run_matches(resumed, tmp_path / "run", uninterrupted)
 
 
+# Two 12-step runs of their own (63 s on 2 busy cores): with the slow tests.
+# The run's resume keeps its smoke in test_resumed_run_is_bitwise_the_uninterrupted_run,
+# 8-bit moments saved and stepped on bitwise theirs in
+# test_low_rank_and_host_offloaded_state_round_trips.
+@pytest.mark.slow
 def test_eight_bit_moments_resume_bitwise(tmp_path):
   full = _train(tmp_path / "full", quantize_moments=True)
   _stopped_after(tmp_path / "full", tmp_path / "run", 4)
@@ -222,8 +227,8 @@ def _wait_for_step(directory, step, process, timeout=240):
 
 
 # A real SIGKILL in the default suite; the SIGTERM save and 8-bit moments (whose
-# resume test_eight_bit_moments_resume_bitwise covers in-process) with the slow
-# tests: 22-25 s each on 2 cores.
+# resume test_eight_bit_moments_resume_bitwise covers in-process, also slow)
+# with the slow tests: 22-25 s each on 2 cores.
 @pytest.mark.parametrize("how, eight_bit", [
     ("SIGKILL", False), pytest.param("SIGTERM", False, marks=pytest.mark.slow),
     pytest.param("SIGKILL", True, marks=pytest.mark.slow)])
