@@ -65,15 +65,16 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
       ``params`` is not given.
 
   Examples:
-    >>> import jax.numpy as jnp, optax
+    >>> import jax, jax.numpy as jnp, optax
     >>> from optax_adama import contrib
     >>> params = {"w": jnp.ones(10_000, jnp.bfloat16)}
     >>> tx = optax.chain(optax.sgd(1e-3), contrib.round_params_stochastically())
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.ones(10_000, jnp.float32)}  # each step moves w by -1e-3
-    >>> for _ in range(10):
-    ...   updates, state = tx.update(grads, state, params)
-    ...   params = optax.apply_updates(params, updates)
+    >>> with jax.numpy_dtype_promotion("standard"):  # JAX's default: bf16 + f32
+    ...   for _ in range(10):
+    ...     updates, state = tx.update(grads, state, params)
+    ...     params = optax.apply_updates(params, updates)
     >>> # 1e-3 is under half of bfloat16's spacing below 1 (2 ** -8): rounded to
     >>> # nearest, w would stay 1.0; rounded at random it moves 1e-2 on average.
     >>> print(round(float(params["w"].astype(jnp.float32).mean()), 2))
