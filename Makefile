@@ -72,14 +72,17 @@ GPU_BATCH ?= 32
 GPU_SEED ?= 1
 GPU_OUT ?= benchmarks/raw
 GPU_EXTRA_ARGS ?=
+# Which optimizers run, and a tag after the optimizer in the raw names.
+GPU_OPTIMIZERS ?= adam adama
+GPU_TAG ?=
 GPU_CONVERGENCE_ARGS = --model $(GPU_MODEL) --preset $(GPU_PRESET) --dtype bfloat16 \
   --seq-len 256 --steps 2000 --learning-rate 6e-4 --warmup-steps 100 \
   --max-bytes 100000000 --eval-batches 32 --no-progress --num-micro-batches $(GPU_N) \
   --batch-size $(GPU_BATCH) --seed $(GPU_SEED) $(GPU_EXTRA_ARGS)
 gpu-convergence:
-	for optimizer in adam adama; do \
+	for optimizer in $(GPU_OPTIMIZERS); do \
 	  $(PYTHON) -m models.train $(GPU_CONVERGENCE_ARGS) --optimizer $$optimizer \
-	    --metrics-out $(GPU_OUT)/gpu_$(GPU_PRESET)_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer.json \
+	    --metrics-out $(GPU_OUT)/gpu_$(GPU_PRESET)_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer$(GPU_TAG).json \
 	    || exit 1; \
 	done
 

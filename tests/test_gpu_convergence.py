@@ -109,6 +109,29 @@ def test_the_waiting_llama_small_command_is_the_gpt2_small_pair_on_a_llama():
   assert script_pattern_matches(out.rsplit("/", 1)[1].replace("_adama", "_adam"))
 
 
+def test_the_waiting_bf16_params_command_is_the_seed_0_default_run_with_bf16_params():
+  from models import train
+
+  text = (ROOT / "benchmarks" / "README.md").read_text()
+  section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
+  start = section.index("make gpu-convergence PYTHON=python3 GPU_SEED=0 GPU_OPTIMIZERS=adama")
+  command = section[start:section.index("```", start)].replace("\\\n", " ")
+  variables = shlex.split(command)[2:]
+  dry = subprocess.run(["make", "-s", "-n", "gpu-convergence", *variables], cwd=ROOT,
+                       capture_output=True, text=True, check=True).stdout
+  assert "for optimizer in adama;" in dry  # no Adam run: its seed-0 run is committed
+  argv = make_gpu_convergence(*variables, "GPU_OUT=/out")
+  bf16 = train.train_config(argv)
+  default = train.train_config(make_gpu_convergence("PYTHON=python3", "GPU_SEED=0"))
+  assert (bf16.param_dtype, bf16.param_rounding, bf16.mu_dtype, bf16.nu_dtype) == (
+      "bfloat16", "stochastic", "float32", "float32")
+  changed = {"param_dtype", "mu_dtype", "nu_dtype"}
+  same = lambda c: {k: v for k, v in vars(c).items() if k not in changed}
+  assert same(bf16) == same(default)
+  assert argv[argv.index("--metrics-out") + 1] == (
+      "/out/gpu_gpt2_small_n8_b32_seed0_adama_bf16_params.json")
+
+
 @pytest.mark.slow  # 48 s on 2 cores; the pair's command is checked by the parse test above
 def test_make_gpu_convergence_trains_a_llama_pair_that_tables_as_its_own_cell(tmp_path):
   # The target itself on llama_test, two steps of N = 2 x 2 sequences of 16 tokens.
