@@ -14,7 +14,11 @@ float32 moments in every arm, so the params' storage is the only difference:
 - ``bf16_stochastic``: bfloat16 params, each update applied with stochastic
   rounding (``optax_adama.contrib.round_params_stochastically``);
 - ``bf16_nearest``: bfloat16 params under optax's add (round to nearest), what a
-  user gets by casting the params alone.
+  user gets by casting the params alone;
+- two float32 diagnostics (``--arms``, not run by default): ``f32_bf16_start``,
+  float32 params started from their bfloat16-rounded values, and
+  ``f32_bf16_grads``, float32 params whose gradients are rounded to bfloat16 as
+  a bfloat16 param's are: what of bfloat16 storage a gap comes from.
 
 The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
 ``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
@@ -23,29 +27,73 @@ The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
+import models
 from models import harness
 from models import validate
 
 NUM_MICRO_BATCHES = 4
 ARMS = {"float32": {"param_dtype": "float32"},
         "bf16_stochastic": {"param_dtype": "bfloat16", "param_rounding": "stochastic"},
-        "bf16_nearest": {"param_dtype": "bfloat16", "param_rounding": "nearest"}}
+        "bf16_nearest": {"param_dtype": "bfloat16", "param_rounding": "nearest"},
+        "f32_bf16_start": {"param_dtype": "float32"},
+        "f32_bf16_grads": {"param_dtype": "float32"}}
+DEFAULT_ARMS = ("float32", "bf16_stochastic", "bf16_nearest")
 
 
-def run(arm: str, seed: int, steps: int) -> dict:
+@jax.custom_vjp
+def _bf16_cotangent(x):
+  """The identity whose gradient is rounded to bfloat16, as a bfloat16 param's is."""
+  return x
+
+
+_bf16_cotangent.defvjp(lambda x: (x, None),
+                       lambda _, g: (g.astype(jnp.bfloat16).astype(g.dtype),))
+
+
+@contextlib.contextmanager
+def _diagnostic(arm: str) -> Iterator[None]:
+  """The model zoo's hooks patched for a float32 diagnostic arm (none for the others)."""
+  create, split_loss_fn = models.create, models.split_loss_fn
+
+  def rounded_create(config, *, rngs, **overrides):
+    graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(p.dtype), params)
+    return nnx.merge(graphdef, params, rest)
+
+  def rounded_grads(model, **kwargs):
+    loss_fn, params = split_loss_fn(model, **kwargs)
+    return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_cotangent, p), *a, **k)), params
+
+  if arm == "f32_bf16_start":
+    models.create = rounded_create
+  elif arm == "f32_bf16_grads":
+    models.split_loss_fn = rounded_grads
+  try:
+    yield
+  finally:
+    models.create, models.split_loss_fn = create, split_loss_fn
+
+
+def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny") -> dict:
   """One training run of ``arm``: its held-out loss, losses and compiled memory."""
   settings = {**validate.SETTINGS["gpt"], "steps": steps}
-  config = harness.TrainConfig(model="gpt", optimizer="adama",
+  config = harness.TrainConfig(model="gpt", preset=preset, optimizer="adama",
                                num_micro_batches=NUM_MICRO_BATCHES, seed=seed,
                                mu_dtype="float32", nu_dtype="float32", **ARMS[arm], **settings)
-  result = harness.train(config, progress=False)
+  with _diagnostic(arm):
+    result = harness.train(config, progress=False)
   return {"arm": arm, "seed": seed, "eval_loss": result["eval_loss"],
           "train_loss": result["train_loss"], "memory": result["memory"],
           "machine": result["machine"]}
@@ -84,7 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--steps", type=int, default=validate.SETTINGS["gpt"]["steps"])
-  parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+  parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(DEFAULT_ARMS))
+  parser.add_argument("--preset", default="gpt_tiny", help="a GPT preset (gpt_test: a smoke run)")
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--markdown", type=Path, required=True)
   parser.add_argument("--plot", type=Path)
@@ -92,13 +141,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
   args = parser.parse_args(argv)
   if args.steps < 1 or min(args.seeds) < 0:
     parser.error("--steps must be 1 or more and --seeds non-negative.")
-  command = "python benchmarks/bf16_params.py " + " ".join(argv)
-  runs = []
+  # Runs of other arms and seeds already in --out are kept (a diagnostic is
+  # added without running the rest again), with the commands that made them.
+  previous = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
+  runs = [r for r in previous["runs"] if (r["seed"], r["arm"]) not in
+          {(s, a) for s in args.seeds for a in args.arms}]
+  kept = previous.get("commands") or previous.get("command", "").split("; ")
+  commands = list(dict.fromkeys([c for c in kept if c] * bool(runs)
+                                + ["python benchmarks/bf16_params.py " + " ".join(argv)]))
+  command = "; ".join(commands)
   jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
   for seed, arm in tqdm(jobs, desc="runs"):
-    runs.append(run(arm, seed, args.steps))
+    runs.append(run(arm, seed, args.steps, args.preset))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": command, "runs": runs}, indent=1))
+    args.out.write_text(json.dumps({"command": command, "commands": commands, "runs": runs},
+                                   indent=1))
     args.markdown.write_text(table(runs, command))
   if args.plot:
     plot(runs, args.plot)
