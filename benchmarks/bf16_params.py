@@ -18,7 +18,9 @@ float32 moments in every arm, so the params' storage is the only difference:
 - two float32 diagnostics (``--arms``, not run by default): ``f32_bf16_start``,
   float32 params started from their bfloat16-rounded values, and
   ``f32_bf16_grads``, float32 params whose gradients are rounded to bfloat16 as
-  a bfloat16 param's are: what of bfloat16 storage a gap comes from.
+  a bfloat16 param's are: what of bfloat16 storage a gap comes from;
+  ``bf16_stochastic_f32_vectors``: ``bf16_stochastic`` with the vectors (norm
+  scales, biases: 0.1% of gpt_tiny's bytes) kept float32.
 
 The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
 ``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
@@ -47,6 +49,8 @@ NUM_MICRO_BATCHES = 4
 ARMS = {"float32": {"param_dtype": "float32"},
         "bf16_stochastic": {"param_dtype": "bfloat16", "param_rounding": "stochastic"},
         "bf16_nearest": {"param_dtype": "bfloat16", "param_rounding": "nearest"},
+        "bf16_stochastic_f32_vectors": {"param_dtype": "bfloat16",
+                                        "param_rounding": "stochastic"},
         "f32_bf16_start": {"param_dtype": "float32"},
         "f32_bf16_grads": {"param_dtype": "float32"}}
 DEFAULT_ARMS = ("float32", "bf16_stochastic", "bf16_nearest")
@@ -76,8 +80,15 @@ def _diagnostic(arm: str) -> Iterator[None]:
     loss_fn, params = split_loss_fn(model, **kwargs)
     return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_cotangent, p), *a, **k)), params
 
+  def float32_vectors(config, *, rngs, **overrides):
+    graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
+    params = jax.tree.map(lambda p: p.astype(jnp.float32) if p.ndim <= 1 else p, params)
+    return nnx.merge(graphdef, params, rest)
+
   if arm == "f32_bf16_start":
     models.create = rounded_create
+  elif arm == "bf16_stochastic_f32_vectors":
+    models.create = float32_vectors
   elif arm == "f32_bf16_grads":
     models.split_loss_fn = rounded_grads
   try:
