@@ -97,9 +97,12 @@ def _diagnostic(arm: str) -> Iterator[None]:
     models.create, models.split_loss_fn = create, split_loss_fn
 
 
-def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny") -> dict:
+def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny",
+        learning_rate: float | None = None) -> dict:
   """One training run of ``arm``: its held-out loss, losses and compiled memory."""
   settings = {**validate.SETTINGS["gpt"], "steps": steps}
+  if learning_rate is not None:
+    settings["learning_rate"] = learning_rate
   config = harness.TrainConfig(model="gpt", preset=preset, optimizer="adama",
                                num_micro_batches=NUM_MICRO_BATCHES, seed=seed,
                                mu_dtype="float32", nu_dtype="float32", **ARMS[arm], **settings)
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser.add_argument("--steps", type=int, default=validate.SETTINGS["gpt"]["steps"])
   parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(DEFAULT_ARMS))
   parser.add_argument("--preset", default="gpt_tiny", help="a GPT preset (gpt_test: a smoke run)")
+  parser.add_argument("--learning-rate", type=float, default=None,
+                      help="the peak rate; default: models.validate's for GPT (2e-3)")
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--markdown", type=Path, required=True)
   parser.add_argument("--plot", type=Path)
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   args = parser.parse_args(argv)
   if args.steps < 1 or min(args.seeds) < 0:
     parser.error("--steps must be 1 or more and --seeds non-negative.")
+  if args.learning_rate is not None and args.learning_rate <= 0:
+    parser.error("--learning-rate must be positive.")
   # Runs of other arms and seeds already in --out are kept (a diagnostic is
   # added without running the rest again), with the commands that made them.
   previous = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   command = "; ".join(commands)
   jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
   for seed, arm in tqdm(jobs, desc="runs"):
-    runs.append(run(arm, seed, args.steps, args.preset))
+    runs.append(run(arm, seed, args.steps, args.preset, args.learning_rate))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": command, "commands": commands, "runs": runs},
                                    indent=1))
