@@ -55,7 +55,7 @@ def _worker() -> dict:
   for method in ("adama_release_offload", "adama_release_offload_bf16"):
     wanted = jnp.bfloat16 if oom_reports.bf16_params(method) else jnp.float32
     loss_fn, staged, params = oom_reports._model(models.get_config(config, param_dtype=wanted))
-    compiled, state = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh)
+    compiled, _ = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh)
     out[method] = compiled.memory_analysis().argument_size_in_bytes
     out[f"{method}/dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(params)})
   # What the capacity table's _projected columns stand on: this backend
