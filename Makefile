@@ -82,7 +82,7 @@ GPU_CONVERGENCE_ARGS = --model $(GPU_MODEL) --preset $(GPU_PRESET) --dtype bfloa
 gpu-convergence:
 	for optimizer in $(GPU_OPTIMIZERS); do \
 	  $(PYTHON) -m models.train $(GPU_CONVERGENCE_ARGS) --optimizer $$optimizer \
-	    --metrics-out $(GPU_OUT)/gpu_$(GPU_PRESET)_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$$optimizer$(GPU_TAG).json \
+	    --metrics-out $(GPU_OUT)/gpu_$(GPU_PRESET)_n$(GPU_N)_b$(GPU_BATCH)_seed$(GPU_SEED)_$${optimizer}$(GPU_TAG).json \
 	    || exit 1; \
 	done
 
