@@ -15,11 +15,11 @@ from models import gpu_bench
 GIB = 2**30
 
 
-def waiting_command(target, containing):
-  """The ready-to-run `make <target> ...` line of benchmarks/README.md's
-  "Waiting for a GPU" list that names ``containing``."""
+def readme_command(target, containing, section="Waiting for a GPU"):
+  """The `make <target> ...` line of benchmarks/README.md's ``section`` (by
+  default the "Waiting for a GPU" list) that names ``containing``."""
   text = (REPO / "benchmarks" / "README.md").read_text()
-  section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
+  section = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
   [line] = [l.strip() for l in section.splitlines()
             if l.strip().startswith(f"make {target} ") and containing in l]
   return line
@@ -211,10 +211,22 @@ def _train_small_family_member(method):
   assert all(np.isfinite(result["losses"])) and result["losses"][1] != result["losses"][0]
 
 
-def test_the_waiting_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit():
-  command = waiting_command("bench-gpu", "llama32_1b")
+# The section of benchmarks/README.md that shows the Llama 3.2 1B rows, and
+# the raw file its table came from.
+LLAMA_SECTION = "GPU: one H200, Llama 3.2 1B"
+LLAMA_RAW = REPO / "benchmarks" / "raw" / "gpu_nvidia_h200_llama32_1b.json"
+
+
+def test_the_llama_command_shown_is_the_one_that_made_the_table():
+  command = readme_command("bench-gpu", "llama32_1b", LLAMA_SECTION)
+  recorded = json.loads(LLAMA_RAW.read_text())["command"]
+  assert make_argv(command, "models.gpu_bench") == shlex.split(recorded)[3:]
+
+
+def test_the_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit():
+  command = readme_command("bench-gpu", "llama32_1b", LLAMA_SECTION)
   args = gpu_bench._parse_args(make_argv(command, "models.gpu_bench"))
-  assert (args.tag, args.workers, args.rounds) == ("llama32_1b", 2, 3)
+  assert (args.tag, args.workers, args.rounds) == ("llama32_1b", 3, 3)
   unrolled, scanned = gpu_bench.make_cases(args)  # no rows without remat
   for case in (unrolled, scanned):
     # The GPT rows' micro-batch (8 x 1,024 tokens), N, dtypes and remat.
@@ -247,14 +259,15 @@ def test_the_waiting_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit
     # The README's command whole: the unrolled row group too (12 processes).
     pytest.param(["unrolled", "scanned"], marks=pytest.mark.slow),
 ], ids=["scanned", "both_layouts"])
-def test_dry_run_of_the_waiting_llama_command_on_llama_test(tmp_path, monkeypatch, layouts):
+def test_dry_run_of_the_llama_command_on_llama_test(tmp_path, monkeypatch, layouts):
   # llama_test in llama32_1b's place, with its per-preset settings; the
   # context, N and rounds cut to what the CPU runs in a minute or two.
   for per_preset in (gpu_bench.MICRO_BATCH_SIZES, gpu_bench.SEQ_LENS,
                      gpu_bench.TIMED_TOGETHER, gpu_bench.MEMORY_FRACTIONS):
     monkeypatch.setitem(per_preset, "llama_test", per_preset["llama32_1b"])
   argv = [w.replace("llama32_1b", "llama_test")
-          for w in make_argv(waiting_command("bench-gpu", "llama32_1b"), "models.gpu_bench")]
+          for w in make_argv(readme_command("bench-gpu", "llama32_1b", LLAMA_SECTION),
+                             "models.gpu_bench")]
   rows = gpu_bench.main(argv + [
       "--layouts", *layouts, "--seq-len", "16", "--num-micro-batches", "2", "--rounds", "1",
       "--steps-per-round", "1", "--out-dir", str(tmp_path)])

@@ -108,11 +108,11 @@ def test_the_waiting_llama_small_command_is_the_gpt2_small_pair_on_a_llama():
   assert script_pattern_matches(out.rsplit("/", 1)[1].replace("_adama", "_adam"))
 
 
-def test_the_waiting_bf16_params_command_is_the_seed_0_default_run_with_bf16_params():
+def test_the_bf16_params_command_is_the_seed_0_default_run_with_bf16_params():
   from models import train
 
   text = (ROOT / "benchmarks" / "README.md").read_text()
-  section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
+  section = text.split("\n### bfloat16 params at GPT-2 small's scale", 1)[1].split("\n## ", 1)[0]
   start = section.index("make gpu-convergence PYTHON=python3 GPU_SEED=0 GPU_OPTIMIZERS=adama")
   command = section[start:section.index("```", start)].replace("\\\n", " ")
   variables = shlex.split(command)[2:]
