@@ -141,7 +141,8 @@ def _extended(head: optax.GradientTransformation, head_parts: _adama.FoldingPart
 
   def update_fn(updates, state, params=None, **extra_args):
     head_inner, tail_state = state.inner
-    updates, head_state = optax.with_extra_args_support(head).update(
+    # An AdamA chain takes extra arguments already (folding_update's own).
+    updates, head_state = head.update(
         updates, MiniBatchChainState(adama=state.adama, inner=head_inner), params,
         **extra_args)
     updates, tail_state = per_mini_batch_update(
