@@ -20,7 +20,17 @@ float32 moments in every arm, so the params' storage is the only difference:
   ``f32_bf16_grads``, float32 params whose gradients are rounded to bfloat16 as
   a bfloat16 param's are: what of bfloat16 storage a gap comes from;
   ``bf16_stochastic_f32_vectors``: ``bf16_stochastic`` with the vectors (norm
-  scales, biases: 0.1% of gpt_tiny's bytes) kept float32.
+  scales, biases: 0.1% of gpt_tiny's bytes) kept float32;
+  ``f32_bf16_forward``: float32 params and updates, the forward and backward
+  passes computed on the params rounded to bfloat16 (straight through): the
+  weights' precision in the model without the rounding of their storage;
+  ``bf16_stochastic_reseeded``: ``bf16_stochastic`` with other rounding noise
+  (the rounding's seed offset by 1,000; data and initial weights unchanged):
+  whether a seed's gap is the noise drawn or systematic;
+  ``f32_rounding_noise``: float32 params, each update given zero-mean Gaussian
+  noise of the variance stochastic rounding to bfloat16 adds on average
+  (``s**2 / 6``, ``s`` the bfloat16 spacing at the new value): the rounding's
+  noise without its grid.
 
 The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
 ``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -38,6 +49,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from tqdm import tqdm
 
@@ -52,7 +64,12 @@ ARMS = {"float32": {"param_dtype": "float32"},
         "bf16_stochastic_f32_vectors": {"param_dtype": "bfloat16",
                                         "param_rounding": "stochastic"},
         "f32_bf16_start": {"param_dtype": "float32"},
-        "f32_bf16_grads": {"param_dtype": "float32"}}
+        "f32_bf16_grads": {"param_dtype": "float32"},
+        "f32_bf16_forward": {"param_dtype": "float32"},
+        "bf16_stochastic_reseeded": {"param_dtype": "bfloat16", "param_rounding": "stochastic"},
+        "f32_rounding_noise": {"param_dtype": "float32"}}
+# The rounding noise's seed in ``bf16_stochastic_reseeded``: the run's seed plus this.
+RESEED_OFFSET = 1000
 DEFAULT_ARMS = ("float32", "bf16_stochastic", "bf16_nearest")
 
 
@@ -66,10 +83,38 @@ _bf16_cotangent.defvjp(lambda x: (x, None),
                        lambda _, g: (g.astype(jnp.bfloat16).astype(g.dtype),))
 
 
+def _bf16_forward(x):
+  """``x`` rounded to bfloat16 in value, the identity in gradient (straight through)."""
+  return x + jax.lax.stop_gradient(x.astype(jnp.bfloat16).astype(x.dtype) - x)
+
+
+def _bf16_spacing(x):
+  """The distance between the two bfloat16 values around each entry of ``x``
+  (8 significant bits: ``2**(e - 8)`` for ``x`` in ``[2**(e - 1), 2**e)``)."""
+  _, exponent = jnp.frexp(x)
+  return jnp.ldexp(jnp.ones_like(x), exponent - 8)
+
+
+def rounding_noise(seed: int) -> optax.GradientTransformation:
+  """Adds to each float32 update the noise of stochastic rounding to bfloat16
+  in variance, off the grid: Gaussian, zero mean, ``s**2 / 6`` (the mean of
+  ``f * (1 - f) * s**2`` over the fraction ``f`` of a spacing ``s`` the value
+  lies past its lower neighbour)."""
+  def update_fn(updates, count, params):
+    leaves, treedef = jax.tree.flatten(updates)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), count), len(leaves))
+    noisy = [u + jax.random.normal(k, u.shape, u.dtype) * _bf16_spacing(p + u) / np.sqrt(6.0)
+             for u, p, k in zip(leaves, treedef.flatten_up_to(params), keys)]
+    return jax.tree.unflatten(treedef, noisy), count + 1
+
+  return optax.GradientTransformation(lambda _: jnp.zeros([], jnp.uint32), update_fn)
+
+
 @contextlib.contextmanager
 def _diagnostic(arm: str) -> Iterator[None]:
   """The model zoo's hooks patched for a float32 diagnostic arm (none for the others)."""
   create, split_loss_fn = models.create, models.split_loss_fn
+  param_rounding = harness.param_rounding
 
   def rounded_create(config, *, rngs, **overrides):
     graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
@@ -79,6 +124,13 @@ def _diagnostic(arm: str) -> Iterator[None]:
   def rounded_grads(model, **kwargs):
     loss_fn, params = split_loss_fn(model, **kwargs)
     return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_cotangent, p), *a, **k)), params
+
+  def forward_in_bf16(model, **kwargs):
+    loss_fn, params = split_loss_fn(model, **kwargs)
+    return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_forward, p), *a, **k)), params
+
+  def reseeded_rounding(config):
+    return param_rounding(dataclasses.replace(config, seed=config.seed + RESEED_OFFSET))
 
   def float32_vectors(config, *, rngs, **overrides):
     graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
@@ -91,10 +143,17 @@ def _diagnostic(arm: str) -> Iterator[None]:
     models.create = float32_vectors
   elif arm == "f32_bf16_grads":
     models.split_loss_fn = rounded_grads
+  elif arm == "f32_bf16_forward":
+    models.split_loss_fn = forward_in_bf16
+  elif arm == "bf16_stochastic_reseeded":
+    harness.param_rounding = reseeded_rounding
+  elif arm == "f32_rounding_noise":
+    harness.param_rounding = lambda config: rounding_noise(config.seed)
   try:
     yield
   finally:
     models.create, models.split_loss_fn = create, split_loss_fn
+    harness.param_rounding = param_rounding
 
 
 def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny",
