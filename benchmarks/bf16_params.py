@@ -24,13 +24,16 @@ float32 moments in every arm, so the params' storage is the only difference:
   ``f32_bf16_forward``: float32 params and updates, the forward and backward
   passes computed on the params rounded to bfloat16 (straight through): the
   weights' precision in the model without the rounding of their storage;
+  ``f32_bf16_passes``: both of the last two, the passes as bfloat16 storage
+  makes them (weights and gradients at bfloat16 precision) with float32 storage;
   ``bf16_stochastic_reseeded``: ``bf16_stochastic`` with other rounding noise
   (the rounding's seed offset by 1,000; data and initial weights unchanged):
   whether a seed's gap is the noise drawn or systematic;
   ``f32_rounding_noise``: float32 params, each update given zero-mean Gaussian
   noise of the variance stochastic rounding to bfloat16 adds on average
   (``s**2 / 6``, ``s`` the bfloat16 spacing at the new value): the rounding's
-  noise without its grid.
+  noise without its grid; ``f32_bf16_passes_noise``: both at once, bfloat16
+  storage but for the grid.
 
 The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
 ``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
@@ -45,6 +48,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +70,10 @@ ARMS = {"float32": {"param_dtype": "float32"},
         "f32_bf16_start": {"param_dtype": "float32"},
         "f32_bf16_grads": {"param_dtype": "float32"},
         "f32_bf16_forward": {"param_dtype": "float32"},
+        "f32_bf16_passes": {"param_dtype": "float32"},
         "bf16_stochastic_reseeded": {"param_dtype": "bfloat16", "param_rounding": "stochastic"},
-        "f32_rounding_noise": {"param_dtype": "float32"}}
+        "f32_rounding_noise": {"param_dtype": "float32"},
+        "f32_bf16_passes_noise": {"param_dtype": "float32"}}
 # The rounding noise's seed in ``bf16_stochastic_reseeded``: the run's seed plus this.
 RESEED_OFFSET = 1000
 DEFAULT_ARMS = ("float32", "bf16_stochastic", "bf16_nearest")
@@ -129,6 +135,11 @@ def _diagnostic(arm: str) -> Iterator[None]:
     loss_fn, params = split_loss_fn(model, **kwargs)
     return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_forward, p), *a, **k)), params
 
+  def passes_in_bf16(model, **kwargs):
+    loss_fn, params = split_loss_fn(model, **kwargs)
+    in_bf16 = lambda x: _bf16_forward(_bf16_cotangent(x))
+    return (lambda p, *a, **k: loss_fn(jax.tree.map(in_bf16, p), *a, **k)), params
+
   def reseeded_rounding(config):
     return param_rounding(dataclasses.replace(config, seed=config.seed + RESEED_OFFSET))
 
@@ -137,23 +148,23 @@ def _diagnostic(arm: str) -> Iterator[None]:
     params = jax.tree.map(lambda p: p.astype(jnp.float32) if p.ndim <= 1 else p, params)
     return nnx.merge(graphdef, params, rest)
 
-  if arm == "f32_bf16_start":
-    models.create = rounded_create
-  elif arm == "bf16_stochastic_f32_vectors":
-    models.create = float32_vectors
-  elif arm == "f32_bf16_grads":
-    models.split_loss_fn = rounded_grads
-  elif arm == "f32_bf16_forward":
-    models.split_loss_fn = forward_in_bf16
-  elif arm == "bf16_stochastic_reseeded":
-    harness.param_rounding = reseeded_rounding
-  elif arm == "f32_rounding_noise":
-    harness.param_rounding = lambda config: rounding_noise(config.seed)
-  try:
+  noise = lambda config: rounding_noise(config.seed)
+  # Per diagnostic arm, the hooks it replaces for its run.
+  hooks = {
+      "f32_bf16_start": [(models, "create", rounded_create)],
+      "bf16_stochastic_f32_vectors": [(models, "create", float32_vectors)],
+      "f32_bf16_grads": [(models, "split_loss_fn", rounded_grads)],
+      "f32_bf16_forward": [(models, "split_loss_fn", forward_in_bf16)],
+      "f32_bf16_passes": [(models, "split_loss_fn", passes_in_bf16)],
+      "bf16_stochastic_reseeded": [(harness, "param_rounding", reseeded_rounding)],
+      "f32_rounding_noise": [(harness, "param_rounding", noise)],
+      "f32_bf16_passes_noise": [(models, "split_loss_fn", passes_in_bf16),
+                                (harness, "param_rounding", noise)],
+  }
+  with contextlib.ExitStack() as stack:
+    for module, name, replacement in hooks.get(arm, []):
+      stack.enter_context(mock.patch.object(module, name, replacement))
     yield
-  finally:
-    models.create, models.split_loss_fn = create, split_loss_fn
-    harness.param_rounding = param_rounding
 
 
 def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny",
@@ -167,7 +178,8 @@ def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny",
                                mu_dtype="float32", nu_dtype="float32", **ARMS[arm], **settings)
   with _diagnostic(arm):
     result = harness.train(config, progress=False)
-  return {"arm": arm, "seed": seed, "eval_loss": result["eval_loss"],
+  return {"arm": arm, "seed": seed, "preset": preset,
+          "learning_rate": settings["learning_rate"], "eval_loss": result["eval_loss"],
           "train_loss": result["train_loss"], "memory": result["memory"],
           "machine": result["machine"]}
 
@@ -175,9 +187,15 @@ def run(arm: str, seed: int, steps: int, preset: str = "gpt_tiny",
 def table(runs: list[dict], command: str) -> str:
   """The markdown table: per arm the seeds' held-out losses against float32's."""
   reference = {r["seed"]: r["eval_loss"] for r in runs if r["arm"] == "float32"}
-  lines = [f"Made by `{command}` on {runs[0]['machine'].get('cpu', 'CPU')}. gpt_tiny, "
-           f"AdamA (\"mean\") at N = {NUM_MICRO_BATCHES}, float32 moments, the settings of "
-           "`models.validate` (32 x 64 tokens per step); held-out loss at the end.", "",
+  # Runs made before preset and rate were recorded: gpt_tiny at models.validate's.
+  preset_rates = sorted({(r.get("preset", "gpt_tiny"),
+                          r.get("learning_rate", validate.SETTINGS["gpt"]["learning_rate"]))
+                         for r in runs})
+  trained = ", ".join(f"{preset} at {rate:g}" for preset, rate in preset_rates)
+  lines = [f"Made by `{command}` on {runs[0]['machine'].get('cpu', 'CPU')}. {trained}, "
+           f"AdamA (\"mean\") at N = {NUM_MICRO_BATCHES}, float32 moments, otherwise the "
+           "settings of `models.validate` (32 x 64 tokens per step); held-out loss at the end.",
+           "",
            "| params | seeds | held-out loss, mean ± std | vs float32 (mean) | per seed "
            "| compiled step |", "|---|---|---|---|---|---|"]
   for arm in ARMS:
@@ -197,8 +215,16 @@ def table(runs: list[dict], command: str) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-  """Training loss (running mean) of every run, one colour per arm."""
-  harness.plot_loss_curves(runs, lambda r: f"{r['arm']} (seed {r['seed']})", path)
+  """Training loss (running mean) of every run: one colour per arm, one line style per seed."""
+  import matplotlib
+
+  colours = matplotlib.colormaps["tab20"].colors
+  seeds = sorted({r["seed"] for r in runs})
+  styles = ("-", "--", ":", "-.")
+  harness.plot_loss_curves(
+      runs, lambda r: f"{r['arm']} (seed {r['seed']})", path,
+      style=lambda r: {"color": colours[list(ARMS).index(r["arm"]) % len(colours)],
+                       "linestyle": styles[seeds.index(r["seed"]) % len(styles)]})
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -119,9 +119,11 @@ def running_mean(values: Sequence[float], window: int = 50) -> np.ndarray:
 
 
 def plot_loss_curves(runs: Sequence[dict[str, Any]], label: Callable[[dict], str], path: Path,
-                     *, title: str = "whole run", window: int = 50, log: bool = False) -> None:
+                     *, title: str = "whole run", window: int = 50, log: bool = False,
+                     style: Callable[[dict], dict[str, Any]] | None = None) -> None:
   """Training curves (running means) of ``models.train`` runs: the whole run and its
-  second half, each labelled with ``label(run)`` and the held-out loss."""
+  second half, each labelled with ``label(run)`` and the held-out loss, drawn with
+  matplotlib's ``style(run)`` (colour, line style...; default: its colour cycle)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -131,8 +133,9 @@ def plot_loss_curves(runs: Sequence[dict[str, Any]], label: Callable[[dict], str
     curve = running_mean(run["train_loss"], window)
     steps = np.arange(1, len(curve) + 1)
     text = f"{label(run)}: held-out {run['eval_loss']:.4f}"
-    full.plot(steps, curve, label=text)
-    tail.plot(steps[len(curve) // 2:], curve[len(curve) // 2:], label=text)
+    kwargs = {} if style is None else style(run)
+    full.plot(steps, curve, label=text, **kwargs)
+    tail.plot(steps[len(curve) // 2:], curve[len(curve) // 2:], label=text, **kwargs)
   full.set(xlabel="step", ylabel=f"training loss (mean of {window} steps)", title=title,
            yscale="log" if log else "linear")
   tail.set(xlabel="step", title="second half")

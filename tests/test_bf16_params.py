@@ -40,6 +40,7 @@ def test_the_arms_train_and_a_second_run_adds_its_arms_to_the_first(tmp_path):
       2 * saved["runs"][0]["memory"]["param_bytes"], saved["runs"][0]["memory"]["param_bytes"]]
   text = md.read_text()
   assert "| bf16_stochastic | 1 |" in text and "| f32_bf16_grads | 1 |" in text
+  assert "gpt_test at 0.002, " in text  # the preset and rate the runs recorded
   assert (tmp_path / "b.png").stat().st_size > 0
 
 
