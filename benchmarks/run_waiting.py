@@ -1,0 +1,143 @@
+"""Runs the "Waiting for a GPU" commands of benchmarks/README.md in order, within a deadline.
+
+    python3 benchmarks/run_waiting.py --list                      # the items and their commands
+    python3 benchmarks/run_waiting.py --items 1 2 --deadline-s 560 --out "$OUT"   # on the GPU
+
+On a lent GPU machine every minute counts and a call has one fixed limit, so the
+waiting items run as one prepared command: one after another, each alone on the
+machine (three trainings sharing one H200 once finished none in 341 s), each
+command given the time left before the deadline and stopped (its whole process
+group) when that runs out. What the commands write under ``benchmarks/`` is
+packed into ``OUT/results.tgz`` (a stopped command's partial files too: the
+GPU bench appends each task as it finishes), each command's output goes to
+``OUT/item<k>_<j>.log``, and a summary (exit status and seconds per command)
+is printed last and written to ``OUT/summary.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## Waiting for a GPU"
+# A command started with less time than this left is not started.
+MIN_START_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One numbered item of the waiting list: its first line and its commands."""
+  number: int
+  title: str
+  commands: tuple[str, ...]
+
+
+def waiting_items(readme: str) -> list[Item]:
+  """The numbered items of ``readme``'s waiting section, with the lines of their
+  ``bash`` blocks (a line ending in a backslash joined to the next) as commands."""
+  if f"\n{SECTION}\n" not in readme:
+    raise ValueError(f"no '{SECTION}' section")
+  section = readme.split(f"\n{SECTION}\n", 1)[1].split("\n## ", 1)[0]
+  parts = re.split(r"^(\d+)\. ", section, flags=re.M)
+  items = []
+  for number, body in zip(parts[1::2], parts[2::2]):
+    blocks = re.findall(r"```bash\n(.*?)\n\s*```", body, flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    commands = tuple(" ".join(line.split()) for line in lines if line.strip())
+    items.append(Item(int(number), body.splitlines()[0].strip(), commands))
+  return items
+
+
+def _run_until(command: str, deadline: float, log: Path, cwd: Path) -> tuple[int | None, float]:
+  """Runs ``command`` in a shell of its own process group until it ends or the
+  deadline passes (then the group is stopped); its exit status (``None``: stopped)
+  and seconds."""
+  start = time.monotonic()
+  env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+  with log.open("w") as out:
+    process = subprocess.Popen(command, shell=True, cwd=cwd, env=env, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      return process.wait(timeout=max(deadline - time.monotonic(), 0.0)), time.monotonic() - start
+    except subprocess.TimeoutExpired:
+      for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        try:
+          os.killpg(process.pid, sig)
+        except ProcessLookupError:
+          break
+        try:
+          process.wait(timeout=grace)
+          break
+        except subprocess.TimeoutExpired:
+          continue
+      process.wait()
+      return None, time.monotonic() - start
+
+
+def run(items: list[Item], *, deadline_s: float, out: Path, root: Path = ROOT) -> list[str]:
+  """Runs ``items`` in order until ``deadline_s`` seconds have passed; returns the
+  summary lines. Files written under ``root/benchmarks`` go into ``out/results.tgz``."""
+  out.mkdir(parents=True, exist_ok=True)
+  start_wall, start = time.time(), time.monotonic()
+  deadline = start + deadline_s
+  summary = []
+  for item in items:
+    for j, command in enumerate(item.commands, 1):
+      left = deadline - time.monotonic()
+      if left < MIN_START_S:
+        summary.append(f"item {item.number}.{j}: not started ({left:.0f} s left): {command}")
+        continue
+      status, seconds = _run_until(command, deadline, out / f"item{item.number}_{j}.log", root)
+      ended = "stopped at the deadline" if status is None else f"exit {status}"
+      summary.append(f"item {item.number}.{j}: {ended} after {seconds:.0f} s: {command}")
+  written = sorted(p for p in (root / "benchmarks").rglob("*")
+                   if p.is_file() and p.stat().st_mtime >= start_wall)
+  with tarfile.open(out / "results.tgz", "w:gz") as tar:
+    for path in written:
+      tar.add(path, arcname=str(path.relative_to(root)))
+  summary.append(f"{len(written)} files written under benchmarks/, in {out / 'results.tgz'}; "
+                 f"{time.monotonic() - start:.0f} s in all")
+  (out / "summary.txt").write_text("\n".join(summary) + "\n")
+  return summary
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--items", type=int, nargs="+", default=None,
+                      help="item numbers, in the order to run them; default: all, in order")
+  parser.add_argument("--deadline-s", type=float, default=560.0,
+                      help="seconds from the start after which nothing runs")
+  parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+  parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
+  parser.add_argument("--list", action="store_true", help="print the items and stop")
+  args = parser.parse_args(argv)
+  items = waiting_items(args.readme.read_text())
+  by_number = {item.number: item for item in items}
+  if args.items is not None:
+    unknown = sorted(set(args.items) - set(by_number))
+    if unknown:
+      parser.error(f"--items {unknown}: the waiting list has items {sorted(by_number)}")
+    items = [by_number[n] for n in args.items]
+  if args.deadline_s <= 0:
+    parser.error("--deadline-s must be positive")
+  if args.list:
+    lines = [f"{item.number}. {item.title}\n" + "".join(f"   {c}\n" for c in item.commands)
+             for item in items]
+    print("".join(lines), end="")
+    return lines
+  summary = run(items, deadline_s=args.deadline_s, out=args.out,
+                root=args.readme.resolve().parents[1])
+  print("\n".join(summary))
+  return summary
+
+
+if __name__ == "__main__":
+  main()
