@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                       help="item numbers, in the order to run them; default: all, in order")
   parser.add_argument("--deadline-s", type=float, default=560.0,
                       help="seconds from the start after which nothing runs")
-  parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+  parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
+                      help="where the logs and results.tgz go; default: $OUT")
   parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
   parser.add_argument("--list", action="store_true", help="print the items and stop")
   args = parser.parse_args(argv)
@@ -133,7 +134,9 @@ def main(argv: list[str] | None = None) -> list[str]:
              for item in items]
     print("".join(lines), end="")
     return lines
-  summary = run(items, deadline_s=args.deadline_s, out=args.out,
+  if args.out is None:
+    parser.error("--out is needed (or OUT in the environment)")
+  summary = run(items, deadline_s=args.deadline_s, out=Path(args.out),
                 root=args.readme.resolve().parents[1])
   print("\n".join(summary))
   return summary

@@ -84,7 +84,7 @@ def test_items_run_in_order_until_the_deadline_and_their_files_are_packed(tmp_pa
   assert (out / "item1_1.log").exists() and (out / "item2_1.log").exists()
 
 
-def test_the_command_line_lists_and_refuses_unknown_items(tmp_path, capsys):
+def test_the_command_line_lists_and_refuses_unknown_items(tmp_path, capsys, monkeypatch):
   readme = tmp_path / "benchmarks" / "README.md"
   readme.parent.mkdir()
   readme.write_text(README)
@@ -94,5 +94,9 @@ def test_the_command_line_lists_and_refuses_unknown_items(tmp_path, capsys):
   with pytest.raises(SystemExit):
     run_waiting.main(["--readme", str(readme), "--items", "7"])
   assert "the waiting list has items [1, 2, 3]" in capsys.readouterr().err
+  monkeypatch.delenv("OUT", raising=False)
+  with pytest.raises(SystemExit):
+    run_waiting.main(["--readme", str(readme), "--items", "1"])
+  assert "--out is needed" in capsys.readouterr().err
   with pytest.raises(ValueError, match="no '## Waiting for a GPU' section"):
     run_waiting.waiting_items("# Benchmarks\n")
