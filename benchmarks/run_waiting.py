@@ -8,10 +8,10 @@ waiting items run as one prepared command: one after another, each alone on the
 machine (three trainings sharing one H200 once finished none in 341 s), each
 command given the time left before the deadline and stopped (its whole process
 group) when that runs out. What the commands write under ``benchmarks/`` is
-packed into ``OUT/results.tgz`` (a stopped command's partial files too: the
-GPU bench appends each task as it finishes), each command's output goes to
-``OUT/item<k>_<j>.log``, and a summary (exit status and seconds per command)
-is printed last and written to ``OUT/summary.txt``.
+packed into ``OUT/results.tgz`` with each command's log (a stopped command's
+partial files too: the GPU bench appends each task as it finishes); each log's
+last lines are printed as its command ends, and a summary (exit status and
+seconds per command) is printed last and written to ``OUT/summary.txt``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Waiting for a GPU"
 # A command started with less time than this left is not started.
 MIN_START_S = 30.0
+# The lines of each command's log printed when it ends.
+TAIL_LINES = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,27 +87,41 @@ def _run_until(command: str, deadline: float, log: Path, cwd: Path) -> tuple[int
 
 def run(items: list[Item], *, deadline_s: float, out: Path, root: Path = ROOT) -> list[str]:
   """Runs ``items`` in order until ``deadline_s`` seconds have passed; returns the
-  summary lines. Files written under ``root/benchmarks`` go into ``out/results.tgz``."""
+  summary lines. ``out`` gets two files (a lent machine sends back only a few):
+  ``results.tgz``, with what the commands wrote under ``root/benchmarks`` and
+  their logs (``logs/item<k>_<j>.log``), and ``summary.txt``. Each log's last
+  lines are printed as its command ends."""
   out.mkdir(parents=True, exist_ok=True)
-  start_wall, start = time.time(), time.monotonic()
-  deadline = start + deadline_s
   summary = []
-  for item in items:
-    for j, command in enumerate(item.commands, 1):
-      left = deadline - time.monotonic()
-      if left < MIN_START_S:
-        summary.append(f"item {item.number}.{j}: not started ({left:.0f} s left): {command}")
-        continue
-      status, seconds = _run_until(command, deadline, out / f"item{item.number}_{j}.log", root)
-      ended = "stopped at the deadline" if status is None else f"exit {status}"
-      summary.append(f"item {item.number}.{j}: {ended} after {seconds:.0f} s: {command}")
-  written = sorted(p for p in (root / "benchmarks").rglob("*")
-                   if p.is_file() and p.stat().st_mtime >= start_wall)
-  with tarfile.open(out / "results.tgz", "w:gz") as tar:
-    for path in written:
-      tar.add(path, arcname=str(path.relative_to(root)))
-  summary.append(f"{len(written)} files written under benchmarks/, in {out / 'results.tgz'}; "
-                 f"{time.monotonic() - start:.0f} s in all")
+  with tempfile.TemporaryDirectory(prefix="run_waiting_") as scratch:
+    logs = Path(scratch)
+    # The file system's clock, not time.time(): its coarse ticks can stamp a
+    # file written just after the start earlier than time.time() reads it.
+    marker = logs / "started"
+    marker.write_text("")
+    start_wall, start = marker.stat().st_mtime, time.monotonic()
+    deadline = start + deadline_s
+    for item in items:
+      for j, command in enumerate(item.commands, 1):
+        left = deadline - time.monotonic()
+        if left < MIN_START_S:
+          summary.append(f"item {item.number}.{j}: not started ({left:.0f} s left): {command}")
+          continue
+        log = logs / f"item{item.number}_{j}.log"
+        status, seconds = _run_until(command, deadline, log, root)
+        ended = "stopped at the deadline" if status is None else f"exit {status}"
+        summary.append(f"item {item.number}.{j}: {ended} after {seconds:.0f} s: {command}")
+        tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+        print(f"--- {summary[-1]}\n" + "\n".join(tail), flush=True)
+    written = sorted(p for p in (root / "benchmarks").rglob("*")
+                     if p.is_file() and p.stat().st_mtime >= start_wall)
+    with tarfile.open(out / "results.tgz", "w:gz") as tar:
+      for path in written:
+        tar.add(path, arcname=str(path.relative_to(root)))
+      for log in sorted(logs.glob("*.log")):
+        tar.add(log, arcname=f"logs/{log.name}")
+  summary.append(f"{len(written)} files written under benchmarks/, in {out / 'results.tgz'} "
+                 f"with the logs; {time.monotonic() - start:.0f} s in all")
   (out / "summary.txt").write_text("\n".join(summary) + "\n")
   return summary
 

@@ -78,10 +78,11 @@ def test_items_run_in_order_until_the_deadline_and_their_files_are_packed(tmp_pa
   assert summary[1].startswith("item 2.1: stopped at the deadline")
   assert summary[2].startswith("item 3.1: not started")
   assert not (root / "benchmarks" / "raw" / "late.txt").exists()
+  # What the run wrote (nothing older) and the logs, in two files.
   with tarfile.open(out / "results.tgz") as tar:
-    assert tar.getnames() == ["benchmarks/raw/one.txt"]  # written by the run, nothing older
+    assert tar.getnames() == ["benchmarks/raw/one.txt", "logs/item1_1.log", "logs/item2_1.log"]
+  assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "summary.txt"]
   assert (out / "summary.txt").read_text().splitlines() == summary
-  assert (out / "item1_1.log").exists() and (out / "item2_1.log").exists()
 
 
 def test_the_command_line_lists_and_refuses_unknown_items(tmp_path, capsys, monkeypatch):
