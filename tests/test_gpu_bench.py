@@ -251,6 +251,22 @@ def test_the_llama_command_runs_the_gpt_rows_settings_in_groups_that_fit():
   assert resident(4) > 0.95 * h100 > resident(3) > 0.75 * h100
 
 
+def test_the_24_gib_llama_command_puts_the_line_between_adama_and_accumulation():
+  command = readme_command("bench-gpu", "llama32_1b_24gib")
+  args = gpu_bench._parse_args(make_argv(command, "models.gpu_bench"))
+  [case] = gpu_bench.make_cases(args)  # unrolled alone
+  assert (case.preset, case.scan_layers, case.num_micro_batches, case.micro_batch_size,
+          case.seq_len, args.workers) == ("llama32_1b", False, 4, 8, 1024, 1)
+  # The allocator's share of an H100 80GB (81,559 MiB) against the live peaks
+  # the H200 measured for the same case (the raw JSON of its table).
+  budget = args.memory_fraction * 81_559 * 2**20
+  assert 23.5 * GIB < budget <= 24 * GIB
+  rows = json.loads(LLAMA_RAW.read_text())["rows"]
+  peak = {r["method"]: r["peak_bytes_in_use"] for r in rows if not r["scan_layers"]}
+  assert peak["adama"] < budget < min(peak["scan_accumulation"], peak["scan_accumulation_bf16"])
+  assert set(case.methods) == set(peak)
+
+
 # 93 s on 2 cores even scanned alone: with the slow tests. The default suite
 # checks the command's settings (the make -n parse above) and runs the same
 # code path on the GPT's dry runs.
