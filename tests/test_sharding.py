@@ -200,19 +200,19 @@ def _worker(full):
     _run(split, _params(), steps=1, mesh=mesh, batch_size=32)
   except ValueError as e:
     out["zero2_split"]["too_few_rows"] = str(e)
-  out["offloaded"] = _offloaded_worker(mesh, tx, ref)
+  out["offloaded"] = _offloaded_worker(mesh, tx, ref, full)
   out["release"] = _release_worker(mesh, full)
-  out["explicit"] = _explicit_worker()
+  out["explicit"] = _explicit_worker(full)
   out["bad_input"] = _bad_input_worker(mesh)
   out["fsdp_staged"] = _fsdp_staged_worker(mesh)
   return out
 
 
-def _explicit_worker():
+def _explicit_worker(full):
   """The steps on a mesh whose axis is explicit (sharding in types), the batch's
   rows split over it, against the same steps on one device: a reshape there
   must name its output's sharding, so the micro-batch split and the halves of
-  "split" take their own path."""
+  "split" take their own path. Without ``full``, the ``EXPLICIT_SMOKE_CASES``."""
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   rows = jax.sharding.NamedSharding(mesh, PartitionSpec("data"))
@@ -253,12 +253,19 @@ def _explicit_worker():
     batch = jax.device_put(_batch(0), rows)
     split = jax.jit(lambda b: _steps.split_micro_batches(b, NUM_MICRO))(batch)
   out = {"split_spec": str(jax.typeof(split["x"]).sharding.spec)}
-  for case in ("mean", "accumulation", "split", "release"):
+  for case in EXPLICIT_CASES if full else EXPLICIT_SMOKE_CASES:
     try:  # an error fails this case's test, not the whole subprocess
       out[case] = diff(case)
     except Exception as error:  # pylint: disable=broad-exception-caught
       out[case] = f"{type(error).__name__}: {error}"[:500]
   return out
+
+
+EXPLICIT_CASES = ("mean", "accumulation", "split", "release")
+# Gradient accumulation (optax.adam through microbatch_step) splits the
+# micro-batches as "mean" does: with the slow tests (two 8-device runs, 4 s of
+# the subprocess on 2 cores alone); "mean" keeps the explicit split's smoke.
+EXPLICIT_SMOKE_CASES = ("mean", "split", "release")
 
 
 def _steps_of(step, params, state, batch):
@@ -267,13 +274,18 @@ def _steps_of(step, params, state, batch):
   return params
 
 
-def _offloaded_worker(mesh, tx, ref):
+# microbatch_step with offloaded moments on the mesh: ZeRO-2 in the default
+# run, FSDP too with the slow tests (the release's offloaded smokes run FSDP).
+OFFLOADED_STAGES, SMOKE_OFFLOADED_STAGES = ("zero2", "fsdp"), ("zero2",)
+
+
+def _offloaded_worker(mesh, tx, ref, full):
   """microbatch_step with host-offloaded moments on the mesh, from a fresh
   state (offload_moments' init commits its host leaves to one device: the
   step places them), against ``ref``: ``tx`` on one device, moments on it."""
   offloaded = optax_adama.offload_moments(tx, min_size=256)
   out = {}
-  for stage in ("zero2", "fsdp"):
+  for stage in OFFLOADED_STAGES if full else SMOKE_OFFLOADED_STAGES:
     step = optax_adama.microbatch_step(
         loss_fn, offloaded, num_micro_batches=NUM_MICRO, mesh=mesh, shard_states=stage)
     params, state = _params(), offloaded.init(_params())
@@ -1019,7 +1031,11 @@ def test_release_step_with_offloaded_moments_on_a_mesh_equals_one_device(
   assert run["param_memory"] == ["device"], run
 
 
-@pytest.mark.parametrize("stage", ["zero2", "fsdp"])
+# FSDP with the slow tests; its smoke: the zero2 case here, and
+# test_release_step_with_offloaded_moments_on_a_mesh_equals_one_device[fsdp-8bit] (FSDP).
+@pytest.mark.parametrize("stage", [
+    stage if stage in SMOKE_OFFLOADED_STAGES else pytest.param(stage, marks=pytest.mark.slow)
+    for stage in OFFLOADED_STAGES])
 def test_microbatch_step_with_offloaded_moments_on_a_mesh_equals_one_device(
     eight_devices, stage):
   # A fresh offload_moments state, placed by the step, trains as tx on one
@@ -1209,7 +1225,10 @@ def test_explicit_axes_keep_each_micro_batchs_rows_split(eight_devices):
   assert eight_devices["explicit"]["split_spec"] == str(PartitionSpec(None, "data", None))
 
 
-@pytest.mark.parametrize("case", ["mean", "accumulation", "split", "release"])
+# "accumulation" with the slow tests; its smoke: the "mean" case (EXPLICIT_SMOKE_CASES).
+@pytest.mark.parametrize("case", [
+    case if case in EXPLICIT_SMOKE_CASES else pytest.param(case, marks=pytest.mark.slow)
+    for case in EXPLICIT_CASES])
 def test_steps_run_on_a_mesh_with_explicit_axes(eight_devices, case):
   # On one device and on the mesh the same math, the cross-device sums in
   # another order (float32); "split" on the mesh with its rows split or not.
