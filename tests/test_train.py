@@ -147,33 +147,42 @@ def test_moment_options_are_checked_and_quote_the_bad_value():
     harness.TrainConfig(optimizer="multisteps", nu_dtype="bfloat16")
 
 
-def test_loss_chunks_train_gpt_as_the_whole_logits_do(tmp_path):
-  runs = []
-  for chunks in ("1", "4"):
-    out = tmp_path / f"run{chunks}.json"
-    train.main([
-        "--model", "gpt", "--preset", "gpt_test", "--optimizer", "adama",
-        "--num-micro-batches", "2", "--batch-size", "8", "--seq-len", "16",
-        "--steps", "3", "--eval-batches", "2", "--max-bytes", "200000",
-        "--loss-chunks", chunks, "--metrics-out", str(out), "--no-progress"])
-    runs.append(json.loads(out.read_text()))
+# The scanned fused step's run, shared: the whole-logits side of the loss
+# chunks' test and the fused side of the release's (one training run and its
+# compiles less; both tests on one xdist worker under --dist loadgroup).
+SCANNED_GPT_ARGS = [
+    "--model", "gpt", "--preset", "gpt_test", "--optimizer", "adama",
+    "--num-micro-batches", "4", "--batch-size", "8", "--seq-len", "16",
+    "--steps", "3", "--eval-batches", "2", "--max-bytes", "200000", "--scan-layers"]
+
+
+def _scanned_gpt_run(directory, *extra):
+  out = directory / f"run{'_'.join(a.strip('-') for a in extra)}.json"
+  train.main([*SCANNED_GPT_ARGS, *extra, "--metrics-out", str(out), "--no-progress"])
+  return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def fused_scanned_run(tmp_path_factory):
+  with jax.numpy_dtype_promotion("standard"):  # before the autouse fixture above
+    return _scanned_gpt_run(tmp_path_factory.mktemp("fused_scanned"))
+
+
+@pytest.mark.xdist_group("train_fused_scanned")
+def test_loss_chunks_train_gpt_as_the_whole_logits_do(fused_scanned_run, tmp_path):
+  chunked = _scanned_gpt_run(tmp_path, "--loss-chunks", "4")
   # The same sums in another order; three steps of lr 1e-3-scale updates.
-  np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
+  np.testing.assert_allclose(chunked["train_loss"], fused_scanned_run["train_loss"], rtol=1e-5)
+  assert (chunked["config"]["loss_chunks"], fused_scanned_run["config"]["loss_chunks"]) == (4, 1)
   with pytest.raises(ValueError, match="loss_chunks is a causal LM's"):
     harness.train(harness.TrainConfig(model="bert", loss_chunks=2))
 
 
-def test_release_trains_as_the_fused_scanned_step(tmp_path):
+@pytest.mark.xdist_group("train_fused_scanned")
+def test_release_trains_as_the_fused_scanned_step(fused_scanned_run, tmp_path):
   """`--release` (release_step) against `microbatch_step` on the same scanned model."""
-  runs = []
-  for release in ([], ["--release"]):
-    out = tmp_path / f"run{len(release)}.json"
-    train.main([
-        "--model", "gpt", "--preset", "gpt_test", "--optimizer", "adama",
-        "--num-micro-batches", "4", "--batch-size", "8", "--seq-len", "16",
-        "--steps", "3", "--eval-batches", "2", "--max-bytes", "200000", "--scan-layers",
-        *release, "--metrics-out", str(out), "--no-progress"])
-    runs.append(json.loads(out.read_text()))
+  runs = [fused_scanned_run, _scanned_gpt_run(tmp_path, "--release")]
+  assert [r["config"]["release"] for r in runs] == [False, True]
   # The same folds in another order (per layer in the backward scan instead of
   # per leaf after it): float32 rounding over three steps.
   np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
