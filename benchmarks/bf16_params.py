@@ -24,8 +24,9 @@ float32 moments in every arm, so the params' storage is the only difference:
   ``f32_bf16_forward``: float32 params and updates, the forward and backward
   passes computed on the params rounded to bfloat16 (straight through): the
   weights' precision in the model without the rounding of their storage;
-  ``f32_bf16_passes``: both of the last two, the passes as bfloat16 storage
-  makes them (weights and gradients at bfloat16 precision) with float32 storage;
+  ``f32_bf16_passes``: ``f32_bf16_forward`` and ``f32_bf16_grads`` together, the
+  passes as bfloat16 storage makes them (weights and gradients at bfloat16
+  precision) with float32 storage;
   ``bf16_stochastic_reseeded``: ``bf16_stochastic`` with other rounding noise
   (the rounding's seed offset by 1,000; data and initial weights unchanged):
   whether a seed's gap is the noise drawn or systematic;
