@@ -119,35 +119,31 @@ def rounding_noise(seed: int) -> optax.GradientTransformation:
 
 @contextlib.contextmanager
 def _diagnostic(arm: str) -> Iterator[None]:
-  """The model zoo's hooks patched for a float32 diagnostic arm (none for the others)."""
+  """The model zoo's and the harness's hooks patched for a diagnostic arm (none
+  for the three arms of the target)."""
   create, split_loss_fn = models.create, models.split_loss_fn
   param_rounding = harness.param_rounding
 
-  def rounded_create(config, *, rngs, **overrides):
-    graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(p.dtype), params)
-    return nnx.merge(graphdef, params, rest)
+  def created_with(leaf_fn):  # models.create, each param leaf mapped by leaf_fn
+    def patched(config, *, rngs, **overrides):
+      graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
+      return nnx.merge(graphdef, jax.tree.map(leaf_fn, params), rest)
+    return patched
 
-  def rounded_grads(model, **kwargs):
-    loss_fn, params = split_loss_fn(model, **kwargs)
-    return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_cotangent, p), *a, **k)), params
+  def loss_on(leaf_fn):  # models.split_loss_fn, the loss taking leaf_fn of each param
+    def patched(model, **kwargs):
+      loss_fn, params = split_loss_fn(model, **kwargs)
+      return (lambda p, *a, **k: loss_fn(jax.tree.map(leaf_fn, p), *a, **k)), params
+    return patched
 
-  def forward_in_bf16(model, **kwargs):
-    loss_fn, params = split_loss_fn(model, **kwargs)
-    return (lambda p, *a, **k: loss_fn(jax.tree.map(_bf16_forward, p), *a, **k)), params
-
-  def passes_in_bf16(model, **kwargs):
-    loss_fn, params = split_loss_fn(model, **kwargs)
-    in_bf16 = lambda x: _bf16_forward(_bf16_cotangent(x))
-    return (lambda p, *a, **k: loss_fn(jax.tree.map(in_bf16, p), *a, **k)), params
+  rounded_create = created_with(lambda p: p.astype(jnp.bfloat16).astype(p.dtype))
+  float32_vectors = created_with(lambda p: p.astype(jnp.float32) if p.ndim <= 1 else p)
+  rounded_grads = loss_on(_bf16_cotangent)
+  forward_in_bf16 = loss_on(_bf16_forward)
+  passes_in_bf16 = loss_on(lambda x: _bf16_forward(_bf16_cotangent(x)))
 
   def reseeded_rounding(config):
     return param_rounding(dataclasses.replace(config, seed=config.seed + RESEED_OFFSET))
-
-  def float32_vectors(config, *, rngs, **overrides):
-    graphdef, params, rest = nnx.split(create(config, rngs=rngs, **overrides), nnx.Param, ...)
-    params = jax.tree.map(lambda p: p.astype(jnp.float32) if p.ndim <= 1 else p, params)
-    return nnx.merge(graphdef, params, rest)
 
   noise = lambda config: rounding_noise(config.seed)
   # Per diagnostic arm, the hooks it replaces for its run.
