@@ -17,6 +17,7 @@ seconds per command) is printed last and written to ``OUT/summary.txt``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -71,18 +72,19 @@ def _run_until(command: str, deadline: float, log: Path, cwd: Path) -> tuple[int
     try:
       return process.wait(timeout=max(deadline - time.monotonic(), 0.0)), time.monotonic() - start
     except subprocess.TimeoutExpired:
-      for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
-        try:
-          os.killpg(process.pid, sig)
-        except ProcessLookupError:
-          break
-        try:
-          process.wait(timeout=grace)
-          break
-        except subprocess.TimeoutExpired:
-          continue
-      process.wait()
+      _signal_group(process.pid, signal.SIGTERM)
+      try:
+        process.wait(timeout=10.0)  # a grace to write what it has
+      except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
       return None, time.monotonic() - start
+
+
+def _signal_group(pid: int, sig: int) -> None:
+  """Sends ``sig`` to the process group ``pid`` leads, if it still exists."""
+  with contextlib.suppress(ProcessLookupError):
+    os.killpg(pid, sig)
 
 
 def run(items: list[Item], *, deadline_s: float, out: Path, root: Path = ROOT) -> list[str]:
