@@ -118,15 +118,20 @@ def check_float_params(params: optax.Params,
   leaves have no 8-bit codes.
   """
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  name = lambda path, leaf: f"{jax.tree_util.keystr(path)} ({jnp.dtype(dtype_of(leaf))})"
+  name = lambda path, leaf: f"{jax.tree_util.keystr(path)} ({dtype_of(leaf)})"
   bad = [name(path, leaf) for path, leaf in leaves
          if not jnp.issubdtype(dtype_of(leaf), jnp.inexact)]
   if bad:
+    # nnx.split(model) with no filter hands over every Variable: a Dropout's
+    # RngKey (key<fry>) and RngCount (uint32), a cache index. optax.adam's init
+    # accepts them and its update then breaks on them; name them up front.
     raise TypeError(
         "AdamA moves floating-point params only; these leaves would "
-        f"never move: {', '.join(bad)}. Keep integer and boolean state out "
-        "of the optimized tree (e.g. nnx.Optimizer(model, tx, wrt=nnx.Param)), "
-        "or cast them to a float dtype.")
+        f"never move: {', '.join(bad)}. Keep integer, boolean and PRNG-key "
+        "state out of the optimized tree: split the params apart "
+        "(graphdef, params, rest = nnx.split(model, nnx.Param, ...)) or "
+        "nnx.Optimizer(model, tx, wrt=nnx.Param); or cast them to a float "
+        "dtype.")
   quantized = complex_leaf_names(params, [
       quantization is not None and quantization.quantizes(jnp.shape(leaf))
       for _, leaf in leaves])
@@ -142,13 +147,18 @@ def complex_leaf_names(params: optax.Params, selected: Any = None) -> list[str]:
   list aligned with the leaves, is true for), for errors that name them."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
   selected = [True] * len(leaves) if selected is None else selected
-  return [f"{jax.tree_util.keystr(path)} ({jnp.dtype(dtype_of(leaf))})"
+  return [f"{jax.tree_util.keystr(path)} ({dtype_of(leaf)})"
           for (path, leaf), on in zip(leaves, selected)
           if on and jnp.issubdtype(dtype_of(leaf), jnp.complexfloating)]
 
 
 def dtype_of(leaf: Any) -> jnp.dtype:
-  return jnp.dtype(getattr(leaf, "dtype", None) or jnp.result_type(leaf))
+  """The leaf's dtype; a PRNG key's extended dtype (``key<fry>``) as it is,
+  since ``jnp.dtype`` cannot interpret one."""
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype
+  return jnp.dtype(dtype or jnp.result_type(leaf))
 
 
 # The research estimators' arguments, which live in optax_adama.contrib.

@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import update_with_halves
 from flax import linen
@@ -146,3 +147,66 @@ def test_nnx_optimizer_moments_carry_the_params_sharding_names():
   for moment in ("mu", "nu"):
     assert adama_state[moment]["kernel"].out_sharding == ("a", "b")
     assert specs[moment]["kernel"].get_value() == jax.sharding.PartitionSpec("a", "b")
+
+
+class _EveryVariableKind(nnx.Module):
+  """One Variable of each kind ``nnx.split(model)`` hands over with no filter."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)      # RngKey (key<fry>), RngCount (uint32)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)         # BatchStat (float32)
+    self.cache = nnx.Cache(jnp.zeros((2, 4)))       # a float cache
+    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+    self.hidden = nnx.Intermediate((jnp.zeros((2, 4)),))  # as a sow leaves it
+
+  def __call__(self, x):
+    return self.norm(self.dropout(self.linear(x)))
+
+
+def _split_every_kind():
+  model = _EveryVariableKind(rngs=nnx.Rngs(0, dropout=1))
+  model(jnp.ones((2, 4)))
+  return nnx.split(model, nnx.Param, nnx.RngKey, nnx.RngCount, nnx.BatchStat,
+                   nnx.Cache, nnx.Intermediate)
+
+
+@pytest.mark.parametrize("kind", ["RngKey", "RngCount", "Cache index"])
+def test_init_names_a_non_float_flax_leaf_instead_of_crashing(kind):
+  """A Dropout's key (key<fry>) crashed ``jnp.dtype`` in the leaf check."""
+  _, params, key, count, _, cache, _ = _split_every_kind()
+  tree = {"RngKey": key, "RngCount": count,
+          "Cache index": nnx.State({"cache_index": cache["cache_index"]})}[kind]
+  expected = {"RngKey": r"key<fry>", "RngCount": r"uint32", "Cache index": r"int32"}[kind]
+  for init in (lambda t: optax_adama.adamaw(1e-3, num_micro_batches=2).init(t),
+               lambda t: optax_adama.adama(1e-3, num_micro_batches=2).init(t)):
+    with pytest.raises(TypeError, match=rf"would never move: .*\({expected}\).*nnx\.Param"):
+      init({"params": params, "other": tree})
+
+
+def test_memory_plan_names_the_key_leaf_of_an_unfiltered_split():
+  model = _EveryVariableKind(rngs=nnx.Rngs(0, dropout=1))
+  model(jnp.ones((2, 4)))
+  graphdef, state = nnx.split(model)  # no filter: docs/fit.md's pattern
+
+  def loss_fn(state, batch):
+    return jnp.mean(nnx.merge(graphdef, state)(batch["x"]) ** 2)
+
+  batch = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+  with pytest.raises(TypeError, match=r"would never move: .*key<fry>"):
+    optax_adama.memory.plan(loss_fn, state, batch, budget_bytes=16e6)
+
+
+@pytest.mark.parametrize("kind", ["BatchStat", "Cache", "Intermediate"])
+def test_float_flax_state_is_accepted_as_optax_accepts_it(kind):
+  """Float Variables move as ``optax.adamw`` would move them; AdamA at N = 1 is Adam."""
+  _, params, _, _, stats, cache, intermediate = _split_every_kind()
+  tree = {"BatchStat": stats, "Cache": nnx.State({"cache": cache["cache"]}),
+          "Intermediate": intermediate}[kind]
+  tree = {"params": params, "other": tree}
+  tx, reference = optax_adama.adamaw(1e-2, num_micro_batches=1), optax.adamw(1e-2)
+  grads = jax.tree.map(jnp.ones_like, tree)
+  updates, _ = tx.update(grads, tx.init(tree), tree)
+  with jax.numpy_dtype_promotion("standard"):  # optax's own code needs it
+    expected, _ = reference.update(grads, reference.init(tree), tree)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
