@@ -13,8 +13,15 @@ STAMP  := $(VENV)/.installed
 VENV_MIN  := .venv-min
 STAMP_MIN := $(VENV_MIN)/.installed
 CONSTRAINTS_MIN := .ci/constraints-min.txt
+# The jax of .venv; the accelerator environments pin their extras to it, so a
+# compile for a TPU or a GPU runs the same jax as the CPU numbers beside it.
+JAX_VERSION := 0.10.2
+VENV_TPU  := .venv-tpu
+STAMP_TPU := $(VENV_TPU)/.installed
+VENV_GPU  := .venv-gpu
+STAMP_GPU := $(VENV_GPU)/.installed
 
-.PHONY: demo test test-all test-min validate notebooks bench-gpu bench-gpu-capacity gpu-convergence clean
+.PHONY: demo test test-all test-min venv-tpu venv-gpu validate notebooks bench-gpu bench-gpu-capacity gpu-convergence clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +50,34 @@ $(STAMP_MIN): pyproject.toml $(CONSTRAINTS_MIN)
 
 test-min: $(STAMP_MIN)
 	$(VENV_MIN)/bin/python -m pytest -m "not slow" -n 2 --dist loadgroup
+
+# Compile-only memory for real accelerators without one (optax_adama.memory's
+# targets, `--target` of models.bench and benchmarks/oom_reports.py;
+# docs/design.md, "How we measure memory"). Each its own environment: libtpu
+# and the CUDA plugin would change what .venv's tests compile for.
+#   venv-tpu: the package, then jax[tpu] (libtpu from PyPI, no TPU needed).
+#   venv-gpu: the package, then jax[cuda12-local] (XLA's GPU compiler, no GPU
+#             needed) and nvidia-cuda-nvcc-cu12 (ptxas, which it calls).
+# Install times on 2 cores from PyPI, pip's cache warm from .venv: venv-tpu 53 s
+# (libtpu 0.0.42.1), venv-gpu 60 s (jax-cuda12-plugin 0.10.2, nvcc 12.9.86).
+$(STAMP_TPU): pyproject.toml
+	test -x $(VENV_TPU)/bin/python || $(PYTHON) -m venv $(VENV_TPU)
+	$(VENV_TPU)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_TPU)/bin/python -m pip install --quiet -e ".[test]"
+	$(VENV_TPU)/bin/python -m pip install --quiet "jax[tpu]==$(JAX_VERSION)"
+	touch $(STAMP_TPU)
+
+venv-tpu: $(STAMP_TPU)
+
+$(STAMP_GPU): pyproject.toml
+	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_GPU)/bin/python -m pip install --quiet -e ".[test]"
+	$(VENV_GPU)/bin/python -m pip install --quiet "jax[cuda12-local]==$(JAX_VERSION)" \
+	    nvidia-cuda-nvcc-cu12
+	touch $(STAMP_GPU)
+
+venv-gpu: $(STAMP_GPU)
 
 validate: $(STAMP)
 	$(BIN)/python -m models.validate
@@ -90,4 +125,4 @@ notebooks: $(STAMP)
 	$(BIN)/python notebooks/build.py
 
 clean:
-	rm -rf $(VENV) $(VENV_MIN) build dist *.egg-info
+	rm -rf $(VENV) $(VENV_MIN) $(VENV_TPU) $(VENV_GPU) build dist *.egg-info
