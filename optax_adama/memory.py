@@ -9,7 +9,10 @@ fits a memory budget, found by compiling each candidate (see ``docs/fit.md``).
 The rest is for benchmarks, with :func:`collective_bytes`, the bytes a compiled
 step moves between devices, and the time predictor's rates (:class:`Machine`).
 ``models.planner`` runs the same search for the model zoo with its remat
-policies and savers.
+policies and savers. :func:`parse_target` names a TPU or a GPU to compile for
+without one (``make venv-tpu`` / ``make venv-gpu``): :func:`target_mesh`,
+:func:`compile_for` with its compiler options, then :func:`memory_report`;
+:func:`compiled_by` says which compiler a table's numbers come from.
 """
 
 from optax_adama._collectives import CollectiveBytes
@@ -26,7 +29,17 @@ from optax_adama._search import Considered
 from optax_adama._search import Machine
 from optax_adama._search import Measurement
 from optax_adama._search import Skipped
+from optax_adama._targets import TARGET_NAMES
+from optax_adama._targets import Target
+from optax_adama._targets import TargetUnavailableError
+from optax_adama._targets import compile_for
+from optax_adama._targets import compiled_by
+from optax_adama._targets import parse_target
+from optax_adama._targets import target_devices
+from optax_adama._targets import target_mesh
 
-__all__ = ("CollectiveBytes", "Considered", "Machine", "Measurement", "MemoryFloor",
-           "MemoryReport", "Plan", "PlanSettings", "Skipped", "collective_bytes", "memory_floor",
-           "memory_report", "plan", "tree_bytes")
+__all__ = ("TARGET_NAMES", "CollectiveBytes", "Considered", "Machine", "Measurement",
+           "MemoryFloor", "MemoryReport", "Plan", "PlanSettings", "Skipped", "Target",
+           "TargetUnavailableError", "collective_bytes", "compile_for", "compiled_by",
+           "memory_floor", "memory_report", "parse_target", "plan", "target_devices",
+           "target_mesh", "tree_bytes")

@@ -3,8 +3,8 @@ a wheel that installs the library alone.
 
 `make test-min` installs .ci/constraints-min.txt, which pins each floor
 exactly; a floor raised or lowered in one file and not the other would leave
-the floors untested. The wheel ships `optax_adama` only: models/ (the Flax
-zoo and the harness) runs from a checkout.
+the floors untested. The wheel ships `optax_adama` only, with its GPU spec files:
+models/ (the Flax zoo and the harness) runs from a checkout.
 """
 
 import subprocess
@@ -70,6 +70,10 @@ def test_wheel_installs_the_library_and_nothing_else(tmp_path):
   assert {t for t in top if not t.endswith(".dist-info")} == {"optax_adama"}, sorted(top)
   library = {f"optax_adama/{p.name}" for p in (ROOT / "optax_adama").glob("*.py")}
   assert library <= names, sorted(library - names)
+  # The GPU descriptions optax_adama.memory's targets compile for (package data).
+  specs = {f"optax_adama/gpu_specs/{p.name}"
+           for p in (ROOT / "optax_adama" / "gpu_specs").glob("*.txtpb")}
+  assert len(specs) == 4 and specs <= names, sorted(specs - names)
   # PEP 561: type checkers read the library's annotations from the wheel.
   assert "optax_adama/py.typed" in names
   assert not any(name.startswith("models/") for name in names)

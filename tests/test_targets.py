@@ -1,0 +1,187 @@
+"""Compile-only targets: TPU topologies and GPU descriptions the memory tools compile for.
+
+The fast tests parse names and label tables; they run in .venv, which has
+neither libtpu nor the CUDA plugin. The slow ones compile a small MLP step for
+tpu:v3-8 (in .venv-tpu, `make venv-tpu`) and gpu:h100 (in .venv-gpu, `make
+venv-gpu`) and skip, saying why, where the compiler is absent.
+"""
+
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_adama
+from optax_adama import memory
+
+NAMES = ("tpu:v2-8", "tpu:v3-8", "tpu:v4-8", "tpu:v5e-8", "gpu:h100", "gpu:a100", "gpu:h200",
+         "gpu:rtx4090")
+
+
+def test_every_documented_name_parses_to_its_platform_and_devices():
+  assert set(memory.TARGET_NAMES) == set(NAMES)
+  devices = {"tpu:v2-8": 8, "tpu:v3-8": 8, "tpu:v4-8": 4, "tpu:v5e-8": 8}
+  for name in NAMES:
+    target = memory.parse_target(name)
+    assert target.name == name
+    assert target.platform == name.split(":")[0]
+    assert target.num_devices == devices.get(name, 1)
+    assert target.memory_bytes > 2**30 and target.memory_source
+
+
+def test_usable_memory_is_what_the_compilers_report():
+  gib = lambda name: memory.parse_target(name).memory_bytes / 2**30
+  assert round(gib("tpu:v3-8"), 2) == 15.48  # EasyLM #36: "Used 23.43G of 15.48G hbm"
+  assert round(gib("tpu:v2-8"), 2) == 7.48
+  assert memory.parse_target("gpu:h100").memory_bytes == 84942979072  # XLA's h100_sxm.txtpb
+  assert round(gib("gpu:rtx4090"), 2) == 23.65  # what CUDA reports of a 24 GB card
+
+
+def test_a_gpu_takes_its_device_count_from_the_name_or_the_caller():
+  assert memory.parse_target("gpu:h100x8").num_devices == 8
+  assert memory.parse_target("GPU:H100X8").name == "gpu:h100x8"
+  assert memory.parse_target("gpu:rtx4090x2").num_devices == 2
+  assert memory.parse_target("gpu:h100", num_devices=4).name == "gpu:h100x4"
+  assert memory.parse_target("tpu:v3-8", num_devices=8).num_devices == 8
+
+
+@pytest.mark.parametrize("name", ["tpu:v3", "tpu:v3-16", "gpu:h100x", "gpu:b200", "h100",
+                                  "cpu", "gpu:h100x8x2"])
+def test_an_unknown_name_lists_the_valid_ones(name):
+  with pytest.raises(ValueError, match="valid: tpu:v2-8, tpu:v3-8, .*gpu:rtx4090"):
+    memory.parse_target(name)
+
+
+def test_counts_that_contradict_the_target_are_refused():
+  with pytest.raises(ValueError, match="at least one device"):
+    memory.parse_target("gpu:h100x0")
+  with pytest.raises(ValueError, match="tpu:v4-8 has 4 devices, not 8"):
+    memory.parse_target("tpu:v4-8", num_devices=8)
+
+
+def test_only_a_tpu_target_carries_compiler_options():
+  assert memory.parse_target("tpu:v3-8").compiler_options == {"xla_tpu_no_crash_on_oom": "true"}
+  assert memory.parse_target("gpu:h100").compiler_options == {}
+  target = memory.parse_target("tpu:v3-8")
+  assert target.fits(target.memory_bytes) and not target.fits(target.memory_bytes + 1)
+
+
+def test_the_gpu_specs_ship_with_the_library_and_say_where_they_come_from():
+  specs = pathlib.Path(optax_adama.__file__).parent / "gpu_specs"
+  for name in ("gpu:h100", "gpu:a100", "gpu:h200", "gpu:rtx4090"):
+    spec = re.search(r"gpu_specs/(\S+)", memory.parse_target(name).memory_source)[1]
+    header = (specs / spec).read_text().split("gpu_device_info", 1)[0]
+    assert "openxla/xla" in header, spec
+    assert re.search(r"Trimmed|Nothing trimmed|public specifications", header), spec
+  # jaxlib 0.10.2's GpuTargetConfigProto has no collective_memory_granularity.
+  for spec in specs.glob("*.txtpb"):
+    assert "\n  collective_memory_granularity" not in spec.read_text(), spec.name
+
+
+def test_each_table_names_its_compiler():
+  assert memory.compiled_by(num_devices=8) == (
+      f"XLA's CPU backend (jaxlib {jax.__version__}, 8 fake devices), a stand-in for an "
+      "accelerator's compiler")
+  assert re.fullmatch(r"libtpu \S+ for TPU v3-8 \(8 devices of 15\.48 GiB usable\)",
+                      memory.compiled_by("tpu:v3-8"))
+  assert memory.compiled_by("gpu:h100x8").endswith(
+      "for NVIDIA H100 80GB HBM3 (8 devices of 79.11 GiB usable)")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
+def test_without_libtpu_a_tpu_target_says_how_to_get_it_in_one_line():
+  with pytest.raises(memory.TargetUnavailableError) as raised:
+    memory.target_devices("tpu:v3-8")
+  message = str(raised.value)
+  assert "\n" not in message and "make venv-tpu" in message and "libtpu" in message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is not None,
+                    reason="the CUDA plugin installed")
+def test_without_the_cuda_plugin_a_gpu_target_says_how_to_get_it_in_one_line():
+  with pytest.raises(memory.TargetUnavailableError, match=r"^[^\n]*make venv-gpu[^\n]*$"):
+    memory.target_devices("gpu:h100")
+
+
+def test_compile_for_passes_options_and_refuses_what_it_cannot_lower():
+  f = jax.jit(lambda x: jnp.sum(x * x))
+  x = jnp.zeros((16, 16))
+  compiled = memory.compile_for(f, x)
+  assert optax_adama.memory_report(compiled, x).argument_bytes == 16 * 16 * 4
+  assert memory.compile_for(f.lower(x)).memory_analysis() is not None
+  with pytest.raises(TypeError, match="jitted function or a Lowered"):
+    memory.compile_for(lambda x: x, x)
+
+
+# The step both slow tests compile: an MLP's AdamA step, data parallel over
+# the target's devices, run in a fresh Python of the environment that has the
+# compiler (a test process of .venv has already started jax on the CPU).
+_MLP_STEP = textwrap.dedent("""
+    import json, sys, time
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    import optax_adama
+    from optax_adama import memory
+
+    target = memory.parse_target(sys.argv[1])
+    mesh = memory.target_mesh(target)
+    loss_fn = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+    params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 1))}
+    tx = optax_adama.adama(1e-3, num_micro_batches=2)
+    state = jax.eval_shape(tx.init, params)
+    rows = 16 * target.num_devices
+    batch = {"x": jax.ShapeDtypeStruct((rows, 256), jnp.float32),
+             "y": jax.ShapeDtypeStruct((rows, 1), jnp.float32)}
+    place = lambda tree, spec: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree)
+    args = (place(params, PartitionSpec()), place(state, PartitionSpec()),
+            place(batch, PartitionSpec("data")))
+    step = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=2)
+    start = time.perf_counter()
+    compiled = memory.compile_for(step, *args, target=target)
+    seconds = time.perf_counter() - start
+    report = optax_adama.memory_report(compiled, *args)
+    (device, *_) = jax.tree.leaves(compiled.input_shardings)[0].device_set
+    print(json.dumps({"platform": device.platform, "device_kind": device.device_kind,
+                      "total": report.total_bytes, "argument": report.argument_bytes,
+                      "param": report.param_bytes, "compile_s": seconds,
+                      "compiled_by": memory.compiled_by(target)}))
+""")
+
+
+def _compile_mlp_step(target):
+  """The MLP step compiled for ``target`` in a fresh Python: its report as a dict."""
+  import json
+
+  result = subprocess.run([sys.executable, "-c", _MLP_STEP, target], capture_output=True,
+                          text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="no libtpu in this Python: `make venv-tpu`, then run with .venv-tpu")
+def test_an_mlp_step_compiles_for_a_tpu_v3_8():
+  report = _compile_mlp_step("tpu:v3-8")
+  assert report["platform"] == "tpu" and report["device_kind"] == "TPU v3"
+  # params, m and v replicated on each core: at least 3 P of arguments.
+  assert report["argument"] >= 3 * report["param"] > 0 and report["total"] > 0
+  assert report["compiled_by"].startswith("libtpu ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="no CUDA jaxlib plugin in this Python: `make venv-gpu`, then run "
+                           "with .venv-gpu")
+def test_an_mlp_step_compiles_for_an_h100():
+  report = _compile_mlp_step("gpu:h100")
+  assert report["platform"] == "gpu" and report["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert report["argument"] >= 3 * report["param"] > 0 and report["total"] > 0
+  assert report["compiled_by"].startswith("XLA's GPU compiler")
