@@ -265,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     table, result = "\n".join(lines), rows
     payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
   else:
+    start = time.perf_counter()
     try:
       result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
                             seq_len=args.seq_len, devices=args.devices, machine=machine,
@@ -272,8 +273,13 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     except ValueError as error:  # nothing fits, or a batch the mesh cannot split
       flag = "--batch-size" if "batch_size" in str(error) else "--budget-gb"
       parser.error(f"{flag} {getattr(args, flag[2:].replace('-', '_')):g}: {error}")
-    table = f"{result.table()}\n\n{_chosen_lines(args, result, machine)}"
+    # The search's wall time, recorded so that a page quoting it can be checked.
+    seconds = time.perf_counter() - start
+    searched_on = f"{harness.cpu_name()}, {os.cpu_count()} cores"
+    table = (f"{result.table()}\n\n{_chosen_lines(args, result, machine)}\n"
+             f"searched in {seconds:.0f} s on {searched_on}")
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
+               "seconds": round(seconds, 1), "searched_on": searched_on,
                "plan": result.to_dict()}
   print(header)
   print(table)

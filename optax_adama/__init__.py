@@ -11,7 +11,7 @@ holds what a training script types; the subsystems are public submodules:
 * :mod:`optax_adama.diagnostics`: does AdamA's v track Adam's on your model?
 * :mod:`optax_adama.contrib`: research estimators of v, useful but not settled;
 * :mod:`optax_adama.nnx`: train a Flax NNX model in place with the fused step
-  (needs Flax, ``pip install 'optax_adama[flax]'``; imported on first use).
+  (needs Flax, the ``[flax]`` extra; imported on first use).
 """
 
 from optax_adama import contrib

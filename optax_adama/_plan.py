@@ -36,6 +36,7 @@ from optax_adama import _chain
 from optax_adama import _memory
 from optax_adama import _microbatch
 from optax_adama import _offload
+from optax_adama import _plan_advice
 from optax_adama import _quantize
 from optax_adama import _release
 from optax_adama import _release_mesh
@@ -327,7 +328,8 @@ def plan(
       describe=lambda c: c.describe(on_mesh=mesh is not None),
       lower_bound=context.narrower_bound, progress=progress)
   if not found.fitting:
-    raise ValueError(context.nothing_fits(found, budget_bytes))
+    raise ValueError(context.nothing_fits(found, budget_bytes, splits=splits,
+                                          offload=offload))
   precision = {m: i for i, m in enumerate(MOMENT_STORAGES)}
   best = min(found.fitting, key=lambda r: (
       r.predicted_s, precision[r.candidate.moments], r.candidate.offload_moments))
@@ -534,8 +536,10 @@ class _Context:
                            self.params)
     return param_bytes + _memory.tree_bytes(state)
 
-  def nothing_fits(self, found: Search, budget_bytes: float) -> str:
-    """The error when no candidate fits: the smallest and what dominates it."""
+  def nothing_fits(self, found: Search, budget_bytes: float, *, splits: list[int],
+                   offload: bool) -> str:
+    """The error when no candidate fits: the smallest step, taken apart, and the
+    levers left, priced on this model."""
     where = "" if self.mesh is None else f" on {self.devices} devices"
     budget = f"budget_bytes={budget_bytes:,.0f} ({budget_bytes / 1e9:.3g} GB) a device{where}"
     if not found.considered:
@@ -544,20 +548,17 @@ class _Context:
               f"{least.describe()} ({least.replicated_bytes:,} B). Raise the budget or add "
               "'fsdp' to shard_stages.")
     smallest = min(found.considered, key=lambda r: r.measurement.device_bytes)
-    settings, total = smallest.candidate, smallest.measurement.device_bytes
+    settings = smallest.candidate
     _, params, state = self.arguments(settings)
-    parts = {"params": _device_share(params), "optimizer state": _device_share(state)}
-    parts["activations"] = max(total - sum(parts.values()), 0)
-    dominant = max(parts, key=lambda name: parts[name])
-    advice = {
-        "params": "more devices with shard_states='fsdp' (mesh=), or a smaller model",
-        "optimizer state": "more devices with a ZeRO stage (mesh=), or moments in host memory "
-                           "on a backend that has it (offload=True)",
-    }.get(dominant, "remat (jax.checkpoint) inside the model, a StagedLoss for the gradient "
-                    "release, more rows per mini-batch (a larger N), or shorter sequences")
-    verb = "dominates" if dominant == "optimizer state" else "dominate"
-    labels = {"activations": "activations of one micro-batch (with its gradients, the batch)"}
-    listed = ", ".join(f"{labels.get(name, name)} {nbytes:,} B" for name, nbytes in parts.items())
-    return (f"nothing fits {budget}: the smallest step compiled, "
-            f"{settings.describe(on_mesh=self.mesh is not None)}, takes {total:,} B "
-            f"({total / 1e9:.3g} GB): {listed}. The {dominant} {verb}: try {advice}.")
+    param_share = _device_share(params)
+    parts = _plan_advice.Breakdown(
+        total=smallest.measurement.device_bytes, params=param_share,
+        state=_device_share(state), batch=_memory.tree_bytes(self.batch) // self.devices,
+        largest_param=max(_device_share(leaf) for leaf in jax.tree.leaves(params)))
+    levers = _plan_advice.levers_left(
+        settings, parts, splits=splits, staged=isinstance(self.loss_fn, StagedLoss),
+        state_bytes_with=lambda moments: _device_share(
+            self.arguments(dataclasses.replace(settings, moments=moments))[2]),
+        devices=self.devices, stage=settings.shard_states, offload_counts=offload)
+    return _plan_advice.nothing_fits_message(
+        budget, settings.describe(on_mesh=self.mesh is not None), parts, levers)

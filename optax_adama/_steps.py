@@ -25,6 +25,33 @@ Batch = Any
 Metrics = dict[str, Any]
 
 
+def naming_the_nnx_optimizer(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``loss_fn``, whose Flax ``TraceContextError`` says what to use instead.
+
+  A loss that merges a model whose Dropout streams (``RngCount``) or batch
+  statistics it closed over from outside the jitted step mutates them inside the
+  scan, and Flax refuses that with an error that names no way out. The library
+  core does not import flax, so the error is recognised by its class's name.
+  """
+
+  @functools.wraps(loss_fn)
+  def loss(*args: Any, **kwargs: Any) -> Any:
+    try:
+      return loss_fn(*args, **kwargs)
+    except Exception as error:
+      if type(error).__name__ == "TraceContextError":
+        error.add_note(
+            "optax_adama: the loss mutates Flax state it closed over (a Dropout's "
+            "RngCount, BatchNorm's statistics) inside the jitted step, which is a "
+            "pure function of (params, opt_state, batch). Use "
+            "optax_adama.nnx.MicroBatchOptimizer(model, tx, wrt=nnx.Param) and "
+            "opt.update(model, loss_fn, batch) with loss_fn(model, micro_batch): "
+            "it carries the model's RNG streams and batch statistics through the "
+            "micro-batches (docs/nnx.md, 'Dropout and other RNG streams').")
+      raise
+
+  return loss
+
 def split_micro_batches(batch: Batch, num_micro_batches: int) -> Batch:
   """Reshapes each leaf of ``batch`` from ``[B, ...]`` to ``[N, B // N, ...]``.
 

@@ -7,7 +7,7 @@
 keeps the model's dropout streams and batch statistics right across them.
 See ``docs/nnx.md``.
 
-Flax is an optional dependency (``pip install 'optax_adama[flax]'``):
+Flax is an optional dependency (``pip install 'flax>=0.12.2'``, the ``[flax]`` extra):
 ``import optax_adama`` never imports it, and this module imports it on first
 use of :class:`MicroBatchOptimizer` (a subclass of ``nnx.Pytree``, so the
 class itself is made then).
@@ -32,7 +32,7 @@ Batch = Any
 Metrics = dict[str, Any]
 Filter = Any  # a flax.nnx filter: a Variable type, a path string, a predicate...
 
-_INSTALL = "pip install 'optax_adama[flax]'"
+_INSTALL = "pip install 'flax>=0.12.2' (the [flax] extra: pip install -e '.[flax]' in a clone)"
 
 
 def _flax_is_installed() -> bool:

@@ -17,6 +17,7 @@ Run one page by hand: ``python tests/test_docs.py docs/usage.md``.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -177,3 +178,80 @@ if __name__ == "__main__":
   # The subprocess of a page that needs several devices: XLA_FLAGS is set
   # before JAX starts.
   sys.exit(0 if run_page(pathlib.Path(sys.argv[1])) >= 0 else 1)
+
+
+def _readme_blocks() -> list[tuple[int, str]]:
+  return python_blocks((ROOT / "README.md").read_text())
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())), ids=lambda i: f"block{i}")
+def test_each_readme_block_runs_alone(index):
+  """A reader copies one quick start, not the page: each block is whole."""
+  line, code = _readme_blocks()[index]
+  with jax_standard_promotion():
+    exec(compile("\n" * (line - 1) + code, str(ROOT / "README.md"), "exec"),
+         {"__name__": f"readme_block{index}"})
+
+
+def jax_standard_promotion():
+  import contextlib  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+
+  stack = contextlib.ExitStack()
+  stack.enter_context(jax.numpy_dtype_promotion("standard"))
+  stack.enter_context(jax.numpy_rank_promotion("allow"))
+  return stack
+
+
+def test_the_readme_lists_every_docs_page():
+  readme = (ROOT / "README.md").read_text()
+  listed = readme[readme.index("## Documentation"):].split("\n## ", 1)[0]
+  missing = [page.name for page in sorted((ROOT / "docs").glob("*.md"))
+             if f"(docs/{page.name})" not in listed]
+  assert not missing, f"README's documentation list leaves out {missing}"
+
+
+def test_pages_keep_to_their_length():
+  """The README is a front page (about 200 lines); a docs page is one topic (400)."""
+  assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+  long_pages = {_page_id(page): n for page in (ROOT / "docs").glob("*.md")
+                if (n := len(page.read_text().splitlines())) > 400}
+  assert not long_pages, f"split by topic: {long_pages}"
+
+
+def test_quoted_plan_search_times_are_the_recorded_ones():
+  """A plan's search time on a page is the one its JSON recorded (models.plan
+  writes "seconds"), not a number left from an older revision."""
+  page = (ROOT / "docs" / "activation_memory.md").read_text()
+  checked = 0
+  for row in re.findall(r"^\|.*\]\(\.\./benchmarks/plan_[^)]*\).*$|^\| `\w+`, \d+ GB \|.*$",
+                        page, re.MULTILINE):
+    preset = re.match(r"\| `(\w+)`, (\d+) GB", row)
+    if preset is None:
+      continue
+    (raw,) = [path for path in (ROOT / "benchmarks").glob(f"plan_{preset[1]}_*gb.json")
+              if f"x{preset[2]}gb" in path.name or f"_{preset[2]}gb" in path.name]
+    recorded = json.loads(raw.read_text()).get("seconds")
+    if recorded is None:
+      continue
+    quoted = re.findall(r"\| (\d+(?:\.\d+)?) (s|min) \|\s*$", row)
+    assert quoted, f"{raw.name} recorded {recorded} s; the row quotes no search time: {row}"
+    value, unit = quoted[0]
+    assert abs(float(value) * (60 if unit == "min" else 1) - recorded) <= 1, (row, recorded)
+    checked += 1
+  assert checked, "no plan row with a recorded search time"
+
+
+def test_the_api_reference_gives_micro_batch_optimizer_update_whole():
+  import inspect  # pylint: disable=import-outside-toplevel
+
+  from optax_adama import nnx as adama_nnx  # pylint: disable=import-outside-toplevel
+
+  signature = inspect.signature(adama_nnx.MicroBatchOptimizer.update)
+  names = [("*" if p.kind == p.VAR_POSITIONAL else "") + p.name
+           for p in signature.parameters.values() if p.name != "self"]
+  documented = re.search(r"`\.update\(([^)]*)\)", (ROOT / "docs" / "api.md").read_text())
+  assert documented, "docs/api.md gives no MicroBatchOptimizer.update"
+  given = [part.strip().split("=")[0] for part in documented[1].split(",")]
+  assert [name for name in given if name != "*"] == names, (given, names)

@@ -210,3 +210,20 @@ def test_float_flax_state_is_accepted_as_optax_accepts_it(kind):
   with jax.numpy_dtype_promotion("standard"):  # optax's own code needs it
     expected, _ = reference.update(grads, reference.init(tree), tree)
   chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+
+
+def test_dropout_closed_over_by_a_plain_loss_names_micro_batch_optimizer():
+  """``microbatch_step`` on a loss that merges a Dropout's closed-over RngCount
+  fails in Flax (``TraceContextError``); the error says what to use instead."""
+  model = _EveryVariableKind(rngs=nnx.Rngs(0, dropout=1))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(params, batch):
+    return jnp.mean(nnx.merge(graphdef, params, rest)(batch["x"]) ** 2)
+
+  tx = optax_adama.adamaw(1e-3, num_micro_batches=2)
+  step = optax_adama.microbatch_step(loss_fn, tx)
+  with pytest.raises(Exception, match=r"Cannot mutate RngCount") as raised:
+    step(params, tx.init(params), {"x": jnp.ones((4, 4))})
+  assert "MicroBatchOptimizer(model, tx, wrt=nnx.Param)" in "".join(
+      getattr(raised.value, "__notes__", []))

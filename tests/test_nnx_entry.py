@@ -322,7 +322,7 @@ def test_without_flax_the_import_error_says_what_to_install():
                 "try:\n  import optax_adama.nnx\n"
                 "except ImportError as e:\n  print(e)\n")
   assert result.returncode == 0, result.stderr
-  assert "pip install 'optax_adama[flax]'" in result.stdout, result.stdout
+  assert "pip install 'flax>=0.12.2'" in result.stdout, result.stdout
 
 
 class DropoutAtCall(nnx.Module):
