@@ -226,6 +226,29 @@ def load_stdlib_text(
   return _read_files(files, valid_fraction=valid_fraction, max_bytes=max_bytes)
 
 
+def _check_batching(num_examples: int, *, batch_size: int, drop_remainder: bool,
+                    examples: str) -> None:
+  """Raises ``ValueError`` where `_epoch_orders` could yield no batch.
+
+  The batch functions call it themselves, before their generator starts, so a
+  run is refused where it sets up its data rather than at its first step
+  (`models.train` checks its settings that way before compiling anything).
+  `examples` says what was counted, for the message.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size}: it must be 1 or more.")
+  # Without a single example an endless stream would loop forever yielding nothing.
+  if num_examples < 1 or (drop_remainder and num_examples < batch_size):
+    raise ValueError(f"{examples} cannot fill a batch of batch_size={batch_size}.")
+
+
+def _windows(num_tokens: int, seq_len: int, *, extra: int) -> int:
+  """How many windows of ``seq_len + extra`` tokens at stride ``seq_len`` a corpus holds."""
+  if seq_len < 1:  # 0 would divide by zero below, a negative one count backwards
+    raise ValueError(f"seq_len={seq_len}: it must be 1 or more.")
+  return max(0, (num_tokens - extra) // seq_len)
+
+
 def _epoch_orders(
     num_examples: int,
     *,
@@ -240,10 +263,8 @@ def _epoch_orders(
   The generator of epoch e is seeded by (seed, e) alone, so any epoch can be
   reproduced without replaying the ones before it.
   """
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be positive, got {batch_size}")
-  if drop_remainder and num_examples < batch_size:
-    raise ValueError(f"{num_examples} examples cannot fill a batch of {batch_size}")
+  _check_batching(num_examples, batch_size=batch_size, drop_remainder=drop_remainder,
+                  examples=f"{num_examples} examples")
   epoch = 0
   while epochs is None or epoch < epochs:
     rng = np.random.default_rng([seed, epoch])
@@ -279,19 +300,23 @@ def lm_batches(
     epochs: number of passes; None iterates forever.
     drop_remainder: drop a final partial batch, so every batch has one shape.
 
-  Yields:
-    Batches as dicts of numpy arrays.
+  Returns:
+    An iterator of batches, dicts of numpy arrays.
+
+  Raises:
+    ValueError: at the call, before any batch, for a `seq_len` or
+      `batch_size` below 1 or a corpus too short to fill one batch.
   """
-  num_windows = (len(data) - 1) // seq_len
-  if num_windows < 1:
-    raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
+  num_windows = _windows(len(data), seq_len, extra=1)
+  _check_batching(num_windows, batch_size=batch_size, drop_remainder=drop_remainder,
+                  examples=f"{num_windows} windows of seq_len={seq_len} "
+                           f"({len(data)} tokens)")
   starts = np.arange(num_windows) * seq_len
   offsets = np.arange(seq_len + 1)
-  for _, index in _epoch_orders(
-      num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
-      epochs=epochs, drop_remainder=drop_remainder,
-  ):
-    yield {"tokens": data[starts[index][:, None] + offsets[None, :]].astype(np.int32)}
+  orders = _epoch_orders(num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                         epochs=epochs, drop_remainder=drop_remainder)
+  return ({"tokens": data[starts[index][:, None] + offsets[None, :]].astype(np.int32)}
+          for _, index in orders)
 
 
 def mask_tokens(
@@ -362,20 +387,22 @@ def mlm_batches(
     epochs: number of passes; None iterates forever.
     drop_remainder: drop a final partial batch.
 
-  Yields:
-    {"tokens", "targets", "mask_weights"} numpy batches.
+  Returns:
+    An iterator of {"tokens", "targets", "mask_weights"} numpy batches.
+
+  Raises:
+    ValueError: at the call, as `lm_batches`.
   """
-  num_windows = len(data) // seq_len
-  if num_windows < 1:
-    raise ValueError(f"corpus of {len(data)} tokens is too short for seq_len={seq_len}")
+  num_windows = _windows(len(data), seq_len, extra=0)
+  _check_batching(num_windows, batch_size=batch_size, drop_remainder=drop_remainder,
+                  examples=f"{num_windows} windows of seq_len={seq_len} "
+                           f"({len(data)} tokens)")
   starts = np.arange(num_windows) * seq_len
   offsets = np.arange(seq_len)
-  for rng, index in _epoch_orders(
-      num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
-      epochs=epochs, drop_remainder=drop_remainder,
-  ):
-    windows = data[starts[index][:, None] + offsets[None, :]]
-    yield mask_tokens(windows, rng, mask_rate=mask_rate)
+  orders = _epoch_orders(num_windows, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                         epochs=epochs, drop_remainder=drop_remainder)
+  return (mask_tokens(data[starts[index][:, None] + offsets[None, :]], rng, mask_rate=mask_rate)
+          for rng, index in orders)
 
 
 def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
@@ -499,13 +526,18 @@ def image_batches(
     epochs: number of passes; None iterates forever.
     drop_remainder: drop a final partial batch.
 
-  Yields:
-    Batches as dicts of numpy arrays.
+  Returns:
+    An iterator of batches, dicts of numpy arrays.
+
+  Raises:
+    ValueError: at the call, before any batch, for a `batch_size` below 1 or
+      fewer images than one batch.
   """
   if len(images) != len(labels):
     raise ValueError(f"{len(images)} images but {len(labels)} labels")
-  for _, index in _epoch_orders(
-      len(labels), batch_size=batch_size, seed=seed, shuffle=shuffle,
-      epochs=epochs, drop_remainder=drop_remainder,
-  ):
-    yield {"images": images[index].astype(np.float32), "labels": labels[index].astype(np.int32)}
+  _check_batching(len(labels), batch_size=batch_size, drop_remainder=drop_remainder,
+                  examples=f"{len(labels)} images")
+  orders = _epoch_orders(len(labels), batch_size=batch_size, seed=seed, shuffle=shuffle,
+                         epochs=epochs, drop_remainder=drop_remainder)
+  return ({"images": images[index].astype(np.float32), "labels": labels[index].astype(np.int32)}
+          for _, index in orders)

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import models
+from models import data
 from models import harness
 from models import planner
 from models import savers
@@ -167,8 +169,37 @@ def _add_output_args(group: Any) -> None:
   group.add_argument("--no-progress", action="store_true")
 
 
+# Numeric flags' smallest values, checked on the command line before anything
+# loads or compiles; past here a 0 divides (--seq-len in models.data) or a
+# negative seed fails inside numpy, each as a traceback mid-run.
+# (--steps, --batch-size, --num-micro-batches: TrainConfig checks them.)
+_AT_LEAST = (("seq_len", 1), ("eval_batches", 1), ("max_bytes", 1), ("warmup_steps", 0),
+             ("seed", 0))
+
+
+def _flag(dest: str) -> str:
+  return "--" + dest.replace("_", "-")
+
+
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """Numbers out of their range, refused with the flag and the value."""
+  for dest, least in _AT_LEAST:
+    value = getattr(args, dest)
+    if value < least:
+      parser.error(f"{_flag(dest)} {value}: it must be {least} or more.")
+  # A learning rate of 0 trains nothing and a negative one climbs the loss
+  # (the run still ends "successfully"); nan and inf poison every param.
+  if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+    parser.error(f"--learning-rate {args.learning_rate}: it must be a positive number.")
+  if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+    parser.error(f"--weight-decay {args.weight_decay}: it must be 0 or a positive number.")
+  if args.plan is not None and not (math.isfinite(args.plan) and args.plan > 0):
+    parser.error(f"--plan {args.plan}: the budget must be a positive number of GB.")
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
   """Flags that only make sense together, refused with the fix."""
+  _check_numbers(parser, args)
   for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
     if value is not None and args.checkpoint_dir is None:
       parser.error(f"{flag} needs --checkpoint-dir (where to save)")
@@ -239,7 +270,40 @@ def _runs(parser: argparse.ArgumentParser, args: argparse.Namespace,
           keep=args.keep or defaults.keep)
     for run_config in run_configs:
       harness.check_run(run_config, checkpoint)
+    # --compare's runs read the same data: one check covers both.
+    _check_data(run_configs[0])
   return run_configs, checkpoint
+
+
+def _check_data(config: harness.TrainConfig) -> None:
+  """Raises ``ValueError`` where the run's data cannot fill its batches.
+
+  Reads the data as ``harness.make_data`` will (about a second for the
+  default 2 MB of text), so a split too short for ``--seq-len`` and
+  ``--batch-size`` is a one-line error naming the split here, not a traceback
+  after the step has compiled.
+  """
+  model_config = harness.model_config_of(config)
+  if config.model == "vit":  # the held-out batches are capped at the split: only training fails
+    try:
+      harness.make_data(config, model_config)
+    except ValueError as error:
+      raise ValueError(f"the training images: {str(error).rstrip('.')}; pass a smaller "
+                       "--batch-size.") from error
+    return
+  if config.data_path is not None:
+    text, source = data.load_text(config.data_path), f"--data-path {config.data_path}"
+  else:
+    text = data.load_stdlib_text(max_bytes=config.max_bytes)
+    source = f"the first {config.max_bytes:,} bytes (--max-bytes) of Python's standard library"
+  batches = data.lm_batches if config.model in harness.CAUSAL_LM_KINDS else data.mlm_batches
+  seq_len = min(config.seq_len, model_config.max_len)  # as make_data clamps it
+  for split, tokens in (("training", text.train), ("held-out", text.valid)):
+    try:
+      batches(tokens, batch_size=config.batch_size, seq_len=seq_len)
+    except ValueError as error:
+      raise ValueError(f"the {split} split of {source}: {str(error).rstrip('.')}; pass a "
+                       "smaller --batch-size or --seq-len, or more text.") from error
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -143,6 +143,26 @@ def test_lm_batches_infinite_and_short_corpus():
     next(data.lm_batches(text, batch_size=2, seq_len=500))
 
 
+@pytest.mark.parametrize("seq_len", [0, -5])
+@pytest.mark.parametrize("batches", [data.lm_batches, data.mlm_batches])
+def test_batches_refuse_a_sequence_length_below_one_at_the_call(batches, seq_len):
+  # 0 divided the corpus length (a ZeroDivisionError); the check runs at the
+  # call, so a run is refused where it sets up its data, before compiling.
+  with pytest.raises(ValueError, match=f"seq_len={seq_len}: it must be 1 or more"):
+    batches(corpus(200), batch_size=2, seq_len=seq_len)
+
+
+def test_batches_too_many_for_the_corpus_are_refused_at_the_call():
+  with pytest.raises(ValueError, match=r"12 windows of seq_len=16 \(200 tokens\) cannot fill "
+                                       r"a batch of batch_size=13"):
+    data.lm_batches(corpus(200), batch_size=13, seq_len=16)
+  images, labels = np.zeros((5, 8, 8, 1), np.float32), np.zeros(5, np.int32)
+  with pytest.raises(ValueError, match="5 images cannot fill a batch of batch_size=6"):
+    data.image_batches(images, labels, batch_size=6)
+  with pytest.raises(ValueError, match="batch_size=0: it must be 1 or more"):
+    data.image_batches(images, labels, batch_size=0, drop_remainder=False)
+
+
 def test_mask_tokens_follows_bert_rule():
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 256, (400, 100)).astype(np.uint8)
