@@ -63,75 +63,129 @@ def comparison_table(runs: Sequence[dict[str, Any]]) -> str:
   return "\n".join([head, *rows])
 
 
-def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-  """The parser (for the errors found later) and the arguments, checked together."""
+def build_parser() -> argparse.ArgumentParser:
+  """The command's parser; every flag's help ends with its default, written once.
+
+  The defaults are in the help strings by hand (``%(default)s`` where the
+  value itself says it), not through ``ArgumentDefaultsHelpFormatter``: that
+  one skips flags without help text and appends ``(default: None)`` to flags
+  whose ``None`` means something ("the params' dtype"), so half the flags
+  showed no default and others showed two.
+  """
   defaults = harness.TrainConfig()
   parser = argparse.ArgumentParser(
-      prog="python -m models.train", description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      prog="python -m models.train", description=__doc__.split("\n\n")[0])
   _add_run_args(parser.add_argument_group("model, data and schedule"), defaults)
   _add_memory_args(parser.add_argument_group("memory savers"), defaults)
   _add_optimizer_args(parser.add_argument_group("optimizer state and estimator"), defaults)
   _add_output_args(parser.add_argument_group("output and checkpoints"))
+  return parser
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  """The parser (for the errors found later) and the arguments, checked together."""
+  parser = build_parser()
   args = parser.parse_args(argv)
+  args.model = _model_of(args)
   _check_args(parser, args)
   return parser, args
 
 
+def _model_of(args: argparse.Namespace) -> str:
+  """``--model``, or the model ``--preset`` (``--init-from``: a Llama) already names.
+
+  ``--preset llama_test`` alone trains the Llama; an explicit ``--model`` that
+  contradicts the preset is still refused (``TrainConfig`` names both).
+  """
+  if args.model is not None:
+    return args.model
+  if args.preset is not None:
+    return harness.MODEL_KIND_OF_CONFIG[type(models.PRESETS[args.preset])]
+  if args.init_from is not None:
+    return "llama"
+  return harness.TrainConfig().model
+
+
 def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
-  group.add_argument("--model", choices=harness.MODEL_KINDS, default=defaults.model)
+  group.add_argument("--model", choices=harness.MODEL_KINDS, default=None,
+                     help=f"the model family (default: --preset's, else {defaults.model})")
   group.add_argument("--preset", default=None, choices=sorted(models.PRESETS),
-                     help="default: <model>_tiny")
-  group.add_argument("--optimizer", choices=harness.OPTIMIZERS, default=defaults.optimizer)
-  group.add_argument("--num-micro-batches", type=int, default=defaults.num_micro_batches)
-  group.add_argument("--batch-size", type=int, default=defaults.batch_size)
-  group.add_argument("--seq-len", type=int, default=defaults.seq_len)
-  group.add_argument("--steps", type=int, default=defaults.steps)
-  group.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-  group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-  group.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-  group.add_argument("--seed", type=int, default=defaults.seed)
-  group.add_argument("--eval-batches", type=int, default=defaults.eval_batches)
+                     help="the model and its size; names the model, so --model can be "
+                          "omitted (default: <model>_tiny)")
+  group.add_argument("--optimizer", choices=harness.OPTIMIZERS, default=defaults.optimizer,
+                     help="adama: AdamA; adam: optax.adamw on the mean gradient of the "
+                          "micro-batches (gradient accumulation); multisteps: optax.MultiSteps "
+                          "(default: %(default)s)")
+  group.add_argument("--num-micro-batches", type=int, default=defaults.num_micro_batches,
+                     metavar="N", help="micro-batches per step; N must divide --batch-size "
+                                       "(default: %(default)s)")
+  group.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                     help="examples per optimizer step (the mini-batch, split into N "
+                          "micro-batches) (default: %(default)s)")
+  group.add_argument("--seq-len", type=int, default=defaults.seq_len,
+                     help="tokens per example, text models (gpt, bert: cut to the preset's "
+                          "max_len; llama: at most its max_len) (default: %(default)s)")
+  group.add_argument("--steps", type=int, default=defaults.steps,
+                     help="optimizer steps (mini-batches) to train (default: %(default)s)")
+  group.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                     help="peak learning rate: linear warm-up to it, then cosine decay to a "
+                          "tenth of it (default: %(default)g)")
+  group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                     help="steps of warm-up, at most half of --steps (default: %(default)s)")
+  group.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                     help="decoupled weight decay (AdamW's) (default: %(default)g)")
+  group.add_argument("--seed", type=int, default=defaults.seed,
+                     help="seed of the initial params and the data order (default: %(default)s)")
+  group.add_argument("--eval-batches", type=int, default=defaults.eval_batches,
+                     help="held-out batches the final eval loss is the mean of, at most the "
+                          "held-out split's (default: %(default)s)")
   group.add_argument("--data-path", default=None,
-                     help="your own text file or directory (gpt/bert)")
-  group.add_argument("--max-bytes", type=int, default=defaults.max_bytes)
+                     help="your own text file or directory, gpt/bert/llama (default: Python's "
+                          "standard library sources)")
+  group.add_argument("--max-bytes", type=int, default=defaults.max_bytes,
+                     help="bytes of the standard library's sources read, without --data-path "
+                          "(default: %(default)s)")
   group.add_argument("--init-from", default=None, metavar="DIR",
                      help="llama: fine-tune from a Hugging Face checkpoint directory "
                           "(config.json and safetensors); the model is its config.json's, "
-                          "so --preset is omitted or names the same model")
+                          "so --preset is omitted or names the same model (default: train "
+                          "from a random initialisation)")
 
 
 def _add_memory_args(group: Any, defaults: harness.TrainConfig) -> None:
-  group.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default="none")
+  group.add_argument("--remat", choices=sorted(models.REMAT_POLICIES), default=defaults.remat,
+                     help="what the backward pass recomputes instead of keeping "
+                          "(default: %(default)s)")
   group.add_argument("--dtype", choices=models.COMPUTE_DTYPES, default=defaults.dtype,
                      help="compute dtype; params, moments and updates stay float32 "
-                          "(bfloat16: mixed precision, as on a GPU)")
+                          "(bfloat16: mixed precision, as on a GPU) (default: %(default)s)")
   group.add_argument("--param-dtype", choices=harness.PARAM_DTYPES,
                      default=defaults.param_dtype,
                      help="params' storage; bfloat16 halves them (moments follow unless "
-                          "--mu-dtype / --nu-dtype say otherwise)")
+                          "--mu-dtype / --nu-dtype say otherwise) (default: %(default)s)")
   group.add_argument("--param-rounding", choices=harness.PARAM_ROUNDINGS,
                      default=defaults.param_rounding,
                      help="how bfloat16 params take their update: stochastic rounding "
                           "(optax_adama.contrib.round_params_stochastically) or optax's "
-                          "round to nearest")
+                          "round to nearest (default: %(default)s)")
   group.add_argument("--gelu-bits", type=int, choices=savers.CODE_BITS, default=None,
-                     help="GELU backward from a code of this many bits (models.savers); "
-                          "default: exact")
+                     help="GELU backward from a code of this many bits (models.savers) "
+                          "(default: the exact GELU backward)")
   group.add_argument("--linear-keep-ratio", type=float, default=None,
                      help="MLP output projection's weight gradient from this share of its "
-                          "input rows (models.savers.sampled_matmul); default: exact")
+                          "input rows (models.savers.sampled_matmul) (default: all rows, exact)")
   group.add_argument("--loss-chunks", type=int, default=defaults.loss_chunks,
-                     help="gpt: the LM head's loss over this many chunks of tokens, one "
-                          "chunk's logits alive at a time (models.savers)")
+                     help="gpt, llama: the LM head's loss over this many chunks of tokens, one "
+                          "chunk's logits alive at a time (models.savers) (default: %(default)s)")
   group.add_argument("--scan-layers", action="store_true",
-                     help="blocks' params stacked and run under one lax.scan")
+                     help="blocks' params stacked and run under one lax.scan (default: off)")
   group.add_argument("--release", action="store_true",
                      help="with --scan-layers, adama: gradient release (optax_adama."
-                          "release_step), one layer's gradient alive at a time")
+                          "release_step), one layer's gradient alive at a time (default: off)")
   group.add_argument("--plan", type=float, default=None, metavar="BUDGET_GB",
                      help="models.plan's planner chooses N, remat, savers and moment storage "
-                          "to fit this many GB at the best predicted step time (overrides them)")
+                          "to fit this many GB at the best predicted step time (overrides them) "
+                          "(default: off, the flags as given)")
 
 
 def _add_optimizer_args(group: Any, defaults: harness.TrainConfig) -> None:
@@ -140,33 +194,37 @@ def _add_optimizer_args(group: Any, defaults: harness.TrainConfig) -> None:
   group.add_argument("--nu-dtype", choices=harness.MOMENT_DTYPES, default=None,
                      help="second-moment dtype, adama only (default: the params' dtype)")
   group.add_argument("--quantize-moments", action="store_true",
-                     help="8-bit block-wise moments (optax_adama.BlockQuantization), adama only")
+                     help="8-bit block-wise moments (optax_adama.BlockQuantization), adama "
+                          "only (default: off)")
   group.add_argument("--nu-estimator", choices=harness.NU_ESTIMATOR_NAMES,
                      default=defaults.nu_estimator,
-                     help="AdamA's second-moment estimator, adama only")
+                     help="AdamA's second-moment estimator, adama only (default: %(default)s)")
   group.add_argument("--no-split-floor", dest="split_floor", action="store_false",
                      help="'auto'/'split' without their floor (optax_adama.adama's "
-                          "split_floor=False), adama only")
+                          "split_floor=False), adama only (default: off, with the floor)")
   group.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,
-                     help="gradient accumulator dtype, adam only (default: the params')")
+                     help="gradient accumulator dtype, adam only (default: the params' dtype)")
 
 
 def _add_output_args(group: Any) -> None:
-  group.add_argument("--metrics-out", type=Path, default=None,
-                     help="write the run(s) as JSON here")
+  checkpoint = harness.CheckpointOptions("")
+  group.add_argument("--metrics-out", type=Path, default=None, metavar="PATH",
+                     help="write the run(s) as JSON here (default: not written)")
   group.add_argument("--compare", action="store_true",
-                     help="train AdamA and Adam with gradient accumulation, print both")
-  group.add_argument("--checkpoint-dir", type=Path, default=None,
+                     help="train AdamA and Adam with gradient accumulation, print both "
+                          "(default: off, one --optimizer)")
+  group.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                      help="save params, optimizer state, step and data position here (orbax, "
                           "in the background) and resume from the newest complete checkpoint "
-                          "when started again with the same directory")
+                          "when started again with the same directory (default: no checkpoints)")
   group.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                      help="with --checkpoint-dir: steps between saves (the last step and "
-                          "SIGTERM / SIGINT save too); default 100")
+                          f"SIGTERM / SIGINT save too) (default: {checkpoint.every})")
   group.add_argument("--keep", type=int, default=None, metavar="N",
                      help="with --checkpoint-dir: how many of the newest checkpoints to "
-                          "keep; default 3")
-  group.add_argument("--no-progress", action="store_true")
+                          f"keep (default: {checkpoint.keep})")
+  group.add_argument("--no-progress", action="store_true",
+                     help="no progress bar on stderr (default: off, the bar is shown)")
 
 
 # Numeric flags' smallest values, checked on the command line before anything

@@ -1,0 +1,77 @@
+"""``python -m models.train``'s command line: its help, the model a preset names,
+and what a rerun of a finished run prints.
+
+The refusals of bad settings (one line, status 2) are in tests/test_commands.py.
+"""
+
+import re
+
+import jax
+import pytest
+
+from models import harness
+from models import train
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+  # optax's schedules and adamw (the baselines) rely on implicit promotion.
+  with jax.numpy_dtype_promotion("standard"):
+    yield
+
+
+def _help_entries(text: str) -> dict[str, str]:
+  """Each option's entry in ``--help``: its first flag -> the entry on one line."""
+  entries: dict[str, str] = {}
+  flag = None
+  for line in text.splitlines():
+    start = re.match(r"  (-[-\w]+)", line)
+    if start:
+      flag = start[1]
+      entries[flag] = line.strip()
+    elif flag is not None and line.startswith(" " * 6):  # the entry's wrapped lines
+      entries[flag] += " " + line.strip()
+    else:
+      flag = None
+  return entries
+
+
+def test_help_shows_every_flags_default_exactly_once(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train.main(["--help"])
+  assert exit_info.value.code == 0
+  entries = _help_entries(capsys.readouterr().out)
+  flags = [a.option_strings[0] for a in train.build_parser()._actions
+           if a.option_strings and a.dest != "help"]
+  assert sorted(entries) == sorted(flags + ["-h"])
+  for flag in flags:
+    # The formatter used to append "(default: None)" to some and skip flags
+    # without help text: "--steps STEPS" said nothing of its 300.
+    assert len(re.findall("default", entries[flag])) == 1, entries[flag]
+    assert "(default: None)" not in entries[flag], entries[flag]
+  defaults = harness.TrainConfig()
+  for flag, value in (("--steps", defaults.steps), ("--batch-size", defaults.batch_size),
+                      ("--num-micro-batches", defaults.num_micro_batches),
+                      ("--seq-len", defaults.seq_len), ("--learning-rate", defaults.learning_rate),
+                      ("--checkpoint-every", 100), ("--keep", 3)):
+    assert entries[flag].endswith(f"(default: {value})"), entries[flag]
+
+
+@pytest.mark.parametrize("preset, model", [
+    ("llama_test", "llama"), ("llama_tiny", "llama"), ("vit_test", "vit"),
+    ("bert_tiny", "bert"), ("gpt_test", "gpt"), (None, "gpt")])
+def test_the_preset_names_the_model(preset, model):
+  argv = [] if preset is None else ["--preset", preset]
+  config = train.train_config(argv)
+  assert (config.model, config.preset_name) == (model, preset or "gpt_tiny")
+  # Said again, the same model is no contradiction.
+  assert train.train_config([*argv, "--model", model]).model == model
+
+
+def test_a_model_that_contradicts_the_preset_is_still_refused(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train.main(["--model", "gpt", "--preset", "llama_test", "--steps", "1"])
+  assert exit_info.value.code == 2
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--preset llama_test is a llama model, not a gpt" in error
+  assert "--model llama" in error
