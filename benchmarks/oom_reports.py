@@ -4,6 +4,7 @@
     python benchmarks/oom_reports.py gpt7b       # a 7B-shaped GPT, tried as a new user would
     python benchmarks/oom_reports.py easylm --preset llama_test --seq-len 64   # seconds
     python benchmarks/oom_reports.py capacity    # the largest Llama per method, 16 and 80 GB
+    python benchmarks/oom_reports.py easylm --target tpu:v3-8   # libtpu's bytes (make venv-tpu)
 
 The reports (EasyLM #36 and #61, EasyDeL #95, llama-2-jax #10): LLaMA-7B trained with
 FSDP over the 8 cores of a TPU v3-8 (16 GiB each, 15.48 GiB usable) runs without
@@ -41,8 +42,12 @@ float32 logits. What a method holds above its floor is its temp (the ``temp``
 column): the recompute of one layer, its gradient, collectives' buffers.
 Writes ``--json`` and ``--markdown``.
 
-The byte counts are the CPU compiler's: a TPU's compiler schedules and fuses
-differently, so the 23.43 GiB of EasyLM #36 is a reference, not a target.
+By default the byte counts are the CPU compiler's: a TPU's compiler schedules and
+fuses differently, so the 23.43 GiB of EasyLM #36 is a reference, not a target.
+``--target tpu:v3-8`` (any of ``optax_adama.memory.TARGET_NAMES``; run with
+.venv-tpu or .venv-gpu) compiles for that machine's compile-only devices with its
+own compiler instead, and each row says whether it fits that target's memory.
+Every table says which compiler made it.
 """
 
 from __future__ import annotations
@@ -96,7 +101,12 @@ def _parse(argv):
   parser.add_argument("--preset", help="another model preset (e.g. llama_test for a smoke run)")
   parser.add_argument("--num-micro-batches", type=int, nargs="+")
   parser.add_argument("--methods", nargs="+", choices=METHODS + tuple(PROJECTED))
-  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--devices", type=int,
+                      help="devices (default: the --target's, else 8 fake CPU devices)")
+  parser.add_argument("--target",
+                      help="compile for this machine with its own compiler, e.g. tpu:v3-8, "
+                           "gpu:h100x8 (optax_adama.memory.TARGET_NAMES); default: XLA's CPU "
+                           "backend")
   parser.add_argument("--seq-len", type=int, default=2048)
   parser.add_argument("--rows", type=int, default=1, help="sequences per device per micro-batch")
   parser.add_argument("--attention-chunk", type=int,
@@ -105,6 +115,18 @@ def _parse(argv):
   parser.add_argument("--json", type=Path)
   parser.add_argument("--markdown", type=Path)
   args = parser.parse_args(argv)
+  args.target_spec = None
+  if args.target:
+    from optax_adama import memory
+
+    try:
+      # A TPU's devices are its topology's; a GPU name without x<count>: 8 of them.
+      gpus = None if args.target.lower().startswith("tpu:") else 8
+      args.target_spec = memory.parse_target(args.target, num_devices=args.devices or gpus)
+    except ValueError as e:
+      parser.error(str(e))
+    args.devices = args.target_spec.num_devices
+  args.devices = args.devices or 8
   if args.seq_len < 1 or args.rows < 1 or args.devices < 1:
     parser.error("--seq-len, --rows and --devices must be positive.")
   if args.attention_chunk is not None and args.attention_chunk < 1:
@@ -117,6 +139,8 @@ def _parse(argv):
                                       for m in args.methods or ()):
     parser.error("the _bf16 methods are the capacity scenario's (--methods).")
   stem = "capacity_llama_8_devices" if args.scenario == CAPACITY else f"oom_{args.scenario}"
+  if args.target_spec:  # tpu:v3-8 -> oom_easylm_tpu_v3, gpu:h100x8 -> ..._gpu_h100x8
+    stem += "_" + args.target_spec.name.replace(":", "_").removesuffix("-8")
   args.json = args.json or Path(f"benchmarks/raw/{stem}.json")
   args.markdown = args.markdown or Path(f"benchmarks/{stem}.md")
   return args
@@ -229,8 +253,9 @@ def _adama(method, n):
   return optax_adama.offload_moments(tx) if offloads(method) else tx
 
 
-def compile_method(method, n, loss_fn, staged, params, batch, mesh):
-  """(compiled step, params placed, state placed, its optimizer state's device bytes)."""
+def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_options=None):
+  """(compiled step, its optimizer state's shapes), compiled with ``compiler_options``
+  (a target's: a TPU program over HBM still reports its bytes)."""
   import jax
   import optax
 
@@ -252,7 +277,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh):
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     batch = place(batch, jax.tree.map(lambda _: rows, batch))
     compiled = step.lower(place(params, shardings), place(state, state_shardings),
-                          batch).compile()
+                          batch).compile(compiler_options=compiler_options)
     return compiled, state
   tx = _adama(method, n)
   state = jax.eval_shape(tx.init, params)
@@ -272,7 +297,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh):
     shardings = optax_adama.sharding.release_shardings(staged, params, state, mesh,
                                                        shard_states="fsdp")
   compiled = step.lower(place(params, shardings.params), place(state, shardings.opt_state),
-                        batch).compile()
+                        batch).compile(compiler_options=compiler_options)
   return compiled, state
 
 
@@ -329,16 +354,36 @@ def method_family(method: str, scale: int):
   return llama_family(scale, jnp.bfloat16 if bf16_params(method) else None)
 
 
+def _mesh(args):
+  """The data axis over the --target's compile-only devices, else over fake CPU ones."""
+  import jax
+
+  from optax_adama import memory
+
+  if args.target_spec:
+    return memory.target_mesh(args.target_spec)
+  return jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _options(args):
+  return args.target_spec.compiler_options if args.target_spec else None
+
+
+def compiled_for(args) -> str:
+  """The compiler a table's bytes come from (``optax_adama.memory.compiled_by``)."""
+  from optax_adama import memory
+
+  return memory.compiled_by(args.target_spec, num_devices=args.devices)
+
+
 def capacity(args):
   """Per method and budget, the largest llama_family scale whose step fits one device."""
   import functools
 
-  import jax
-
   from models import bench
   from models import harness
 
-  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _mesh(args)
   n = (args.num_micro_batches or [4])[0]
   methods = args.methods or CAPACITY_METHODS
 
@@ -353,7 +398,8 @@ def capacity(args):
     loss_fn, staged, params = _model(config)
     batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
     start = time.perf_counter()
-    compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh)
+    compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh,
+                                     _options(args))
     total = device_bytes(compiled, state, method, args.devices)
     print(f"{method} scale {scale} ({config.num_layers} x {config.hidden}): "
           f"{total / 1e9:.2f} GB per device in {time.perf_counter() - start:.0f} s", flush=True)
@@ -379,7 +425,7 @@ def capacity(args):
                        PROJECTED.get(method, (method,))[0], scale, args.devices),
                    "projected": method in PROJECTED,
                    "num_micro_batches": n, "seq_len": args.seq_len, "devices": args.devices,
-                   "rows_per_device": args.rows})
+                   "rows_per_device": args.rows, "compiled_for": compiled_for(args)})
       _save_capacity(args, rows)
   return rows
 
@@ -390,7 +436,9 @@ def capacity_markdown(rows, command):
   first = rows[0]
   lines = [
       "# The largest Llama each method trains on 8 devices (FSDP), compile-only", "",
-      f"Made by `{command}` on CPU ({first['devices']} fake devices). The family of "
+      f"Made by `{command}`, compiled by "
+      + (first.get("compiled_for") or f"XLA's CPU backend ({first['devices']} fake devices)")
+      + ". The family of "
       "`benchmarks/oom_reports.py`'s `llama_family`: `scale` layers of width 64 x scale, "
       "heads of 128, a quarter as many kv heads, SwiGLU 3.5 x width, Llama 3's 128,256-token "
       "vocabulary (scale 64 = 64 layers of llama3_8b's width), bf16 compute, float32 params "
@@ -477,8 +525,7 @@ def measure(args):
   if hasattr(config, "max_len") and config.max_len < args.seq_len:
     raise SystemExit(f"error: --seq-len {args.seq_len} is longer than {preset}'s max_len "
                      f"{config.max_len}")
-  mesh = jax.make_mesh((args.devices,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _mesh(args)
   loss_fn, staged, params = _model(config)
   P = optax_adama.memory.tree_bytes(params)
   _, stacked = staged.split(params)
@@ -492,13 +539,22 @@ def measure(args):
   logits = tokens * config.vocab_size * 4
   activations = saved_inputs + logits
   rows = []
+  methods = args.methods or scenario["methods"]
+  if args.target_spec and args.target_spec.platform == "tpu" and not args.methods:
+    # libtpu 0.0.42.1 aborts the process compiling the host-offloaded release
+    # step of llama2_7b for a v3-8 (a failed check in its lowering of a
+    # dynamic-update-slice); --methods still asks for it.
+    methods = [m for m in methods if not offloads(m)]
+    print(f"{args.target}: leaving out {sorted(set(scenario['methods']) - set(methods))} "
+          "(libtpu aborts compiling host offload; --methods asks anyway)", flush=True)
   for n in args.num_micro_batches or scenario["num_micro_batches"]:
     batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
-    for method in args.methods or scenario["methods"]:
+    for method in methods:
       if method == "multisteps" and n == 1:
         continue  # MultiSteps every 1 step is Adam: the scan_accumulation row at N = 1
       start = time.perf_counter()
-      compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh)
+      compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh,
+                                       _options(args))
       report = optax_adama.memory_report(compiled, param_bytes=P)
       total = device_bytes(compiled, state, method, args.devices)
       state_bytes = optax_adama.memory.tree_bytes(state)
@@ -517,6 +573,11 @@ def measure(args):
              "layer_bytes": layer, "saved_input_bytes": int(saved_inputs),
              "logit_bytes": int(logits),
              "fits_v3": total / GIB <= V3_USABLE_GIB, "fits_v2": total / GIB <= V2_GIB,
+             "target": args.target_spec.name if args.target_spec else None,
+             "target_memory_bytes": (args.target_spec.memory_bytes if args.target_spec
+                                     else None),
+             "fits_target": args.target_spec.fits(total) if args.target_spec else None,
+             "compiled_for": compiled_for(args),
              "compile_s": time.perf_counter() - start}
       rows.append(row)
       print(f"{preset} N={n} {method}: {total / GIB:.2f} GiB per device "
@@ -530,30 +591,43 @@ def markdown(rows, command):
   first = rows[0]
   shape = (f"`{first['preset']}`" + (f" with {first['overrides']}" if first["overrides"] else "")
            + f" ({first['param_count']:,} parameters)")
+  target = first.get("target")
+  if target:
+    fits = (f"Fits: {target}, {first['target_memory_bytes'] / GIB:.2f} GiB usable a device "
+            "(optax_adama.memory.parse_target says where that number comes from).")
+    caveat = ("The compiler is the target's own, with no device: no autotuning, so a "
+              "live run still calibrates these bytes.")
+    header = f"| fits {target} ({first['target_memory_bytes'] / GIB:.2f} GiB) |"
+    mark_row = lambda r: f" {mark(r['fits_target'])} |"
+  else:
+    fits = f"Fits: v3 core {V3_USABLE_GIB} GiB usable, v2 core {V2_GIB:g} GiB."
+    caveat = "The CPU compiler's bytes, not a TPU's: read the columns against each other."
+    header = f"| fits v3 ({V3_USABLE_GIB} GiB) | fits v2 ({V2_GIB:g} GiB) |"
+    mark_row = lambda r: f" {mark(r['fits_v3'])} | {mark(r['fits_v2'])} |"
+  compiled_for = first.get("compiled_for") or (
+      f"XLA's CPU backend ({first['devices']} fake devices)")
   lines = [
       f"# Out-of-memory reports reproduced: {shape}", "",
-      f"Made by `{command}` on CPU ({first['devices']} fake devices), compile-only. Layers "
-      f"scanned, `remat=\"full\"`, float32 params and moments, {first['rows_per_device']} "
-      f"sequence(s) of {first['seq_len']:,} tokens per device per micro-batch, FSDP "
-      "(every device a slice of every leaf). Bytes are one device's compiled total "
-      "(argument + output + temp - alias); P/8 is one device's share of the params "
-      f"({first['param_bytes'] / first['devices'] / GIB:.2f} GiB). Fits: v3 core "
-      f"{V3_USABLE_GIB} GiB usable, v2 core {V2_GIB:g} GiB. Floor: params and state split "
-      "over the devices (state on the host for `_offload`), one layer's params gathered, "
-      "the layer inputs remat \"full\" keeps and the float32 logits of one device's "
-      "micro-batch. Temp: XLA's scratch (activations, one layer's recompute and "
-      "gradient, the accumulator where a method keeps one as temp). The CPU "
-      "compiler's bytes, not a TPU's: read the columns against each other.", "",
-      "| N | method | per device | in P/8 | fits v3 (15.48 GiB) | fits v2 (8 GiB) "
-      "| floor | over the floor | temp |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      f"Made by `{command}`, compile-only. Compiled by {compiled_for}.", "",
+      f"Layers scanned, `remat=\"full\"`, float32 params and moments, "
+      f"{first['rows_per_device']} sequence(s) of {first['seq_len']:,} tokens per device per "
+      "micro-batch, FSDP (every device a slice of every leaf). Bytes are one device's "
+      "compiled total (argument + output + temp - alias); P/8 is one device's share of the "
+      f"params ({first['param_bytes'] / first['devices'] / GIB:.2f} GiB). {fits} Floor: "
+      "params and state split over the devices (state on the host for `_offload`), one "
+      "layer's params gathered, the layer inputs remat \"full\" keeps and the float32 "
+      "logits of one device's micro-batch. Temp: XLA's scratch (activations, one layer's "
+      "recompute and gradient, the accumulator where a method keeps one as temp). "
+      f"Compile: seconds on this machine. {caveat}", "",
+      f"| N | method | per device | in P/8 {header} floor | over the floor | temp | compile |",
+      "|---|---|---|---|" + "---|" * header.count("fits") + "---|---|---|---|"]
   mark = lambda ok: "yes" if ok else "**no**"
   for r in rows:
     lines.append(
         f"| {r['num_micro_batches']} | {r['method']} | {r['per_device_gib']:.2f} GiB "
-        f"| {r['per_device_p8']:.2f} | {mark(r['fits_v3'])} | {mark(r['fits_v2'])} "
-        f"| {r['floor_bytes'] / GIB:.2f} GiB | {100 * r['over_floor']:+.0f}% "
-        f"| {r['temp_bytes'] / GIB:.2f} GiB |")
+        f"| {r['per_device_p8']:.2f} |{mark_row(r)}"
+        f" {r['floor_bytes'] / GIB:.2f} GiB | {100 * r['over_floor']:+.0f}% "
+        f"| {r['temp_bytes'] / GIB:.2f} GiB | {r['compile_s']:.0f} s |")
   return "\n".join(lines) + "\n"
 
 

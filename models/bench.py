@@ -46,7 +46,11 @@ moments (mixed precision, as on a GPU), as ``models.train`` and
 
 Memory is compile-only (``memory_analysis()``), so GPT-2 XL can be measured on a
 laptop; quoted in bytes and in P (bytes of one copy of the parameters), next to
-AdamA's analytic floor from ``optax_adama.memory.memory_floor``.
+AdamA's analytic floor from ``optax_adama.memory.memory_floor``. By default XLA's
+CPU backend compiles the steps; ``memory --target tpu:v3-8`` (or ``gpu:h100``, any
+of ``optax_adama.memory.TARGET_NAMES``; in .venv-tpu / .venv-gpu) compiles them
+for one device of that machine with its own compiler, and marks the steps over
+its memory. Every memory table says which compiler made it.
 
 Each method's step (``models.harness.make_step``), its floor
 (``harness.floor_for``) and the interleaved timing
@@ -88,6 +92,11 @@ class MemoryRow:
   report: dict[str, float]
   floor: dict[str, float]
   compile_s: float
+  # The compiler of the step (optax_adama.memory.compiled_by); "" in runs saved
+  # before the column, all XLA's CPU backend.
+  compiled_for: str = ""
+  # Whether the step fits one device of the --target; None without one.
+  fits: bool | None = None
 
 
 def measure_memory(
@@ -100,13 +109,15 @@ def measure_memory(
     remat: str = "none",
     scan_layers: bool = False,
     dtype: str | None = None,
+    target: optax_adama.memory.Target | None = None,
 ) -> list[MemoryRow]:
   """Compile-only memory of each method's step, and AdamA's floor.
 
   With ``scan_layers`` the steps run the scanned model and the floor is the
   unrolled model's (the same params; its largest gradient is one layer's).
   ``dtype``: the compute dtype (params and moments stay float32); None: the
-  preset's.
+  preset's. ``target``: compile each step for one device of that machine with
+  its compiler and options (the floor's activations stay the CPU backend's).
   """
   config = models.get_config(preset, remat=remat, scan_layers=scan_layers,
                              **harness.dtype_override(dtype))
@@ -127,12 +138,25 @@ def measure_memory(
                                  rank=config.hidden // 4)
     opt_state = jax.eval_shape(tx.init, params)
     start = time.perf_counter()
-    report = optax_adama.memory_report(step, params, opt_state, batch)
+    args = on_target((params, opt_state, batch), target)
+    compiled = optax_adama.memory.compile_for(step, *args, target=target)
+    report = optax_adama.memory_report(compiled, *args)
     rows.append(MemoryRow(
         name, method, num_micro_batches, micro_batch_size,
         models.param_count(config), report.to_dict(), floor,
-        time.perf_counter() - start))
+        time.perf_counter() - start, optax_adama.memory.compiled_by(target),
+        None if target is None else target.fits(report.total_bytes)))
   return rows
+
+
+def on_target(tree: Any, target: optax_adama.memory.Target | None) -> Any:
+  """``tree``'s shapes placed on the first compile-only device of ``target``
+  (what the step then compiles for); ``tree`` itself without one."""
+  if target is None:
+    return tree
+  device = optax_adama.memory.target_devices(target)[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def _check_memory_method(method: str) -> None:
@@ -382,8 +406,15 @@ def capacity_table(results: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def compiled_for_line(rows: Sequence[MemoryRow]) -> str:
+  """The memory table's first line: which compiler made its steps' bytes."""
+  compilers = sorted({r.compiled_for or optax_adama.memory.compiled_by() for r in rows})
+  return "Compiled by " + "; ".join(compilers) + "."
+
+
 def memory_table(rows: Sequence[MemoryRow]) -> str:
-  """Markdown: one row per (preset, N), one column per method, in GiB and P."""
+  """Markdown: one row per (preset, N), one column per method, in GiB and P; the
+  line above it names the compiler, and a step over a target's memory says so."""
   methods = [m for m in harness.METHODS + harness.RELEASE_METHODS
              if any(r.method == m for r in rows)]
   release = any(r.method in harness.RELEASE_METHODS for r in rows)
@@ -403,7 +434,8 @@ def memory_table(rows: Sequence[MemoryRow]) -> str:
     for method in methods:
       r = group.get(method)
       cells.append("" if r is None else
-                   f"{r.report['total_bytes'] / 2**30:.2f} GiB ({r.report['total_p']:.2f} P)")
+                   f"{r.report['total_bytes'] / 2**30:.2f} GiB ({r.report['total_p']:.2f} P)"
+                   + (" **over**" if r.fits is False else ""))
     def vs_own_floor(method):
       r = group.get(method)
       if r is None:
@@ -416,7 +448,11 @@ def memory_table(rows: Sequence[MemoryRow]) -> str:
         f"| {floor['total_bytes'] / 2**30:.2f} GiB ({floor['total_p']:.2f} P) | "
         + " | ".join(cells) + f" | {vs_own_floor('adama')} |"
         + (f" {vs_own_floor('adama_release')} |" if release else ""))
-  return "\n".join(lines)
+  note = compiled_for_line(rows)
+  if any(r.fits is not None for r in rows):
+    note += (" Each step for one device of it; **over**: the step does not fit that "
+             "device's memory. The floor's activations are the CPU backend's.")
+  return note + "\n\n" + "\n".join(lines)
 
 
 def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
@@ -502,6 +538,10 @@ def _parser() -> argparse.ArgumentParser:
   mem.add_argument("--plot", type=Path, default=None, help="PNG of memory vs N")
   mem.add_argument("--scan-layers", action="store_true",
                    help="stacked block params under one lax.scan; adds adama_release")
+  mem.add_argument("--target", default=None,
+                   help="compile for one device of this machine with its own compiler, e.g. "
+                        "tpu:v3-8, gpu:h100 (optax_adama.memory.TARGET_NAMES; needs .venv-tpu "
+                        "or .venv-gpu); default: XLA's CPU backend")
   thr = sub.add_parser("throughput", parents=[common], help="interleaved step timing")
   thr.add_argument("--presets", default=["gpt_tiny", "bert_tiny", "vit_tiny"], **presets)
   thr.add_argument("--num-micro-batches", type=int, default=4)
@@ -549,6 +589,8 @@ def _check_args(args: argparse.Namespace) -> None:
   """Raises ``ValueError`` for settings no method can measure, before any compile."""
   if args.command in ("plot", "table"):
     return
+  if getattr(args, "target", None):
+    args.target = optax_adama.memory.parse_target(args.target)
   harness.check_counts(**{name: getattr(args, name, None) for name in (
       "num_micro_batches", "micro_batch_size", "seq_len", "devices", "rounds",
       "steps_per_round", "max_scale")})
@@ -581,6 +623,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          f"{sorted(map(str, commands))}; pass the --json files of one kind.")
     return merge_tables(args, runs)
   progress = not args.no_progress
+  if getattr(args, "target", None):
+    # Before anything starts jax's backends: without a GPU here, the CUDA
+    # plugin's compile-only devices need jax on the CPU.
+    with harness.command_errors(_parser(), optax_adama.memory.TargetUnavailableError):
+      optax_adama.memory.target_devices(args.target)
   mesh = None
   if args.command == "capacity" and args.devices > 1:
     mesh = jax.make_mesh((args.devices,), ("data",))
@@ -595,7 +642,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         methods.append("adama_release")
       rows += measure_memory(preset, methods, n, micro_batch_size=args.micro_batch_size,
                              seq_len=args.seq_len, remat=args.remat,
-                             scan_layers=args.scan_layers, dtype=args.dtype)
+                             scan_layers=args.scan_layers, dtype=args.dtype,
+                             target=args.target)
       # Written as it goes: a sweep of the big presets takes hours on a CPU.
       result["rows"] = [dataclasses.asdict(r) for r in rows]
       _write_outputs(args, result, memory_table(rows))
@@ -632,7 +680,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         on_result=lambda so_far: _write_outputs(
             args, {**result, "capacity": so_far}, capacity_table(so_far)))
     result["capacity"] = results
-    table = capacity_table(results)
+    table = f"Compiled by {optax_adama.memory.compiled_by(num_devices=args.devices)}.\n\n" + (
+        capacity_table(results))
   print(table)
   _write_outputs(args, result, table)
   return result

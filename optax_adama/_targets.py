@@ -329,7 +329,8 @@ def compiled_by(target: Optional[Target | str] = None, num_devices: Optional[int
     return (f"XLA's CPU backend (jaxlib {_version('jaxlib')}{devices}), a stand-in "
             "for an accelerator's compiler")
   target = parse_target(target) if isinstance(target, str) else target
-  memory = f"{target.num_devices} devices of {target.memory_bytes / _GIB:.2f} GiB usable"
+  devices = f"{target.num_devices} device" + "s" * (target.num_devices > 1)
+  memory = f"{devices} of {target.memory_bytes / _GIB:.2f} GiB usable"
   if target.platform == "tpu":
     return f"libtpu {_version('libtpu')} for TPU {target.chip} ({memory})"
   return (f"XLA's GPU compiler (jax-cuda12-plugin {_version('jax-cuda12-plugin')}) for "

@@ -185,3 +185,78 @@ def test_an_mlp_step_compiles_for_an_h100():
   assert report["platform"] == "gpu" and report["device_kind"] == "NVIDIA H100 80GB HBM3"
   assert report["argument"] >= 3 * report["param"] > 0 and report["total"] > 0
   assert report["compiled_by"].startswith("XLA's GPU compiler")
+
+
+def _oom_reports():
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import oom_reports
+
+  return oom_reports
+
+
+def test_oom_reports_takes_the_targets_devices_and_names_its_files_after_it():
+  oom_reports = _oom_reports()
+  args = oom_reports._parse(["easylm", "--target", "tpu:v3-8"])
+  assert args.devices == 8 and args.markdown.name == "oom_easylm_tpu_v3.md"
+  assert args.json.name == "oom_easylm_tpu_v3.json"
+  assert oom_reports._parse(["easylm", "--target", "tpu:v4-8"]).devices == 4
+  gpu = oom_reports._parse(["easylm", "--target", "gpu:h100"])
+  assert gpu.target_spec.name == "gpu:h100x8" and gpu.markdown.name == "oom_easylm_gpu_h100x8.md"
+  default = oom_reports._parse(["easylm"])
+  assert default.devices == 8 and default.target_spec is None
+  assert default.markdown.name == "oom_easylm.md"
+  with pytest.raises(SystemExit):
+    oom_reports._parse(["easylm", "--target", "tpu:v9-8"])
+
+
+def _oom_row(**fields):
+  row = {"preset": "llama_test", "overrides": {}, "method": "adama", "num_micro_batches": 2,
+         "devices": 8, "seq_len": 64, "rows_per_device": 1, "param_count": 1000,
+         "param_bytes": 4000, "per_device_bytes": 2**34, "per_device_gib": 16.0,
+         "per_device_p8": 8.0, "temp_bytes": 0, "floor_bytes": 2**33, "over_floor": 1.0,
+         "fits_v3": False, "fits_v2": False, "compile_s": 3.0}
+  return {**row, **fields}
+
+
+def test_oom_reports_tables_say_which_compiler_made_them():
+  oom_reports = _oom_reports()
+  cpu = oom_reports.markdown([_oom_row(compiled_for=memory.compiled_by(num_devices=8))], "cmd")
+  assert "Compiled by XLA's CPU backend" in cpu and "| fits v3 (15.48 GiB) |" in cpu
+  # A table saved before the compiler was recorded: the CPU backend made it.
+  assert "Compiled by XLA's CPU backend (8 fake devices)" in oom_reports.markdown(
+      [_oom_row()], "cmd")
+  target = memory.parse_target("tpu:v3-8")
+  tpu = oom_reports.markdown([_oom_row(
+      target=target.name, target_memory_bytes=target.memory_bytes, fits_target=False,
+      compiled_for=memory.compiled_by(target))], "cmd")
+  assert "Compiled by libtpu " in tpu and "for TPU v3-8" in tpu
+  assert "| fits tpu:v3-8 (15.48 GiB) |" in tpu and "| **no** |" in tpu
+  assert "fits v2" not in tpu
+  header, rule = [line for line in tpu.splitlines() if line.startswith("|")][:2]
+  assert header.count("|") == rule.count("|")
+
+
+def test_the_memory_table_says_which_compiler_made_it():
+  from models import bench
+
+  def row(method, **fields):
+    return bench.MemoryRow("gpt_test", method, 2, 4, 1000, {"total_bytes": 2**30, "total_p": 1.0},
+                           {"total_bytes": 2**29, "total_p": 0.5}, 1.0, **fields)
+
+  cpu = bench.memory_table([row("adama")])  # saved before the column: the CPU backend's
+  assert cpu.splitlines()[0].startswith("Compiled by XLA's CPU backend")
+  label = memory.compiled_by("tpu:v3-8")
+  tpu = bench.memory_table([row("adama", compiled_for=label, fits=True),
+                            row("scan_accumulation", compiled_for=label, fits=False)])
+  assert tpu.splitlines()[0].startswith(f"Compiled by {label}. Each step for one device")
+  assert "1.00 GiB (1.00 P) **over**" in tpu and tpu.count("**over**") == 2  # note + cell
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
+def test_bench_memory_for_a_tpu_without_libtpu_ends_in_one_line(capsys):
+  from models import bench
+
+  with pytest.raises(SystemExit) as ended:
+    bench.main(["memory", "--presets", "gpt_test", "--target", "tpu:v3-8", "--no-progress"])
+  assert ended.value.code == 2
+  assert "error: tpu:v3-8 needs libtpu" in capsys.readouterr().err
