@@ -92,7 +92,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
 
 
 def _model_of(args: argparse.Namespace) -> str:
-  """``--model``, or the model ``--preset`` (``--init-from``: a Llama) already names.
+  """``--model``, or the model ``--preset`` already names.
 
   ``--preset llama_test`` alone trains the Llama; an explicit ``--model`` that
   contradicts the preset is still refused (``TrainConfig`` names both).
@@ -101,8 +101,6 @@ def _model_of(args: argparse.Namespace) -> str:
     return args.model
   if args.preset is not None:
     return harness.MODEL_KIND_OF_CONFIG[type(models.PRESETS[args.preset])]
-  if args.init_from is not None:
-    return "llama"
   return harness.TrainConfig().model
 
 
