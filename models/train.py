@@ -57,7 +57,7 @@ def comparison_table(runs: Sequence[dict[str, Any]]) -> str:
   rows = [
       f"| {r['config']['optimizer']} | {r['config']['num_micro_batches']} "
       f"| {r['memory']['total_bytes'] / 2**20:.2f} MiB ({r['memory']['total_p']:.2f} P) "
-      f"| {r['eval_loss']:.4f} | {r['final_train_loss']:.4f} | {r['tokens_per_s']:,.0f} |"
+      f"| {r['eval_loss']:.4f} | {r['final_train_loss']:.4f} | {_tokens_per_s(r)} |"
       for r in runs
   ]
   return "\n".join([head, *rows])
@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
   _add_optimizer_args(parser.add_argument_group("optimizer state and estimator"), defaults)
   _add_output_args(parser.add_argument_group("output and checkpoints"))
   return parser
+
+
+def _tokens_per_s(run: dict[str, Any]) -> str:
+  # None: the run trained no step in this process (it was finished already).
+  return "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
+
+
+def _trained_nothing(run: dict[str, Any]) -> bool:
+  """Whether the run's checkpoint had all its steps, so this process trained none."""
+  return run["resumed_from"] is not None and run["resumed_from"] >= run["config"]["steps"]
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -368,6 +378,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   config = run_configs[0]
   runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint)
           for run_config in run_configs]
+  for run in runs:
+    if _trained_nothing(run):
+      # No step ran here, so there is no step time: the harness's median of
+      # none is nan, which the table printed as "tokens/s nan" and the JSON
+      # as NaN (not JSON). None says "not measured" in both.
+      run.update(median_step_s=None, steps_per_s=None, tokens_per_s=None)
+      print(f"{run['preset']}/{run['config']['optimizer']}: already finished at step "
+            f"{run['resumed_from']} in {checkpoint.directory}; nothing trained (the eval "
+            "loss is the checkpoint's params'; no step time, so no tokens/s)")
   print(f"\n{config.preset_name}: {runs[0]['param_count']:,} parameters, "
         f"batch {config.batch_size} = {config.num_micro_batches} micro-batches, "
         f"{config.steps} steps, on {runs[0]['machine']['device']}")

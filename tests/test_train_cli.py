@@ -4,6 +4,8 @@ and what a rerun of a finished run prints.
 The refusals of bad settings (one line, status 2) are in tests/test_commands.py.
 """
 
+import json
+import math
 import re
 
 import jax
@@ -75,3 +77,26 @@ def test_a_model_that_contradicts_the_preset_is_still_refused(capsys):
   error = capsys.readouterr().err.strip().splitlines()[-1]
   assert "--preset llama_test is a llama model, not a gpt" in error
   assert "--model llama" in error
+
+
+def test_rerunning_a_finished_run_says_so_and_prints_no_nan(tmp_path, capsys):
+  out = tmp_path / "run.json"
+  argv = ["--preset", "gpt_test", "--num-micro-batches", "2", "--batch-size", "8",
+          "--seq-len", "16", "--steps", "2", "--eval-batches", "2", "--max-bytes", "200000",
+          "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(out),
+          "--no-progress"]
+  first = train.main(argv)[0]
+  assert first["tokens_per_s"] > 0
+  capsys.readouterr()
+  again = train.main(argv)[0]
+  printed = capsys.readouterr().out
+  assert "nan" not in printed.lower()
+  assert (f"gpt_test/adama: already finished at step 2 in {tmp_path / 'ckpt'}; "
+          "nothing trained") in printed
+  assert "| adama | 2 |" in printed and printed.rstrip().splitlines()[-2].endswith("| - |")
+  # The same params: the eval loss is the finished run's, and the timings,
+  # not measured, are null in the JSON (NaN is no JSON value).
+  assert again["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-6)
+  written = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"wrote {c}"))
+  assert written["tokens_per_s"] is None and written["median_step_s"] is None
+  assert all(not (isinstance(v, float) and math.isnan(v)) for v in written.values())
