@@ -22,18 +22,45 @@ HERE = Path(__file__).resolve().parent
 # In the cell sources below, a backslash that ends a line joins it to the next one (the
 # string literal drops both): the notebook's cell has one line where this file has two.
 INSTALL = '''\
-# This repository and its Flax models. From a clone this is the parent folder;
-# elsewhere (Colab) set OPTAX_ADAMA_REPO to the repository's git URL: it is
-# cloned beside the notebook and put on sys.path, since the model zoo (models/)
-# runs from a checkout (the wheel holds optax_adama alone).
-import importlib, importlib.util, os, subprocess, sys, tomllib
+# This repository and its Flax models: the model zoo (models/) runs from a clone, since the
+# wheel holds optax_adama alone. Opened inside a clone, the notebook uses that clone. Elsewhere
+# (Colab) set OPTAX_ADAMA_REPO first, to a clone's path or to the git URL you cloned it from
+# (`git remote get-url origin` in your clone), which is cloned beside the notebook. Unless the
+# project imports already, its dependencies are pip-installed and the clone put on sys.path.
+import importlib, importlib.util, os, pathlib, subprocess, sys, tomllib
 
-REPO = os.environ.get("OPTAX_ADAMA_REPO", "..").removeprefix("git+")
+class StopNotebook(Exception):
+  def _render_traceback_(self):  # IPython (Jupyter, Colab) shows this line, not a traceback
+    return [str(self)]
+
+def stop(line):
+  if "get_ipython" in globals():
+    raise StopNotebook(line)  # the cell fails quietly, so "Run all" stops here
+  sys.exit(line)  # plain Python: the line on stderr, status 1
+
+def is_clone(folder):  # its pyproject.toml names the project
+  try:
+    return tomllib.loads((folder / "pyproject.toml").read_text())["project"]["name"] \
+== "optax_adama"
+  except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+    return False
+
+WHAT_TO_SET = ("set OPTAX_ADAMA_REPO to a clone's path or to the git URL you cloned it from "
+               "(`git remote get-url origin` in your clone), e.g. `%env OPTAX_ADAMA_REPO=<url>` "
+               "in a cell above, and run again.")
+REPO = os.environ.get("OPTAX_ADAMA_REPO", "").removeprefix("git+")
+if not REPO:  # the clone the notebook was opened in, found from the working directory up
+  here = pathlib.Path.cwd()
+  REPO = next((str(f) for f in (here, *here.parents) if is_clone(f)), "")
+  if not REPO:
+    stop(f"Not in a clone of optax_adama: {WHAT_TO_SET}")
 if "://" in REPO or REPO.startswith("git@"):
   if not os.path.isdir("optax_adama_repo"):
     subprocess.check_call(["git", "clone", "-q", "--depth", "1", REPO, "optax_adama_repo"])
   REPO = "optax_adama_repo"
 REPO = os.path.abspath(REPO)
+if not is_clone(pathlib.Path(REPO)):
+  stop(f"OPTAX_ADAMA_REPO: {REPO} is not a clone of optax_adama; {WHAT_TO_SET}")
 if not all(importlib.util.find_spec(m) for m in ("optax_adama", "models", "flax")):
   with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)["project"]  # the library's and the models' requirements
