@@ -255,3 +255,33 @@ def test_the_api_reference_gives_micro_batch_optimizer_update_whole():
   assert documented, "docs/api.md gives no MicroBatchOptimizer.update"
   given = [part.strip().split("=")[0] for part in documented[1].split(",")]
   assert [name for name in given if name != "*"] == names, (given, names)
+
+
+def _documented_commands(module: str) -> list[list[str]]:
+  """The argv of every ``python -m <module>`` line in the pages' bash blocks."""
+  import shlex  # pylint: disable=import-outside-toplevel
+
+  commands = []
+  for page in PAGES:
+    for language, _, code in fenced_blocks(page.read_text()):
+      if language != "bash":
+        continue
+      for command in code.replace("\\\n", " ").splitlines():
+        if f"python -m {module} " not in f"{command} ":
+          continue
+        words = shlex.split(command, comments=True)
+        start = words.index("python")  # after any VAR=value prefixes
+        commands.append(words[start + 3:])
+  return commands
+
+
+def test_a_page_shows_how_to_train_the_small_llamas_and_the_command_parses():
+  from models import train  # pylint: disable=import-outside-toplevel
+
+  commands = _documented_commands("models.train")
+  presets = {argv[argv.index("--preset") + 1] for argv in commands if "--preset" in argv}
+  assert {"llama_test", "llama_tiny"} <= presets, presets
+  for argv in commands:
+    if "--init-from" not in argv:  # a placeholder DIR
+      args = train.build_parser().parse_args(argv)
+      assert args.model in (None, "gpt", "bert", "vit", "llama"), argv
