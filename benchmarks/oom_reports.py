@@ -545,8 +545,9 @@ def measure(args):
     # step of llama2_7b for a v3-8 (a failed check in its lowering of a
     # dynamic-update-slice); --methods still asks for it.
     methods = [m for m in methods if not offloads(m)]
-    print(f"{args.target}: leaving out {sorted(set(scenario['methods']) - set(methods))} "
-          "(libtpu aborts compiling host offload; --methods asks anyway)", flush=True)
+    args.left_out = sorted(set(scenario["methods"]) - set(methods))
+    print(f"{args.target}: leaving out {args.left_out} (libtpu aborts compiling host "
+          "offload; --methods asks anyway)", flush=True)
   for n in args.num_micro_batches or scenario["num_micro_batches"]:
     batch = harness.abstract_batch(config, args.rows * args.devices * n, args.seq_len)
     for method in methods:
@@ -587,7 +588,7 @@ def measure(args):
   return rows
 
 
-def markdown(rows, command):
+def markdown(rows, command, left_out=()):
   first = rows[0]
   shape = (f"`{first['preset']}`" + (f" with {first['overrides']}" if first["overrides"] else "")
            + f" ({first['param_count']:,} parameters)")
@@ -618,7 +619,10 @@ def markdown(rows, command):
       "layer's params gathered, the layer inputs remat \"full\" keeps and the float32 "
       "logits of one device's micro-batch. Temp: XLA's scratch (activations, one layer's "
       "recompute and gradient, the accumulator where a method keeps one as temp). "
-      f"Compile: seconds on this machine. {caveat}", "",
+      f"Compile: seconds on this machine. {caveat}"
+      + (f" Left out: {', '.join(f'`{m}`' for m in left_out)} (libtpu 0.0.42.1 aborts the "
+         "process compiling host offload for this model; `--methods` asks for it anyway)."
+         if left_out else ""), "",
       f"| N | method | per device | in P/8 {header} floor | over the floor | temp | compile |",
       "|---|---|---|---|" + "---|" * header.count("fits") + "---|---|---|---|"]
   mark = lambda ok: "yes" if ok else "**no**"
@@ -635,7 +639,7 @@ def _save(args, rows):
   args.json.parent.mkdir(parents=True, exist_ok=True)
   command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
   args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-  args.markdown.write_text(markdown(rows, command))
+  args.markdown.write_text(markdown(rows, command, getattr(args, "left_out", ())))
 
 
 def main(argv=None):
