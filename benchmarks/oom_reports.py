@@ -75,6 +75,8 @@ SCENARIOS = {
 }
 # The largest llama_family member each method fits per device (see `capacity`).
 CAPACITY = "capacity"
+# What an unrolled model runs: the release and staged steps scan a stack.
+UNROLLED_METHODS = ("scan_accumulation", "multisteps", "adama")
 METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
            "adama_release_8bit", "adama_release_offload", "adama_release_8bit_offload",
            "scan_accumulation_bf16", "adama_release_offload_bf16")
@@ -112,6 +114,12 @@ def _parse(argv):
   parser.add_argument("--attention-chunk", type=int,
                       help="a Llama's queries attended this many at a time (LlamaConfig's "
                            "attention_chunk)")
+  parser.add_argument("--unrolled", action="store_true",
+                      help="the blocks unrolled, each under remat, as EasyLM's LLaMA runs them "
+                           "(default: stacked and scanned); the release methods need a scan")
+  parser.add_argument("--mu-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="every method's first moment: bfloat16 as EasyLM's default optimizer "
+                           "keeps it (bf16_momentum=True)")
   parser.add_argument("--json", type=Path)
   parser.add_argument("--markdown", type=Path)
   args = parser.parse_args(argv)
@@ -135,12 +143,18 @@ def _parse(argv):
     parser.error("--budgets-gb must be positive.")
   if args.num_micro_batches and min(args.num_micro_batches) < 1:
     parser.error("--num-micro-batches must be positive.")
+  if args.unrolled and any(m not in UNROLLED_METHODS for m in args.methods or ()):
+    parser.error(f"--unrolled runs {', '.join(UNROLLED_METHODS)} (the others need a layer "
+                 "scan).")
+  if args.unrolled and args.scenario == CAPACITY:
+    parser.error("--unrolled is for the oom scenarios.")
   if args.scenario != CAPACITY and any(bf16_params(m) or m in PROJECTED
                                       for m in args.methods or ()):
     parser.error("the _bf16 methods are the capacity scenario's (--methods).")
   stem = "capacity_llama_8_devices" if args.scenario == CAPACITY else f"oom_{args.scenario}"
   if args.target_spec:  # tpu:v3-8 -> oom_easylm_tpu_v3, gpu:h100x8 -> ..._gpu_h100x8
     stem += "_" + args.target_spec.name.replace(":", "_").removesuffix("-8")
+  stem += "_unrolled" * args.unrolled + "_mu_bf16" * (args.mu_dtype == "bfloat16")
   args.json = args.json or Path(f"benchmarks/raw/{stem}.json")
   args.markdown = args.markdown or Path(f"benchmarks/{stem}.md")
   return args
@@ -214,7 +228,8 @@ def multisteps_micro_step(loss_fn, tx, params, mesh):
 
 
 def _model(config):
-  """(plain loss, staged loss, abstract params) of a scanned config."""
+  """(plain loss, staged loss, abstract params) of a config; no staged loss (None)
+  where its layers are unrolled."""
   import jax
   from flax import nnx
 
@@ -223,7 +238,7 @@ def _model(config):
   model = models.create_abstract(config)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  staged, _ = models.staged_loss(model)
+  staged = models.staged_loss(model)[0] if config.scan_layers else None
   return models.make_loss_fn(graphdef, rest), staged, params
 
 
@@ -237,7 +252,7 @@ def bf16_params(method: str) -> bool:
   return method.endswith("_bf16")
 
 
-def _adama(method, n):
+def _adama(method, n, mu_dtype=None):
   import jax.numpy as jnp
 
   import optax_adama
@@ -249,13 +264,16 @@ def _adama(method, n):
                            nu_dtype=jnp.float32, quantization=quantization),
         optax_adama.contrib.round_params_stochastically())
   else:
-    tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization)
+    tx = optax_adama.adamaw(1e-5, num_micro_batches=n, quantization=quantization,
+                            mu_dtype=mu_dtype)
   return optax_adama.offload_moments(tx) if offloads(method) else tx
 
 
-def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_options=None):
+def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_options=None,
+                   mu_dtype=None):
   """(compiled step, its optimizer state's shapes), compiled with ``compiler_options``
-  (a target's: a TPU program over HBM still reports its bytes)."""
+  (a target's: a TPU program over HBM still reports its bytes); ``mu_dtype``: the
+  first moment's dtype (None: the params')."""
   import jax
   import optax
 
@@ -264,7 +282,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_opt
   place = lambda tree, shardings: jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
   if method.startswith(("scan_accumulation", "multisteps")):
-    adam = optax.adam(1e-5)
+    adam = optax.adam(1e-5, mu_dtype=mu_dtype)
     tx = optax.MultiSteps(adam, every_k_schedule=n) if method == "multisteps" else adam
     state = jax.eval_shape(tx.init, params)
     if method == "multisteps":
@@ -279,7 +297,7 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_opt
     compiled = step.lower(place(params, shardings), place(state, state_shardings),
                           batch).compile(compiler_options=compiler_options)
     return compiled, state
-  tx = _adama(method, n)
+  tx = _adama(method, n, mu_dtype)
   state = jax.eval_shape(tx.init, params)
   if offloads(method):
     state = optax_adama.moments.offloaded_state_shapes(state)
@@ -363,6 +381,11 @@ def _mesh(args):
   if args.target_spec:
     return memory.target_mesh(args.target_spec)
   return jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _mu_dtype(args):
+  """None (the params' dtype, as the tables ran before the flag) unless bfloat16."""
+  return None if args.mu_dtype == "float32" else args.mu_dtype
 
 
 def _options(args):
@@ -521,16 +544,18 @@ def measure(args):
   overrides = {} if args.preset else dict(scenario["overrides"])
   if args.attention_chunk is not None:
     overrides["attention_chunk"] = args.attention_chunk
-  config = models.get_config(preset, scan_layers=True, remat="full", **overrides)
+  config = models.get_config(preset, scan_layers=not args.unrolled, remat="full", **overrides)
   if hasattr(config, "max_len") and config.max_len < args.seq_len:
     raise SystemExit(f"error: --seq-len {args.seq_len} is longer than {preset}'s max_len "
                      f"{config.max_len}")
   mesh = _mesh(args)
   loss_fn, staged, params = _model(config)
   P = optax_adama.memory.tree_bytes(params)
-  _, stacked = staged.split(params)
-  num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  layer = optax_adama.memory.tree_bytes(stacked) // num_layers
+  num_layers = config.num_layers
+  if staged is not None:
+    layer = optax_adama.memory.tree_bytes(staged.split(params)[1]) // num_layers
+  else:  # unrolled: the blocks are the model's `blocks` list
+    layer = optax_adama.memory.tree_bytes(params["blocks"]) // num_layers
   # What any step must hold on a device besides params and state: one layer's
   # params gathered, the block inputs remat "full" saves (every layer's, in
   # the compute dtype) and the micro-batch's float32 logits.
@@ -539,7 +564,8 @@ def measure(args):
   logits = tokens * config.vocab_size * 4
   activations = saved_inputs + logits
   rows = []
-  methods = args.methods or scenario["methods"]
+  methods = args.methods or [m for m in scenario["methods"]
+                              if not args.unrolled or m in UNROLLED_METHODS]
   if args.target_spec and args.target_spec.platform == "tpu" and not args.methods:
     # libtpu 0.0.42.1 aborts the process compiling the host-offloaded release
     # step of llama2_7b for a v3-8 (a failed check in its lowering of a
@@ -555,7 +581,7 @@ def measure(args):
         continue  # MultiSteps every 1 step is Adam: the scan_accumulation row at N = 1
       start = time.perf_counter()
       compiled, state = compile_method(method, n, loss_fn, staged, params, batch, mesh,
-                                       _options(args))
+                                       _options(args), mu_dtype=_mu_dtype(args))
       report = optax_adama.memory_report(compiled, param_bytes=P)
       total = device_bytes(compiled, state, method, args.devices)
       state_bytes = optax_adama.memory.tree_bytes(state)
@@ -566,6 +592,7 @@ def measure(args):
       row = {"preset": preset, "overrides": overrides, "method": method,
              "num_micro_batches": n, "devices": args.devices, "seq_len": args.seq_len,
              "rows_per_device": args.rows, "param_count": models.param_count(config),
+             "layers": "unrolled" if args.unrolled else "scanned", "mu_dtype": args.mu_dtype,
              "param_bytes": P, "per_device_bytes": int(total),
              "per_device_gib": total / GIB, "per_device_p8": total / (P / args.devices),
              "temp_bytes": report.temp_bytes, "state_bytes": state_bytes,
@@ -610,7 +637,9 @@ def markdown(rows, command, left_out=()):
   lines = [
       f"# Out-of-memory reports reproduced: {shape}", "",
       f"Made by `{command}`, compile-only. Compiled by {compiled_for}.", "",
-      f"Layers scanned, `remat=\"full\"`, float32 params and moments, "
+      f"Layers {first.get('layers', 'scanned')}, `remat=\"full\"`, float32 params and "
+      + ("moments" if first.get("mu_dtype", "float32") == "float32"
+         else f"second moment, {first['mu_dtype']} first moment") + ", "
       f"{first['rows_per_device']} sequence(s) of {first['seq_len']:,} tokens per device per "
       "micro-batch, FSDP (every device a slice of every leaf). Bytes are one device's "
       "compiled total (argument + output + temp - alias); P/8 is one device's share of the "
