@@ -230,13 +230,13 @@ def target_devices(target: Target | str) -> list[Any]:
 
 
 def target_mesh(target: Target | str, axis_shapes: Optional[Sequence[int]] = None,
-                axis_names: Sequence[str] = ("data",)) -> jax.sharding.Mesh:
+                axis_names: Optional[Sequence[str]] = None) -> jax.sharding.Mesh:
   """A mesh over ``target``'s compile-only devices (all on one axis by default).
 
   Args:
     target: a :class:`Target` or its name.
     axis_shapes: the mesh's shape; ``(num_devices,)`` by default.
-    axis_names: its axes' names.
+    axis_names: its axes' names; ``("data",)`` by default.
 
   Returns:
     A ``jax.sharding.Mesh`` whose axes are ``Auto``, as ``jax.make_mesh`` makes them.
@@ -255,7 +255,8 @@ def target_mesh(target: Target | str, axis_shapes: Optional[Sequence[int]] = Non
   """
   devices = target_devices(target)
   shape = tuple(axis_shapes) if axis_shapes is not None else (len(devices),)
-  return jax.make_mesh(shape, tuple(axis_names), devices=devices,
+  names = tuple(axis_names) if axis_names is not None else ("data",)
+  return jax.make_mesh(shape, names, devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
