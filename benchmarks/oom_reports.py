@@ -23,6 +23,9 @@ method:
   (one jitted call each), its accumulator split like the params.
 - ``adama``: AdamA's default through ``optax_adama.microbatch_step(loss_fn, tx,
   mesh=mesh, shard_states="fsdp")`` on the model's plain loss.
+- ``adama_per_call``: AdamA's default stepped once per micro-batch (one jitted,
+  donating call each, as ``multisteps`` runs): its ``update`` folds the gradient
+  and emits zeros until the N-th call, so no accumulator and no scan.
 - ``adama_release`` / ``_8bit`` / ``_offload``: AdamA through ``release_step``
   on the model's ``StagedLoss`` under FSDP, with float32, 8-bit
   (``BlockQuantization()``) and host-offloaded moments.
@@ -76,9 +79,10 @@ SCENARIOS = {
 # The largest llama_family member each method fits per device (see `capacity`).
 CAPACITY = "capacity"
 # What an unrolled model runs: the release and staged steps scan a stack.
-UNROLLED_METHODS = ("scan_accumulation", "multisteps", "adama")
-METHODS = ("scan_accumulation", "multisteps", "adama", "adama_staged", "adama_release",
-           "adama_release_8bit", "adama_release_offload", "adama_release_8bit_offload",
+UNROLLED_METHODS = ("scan_accumulation", "multisteps", "adama", "adama_per_call")
+METHODS = ("scan_accumulation", "multisteps", "adama", "adama_per_call", "adama_staged",
+           "adama_release", "adama_release_8bit", "adama_release_offload",
+           "adama_release_8bit_offload",
            "scan_accumulation_bf16", "adama_release_offload_bf16")
 # Where a backend moves bfloat16 natively: the float32-params method's compiled
 # bytes less the bytes a parameter its bfloat16 storage saves a device (params
@@ -299,6 +303,15 @@ def compile_method(method, n, loss_fn, staged, params, batch, mesh, compiler_opt
     return compiled, state
   tx = _adama(method, n, mu_dtype)
   state = jax.eval_shape(tx.init, params)
+  if method == "adama_per_call":
+    step, shardings = multisteps_micro_step(loss_fn, tx, params, mesh)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    micro_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (x.shape[0] // n, *x.shape[1:]), x.dtype, sharding=rows), batch)
+    compiled = step.lower(place(params, shardings),
+                          place(state, largest_axis_shardings(state, mesh)),
+                          micro_batch).compile(compiler_options=compiler_options)
+    return compiled, state
   if offloads(method):
     state = optax_adama.moments.offloaded_state_shapes(state)
   if method == "adama":
