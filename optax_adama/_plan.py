@@ -41,6 +41,7 @@ from optax_adama import _quantize
 from optax_adama import _release
 from optax_adama import _release_mesh
 from optax_adama import _sharding
+from optax_adama import _targets
 from optax_adama._search import DEFAULT_MACHINE
 from optax_adama._search import MOMENT_STORAGES
 from optax_adama._search import PLAIN
@@ -470,7 +471,21 @@ class _Context:
     step = _step(settings, self.loss_fn, tx, self.has_aux, self.mesh, self.data_axis)
     start = time.perf_counter()
     jitted: Any = step  # a jitted step, with .lower
-    compiled = compile_for_measurement(jitted.lower(params, state, self.batch))
+    platform = None if self.mesh is None else self.mesh.devices.flat[0].platform
+    lowered = jitted.lower(params, state, self.batch)
+    try:
+      compiled = compile_for_measurement(lowered, platform)
+    except jax.errors.JaxRuntimeError as error:  # a TPU target's program over HBM
+      temporaries = _targets.temporaries_over_memory(lowered, error)
+      if temporaries is None:
+        raise
+      # Not compiled, so no bytes but libtpu's temporaries: at least those and
+      # the device's share of params and state; never the fastest.
+      return Measurement(
+          device_bytes=temporaries + _device_share(params) + _device_share(state),
+          host_bytes=0, param_bytes=_memory.tree_bytes(self.params),
+          state_bytes=_memory.tree_bytes(state), flops=float("inf"), bytes_accessed=0.0,
+          compile_s=time.perf_counter() - start)
     flops, bytes_accessed = compiled_cost(compiled)
     if isinstance(self.loss_fn, StagedLoss):  # complete the layer scan XLA counts once
       layers = self.loss_fn.check_stack(self.params)

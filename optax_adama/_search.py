@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from optax_adama import _collectives
 from optax_adama import _memory
+from optax_adama import _targets
 from optax_adama._staged import StagedLoss
 
 __all__ = ["Considered", "Machine", "Measurement", "Skipped", "block_cost",
@@ -339,10 +340,20 @@ _CHEAP_CPU_CODEGEN: dict[str, str | bool] = {"xla_backend_optimization_level": "
                                               "xla_llvm_disable_expensive_passes": True}
 
 
-def compile_for_measurement(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-  """``lowered.compile()``, with the CPU's code generation at its cheapest."""
-  if jax.default_backend() == "cpu":
+def compile_for_measurement(lowered: jax.stages.Lowered,
+                            platform: Optional[str] = None) -> jax.stages.Compiled:
+  """``lowered.compile()`` for the memory it reports: on the CPU with code generation
+  at its cheapest, on a TPU (a mesh of ``memory.target_mesh``'s compile-only devices)
+  so that a program over HBM still reports its bytes instead of failing.
+
+  ``platform``: where the program runs (its mesh's devices'); None: the default
+  backend's.
+  """
+  platform = platform or jax.default_backend()
+  if platform == "cpu":
     return lowered.compile(compiler_options=_CHEAP_CPU_CODEGEN)
+  if platform == "tpu":
+    return lowered.compile(compiler_options=dict(_targets.TPU_OPTIONS))
   return lowered.compile()
 
 

@@ -61,7 +61,7 @@ _TPUS = {
 _GPUS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb", "h200": "h200.txtpb",
          "rtx4090": "rtx4090.txtpb"}
 TARGET_NAMES = tuple([f"tpu:{name}" for name in _TPUS] + [f"gpu:{name}" for name in _GPUS])
-_TPU_OPTIONS = (("xla_tpu_no_crash_on_oom", "true"),)
+TPU_OPTIONS = (("xla_tpu_no_crash_on_oom", "true"),)
 
 
 class TargetUnavailableError(RuntimeError):
@@ -140,7 +140,7 @@ def parse_target(name: str, num_devices: Optional[int] = None) -> Target:
         num_devices=spec.num_devices,
         memory_bytes=round(spec.memory_gib * _GIB),
         memory_source=f"libtpu's available HBM of a {spec.device_kind} core",
-        options=_TPU_OPTIONS)
+        options=TPU_OPTIONS)
   chip, count = None, 1 if num_devices is None else num_devices
   for known in _GPUS:
     counted = re.fullmatch(rf"gpu:{known}(?:x(\d+))?", text)
@@ -336,3 +336,28 @@ def compiled_by(target: Optional[Target | str] = None, num_devices: Optional[int
     return f"libtpu {_version('libtpu')} for TPU {target.chip} ({memory})"
   return (f"XLA's GPU compiler (jax-cuda12-plugin {_version('jax-cuda12-plugin')}) for "
           f"{target.device_kind} ({memory})")
+
+
+# libtpu's refusal of a program over HBM: "Ran out of memory on HBM, the total
+# memory required for HLO temporaries (36.41G) exceeds available HBM (15.48G)".
+_HLO_TEMPORARIES = re.compile(r"HLO temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
+
+
+def temporaries_over_memory(lowered: jax.stages.Lowered, error: Exception) -> Optional[int]:
+  """The temp bytes libtpu says an over-HBM program needs; None for another error.
+
+  With ``xla_tpu_no_crash_on_oom`` some such programs still fail, as "Invalid TPU
+  program" with no bytes; compiled again without the option, libtpu stops at its
+  early check and names the temporaries' size (argument bytes not included).
+  """
+  message = str(error)
+  if "Invalid TPU program" in message:
+    try:
+      lowered.compile()
+    except Exception as strict:  # the strict compile's own refusal names the size
+      message = str(strict)
+  match = _HLO_TEMPORARIES.search(message)
+  if match is None:
+    return None
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match[2]]
+  return int(float(match[1]) * scale)

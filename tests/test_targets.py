@@ -262,3 +262,53 @@ def test_bench_memory_for_a_tpu_without_libtpu_ends_in_one_line(capsys):
     bench.main(["memory", "--presets", "gpt_test", "--target", "tpu:v3-8", "--no-progress"])
   assert ended.value.code == 2
   assert "error: tpu:v3-8 needs libtpu" in capsys.readouterr().err
+
+
+_PLAN_ON_A_TARGET = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    import optax_adama
+    from optax_adama import memory
+
+    mesh = memory.target_mesh(sys.argv[1])
+    loss_fn = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
+    params = {"w1": jax.ShapeDtypeStruct((49152, 32768), jnp.float32),  # 6 GiB
+              "w2": jax.ShapeDtypeStruct((32768, 8), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8 * 64, 49152), jnp.float32)}
+    chosen = memory.plan(loss_fn, params, batch, budget_bytes=float(sys.argv[2]), mesh=mesh)
+    device = mesh.devices.flat[0]
+    print(json.dumps({"platform": device.platform, "bytes": chosen.device_bytes,
+                      "stage": chosen.settings.shard_states,
+                      "compiled": len(chosen.considered)}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="no libtpu in this Python: `make venv-tpu`, then run with .venv-tpu")
+def test_memory_plan_on_a_tpu_v3_8_mesh_compiles_with_libtpu():
+  """memory.plan through a target's mesh compiles each candidate with libtpu, with
+  its over-HBM option: ZeRO-1 at N = 1 keeps 6 GiB of params and 6 of gradient
+  whole on a 15.48 GiB core, which libtpu refuses to compile without it."""
+  import json
+
+  budget = 14e9
+  result = subprocess.run([sys.executable, "-c", _PLAN_ON_A_TARGET, "tpu:v3-8", str(budget)],
+                          capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  chosen = json.loads(result.stdout.strip().splitlines()[-1])
+  assert chosen["platform"] == "tpu" and 0 < chosen["bytes"] <= budget, chosen
+  assert chosen["stage"] is not None and chosen["compiled"] >= 1, chosen
+
+
+def test_libtpus_over_memory_refusal_is_read_as_bytes():
+  from optax_adama import _targets
+
+  class _Lowered:  # a strict compile that refuses as libtpu does
+    def compile(self):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                         "required for HLO temporaries (36.41G) exceeds available HBM (15.48G).")
+
+  needed = _targets.temporaries_over_memory(_Lowered(), RuntimeError("Invalid TPU program."))
+  assert needed == int(36.41 * 2**30)
+  assert _targets.temporaries_over_memory(_Lowered(), RuntimeError("shapes differ")) is None
