@@ -285,3 +285,19 @@ def test_a_page_shows_how_to_train_the_small_llamas_and_the_command_parses():
     if "--init-from" not in argv:  # a placeholder DIR
       args = train.build_parser().parse_args(argv)
       assert args.model in (None, "gpt", "bert", "vit", "llama"), argv
+
+
+def test_install_lines_name_what_can_be_installed():
+  """optax_adama is not on PyPI: every `pip install` of it is from a clone (`-e`) or
+  a git URL, and the Install section says `import models` needs a clone."""
+  from_pypi = []
+  for page in PAGES + sorted((ROOT / "optax_adama").glob("*.py")):
+    for line in page.read_text().splitlines():
+      if re.search(r"pip install\b.*['\"]?optax_adama\b", line) and not re.search(
+          r"-e\b|@ git\+", line):
+        from_pypi.append(f"{_page_id(page)}: {line.strip()}")
+  assert not from_pypi, from_pypi
+  readme = (ROOT / "README.md").read_text()
+  install = readme[readme.index("## Install"):].split("\n## ", 1)[0]
+  assert "`import models`" in install and "editable install of a clone" in install
+  assert '".[flax]"' in install and "optax_adama.nnx" in install
