@@ -349,6 +349,23 @@ def temporaries_over_memory(lowered: jax.stages.Lowered, error: Exception) -> Op
   With ``xla_tpu_no_crash_on_oom`` some such programs still fail, as "Invalid TPU
   program" with no bytes; compiled again without the option, libtpu stops at its
   early check and names the temporaries' size (argument bytes not included).
+
+  Args:
+    lowered: the program that failed (its ``compile()`` is called again, strictly,
+      where the error gave no size).
+    error: what compiling it raised.
+
+  Returns:
+    The temporaries' bytes libtpu named, or None when ``error`` is no such refusal.
+
+  Examples:
+    >>> from optax_adama.memory import temporaries_over_memory
+    >>> refusal = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
+    ...     "memory required for HLO temporaries (1.50G) exceeds available HBM (15.48G).")
+    >>> temporaries_over_memory(None, refusal) == int(1.5 * 2**30)
+    True
+    >>> temporaries_over_memory(None, ValueError("shapes differ")) is None
+    True
   """
   message = str(error)
   if "Invalid TPU program" in message:

@@ -37,9 +37,10 @@ from optax_adama._targets import compiled_by
 from optax_adama._targets import parse_target
 from optax_adama._targets import target_devices
 from optax_adama._targets import target_mesh
+from optax_adama._targets import temporaries_over_memory
 
 __all__ = ("TARGET_NAMES", "CollectiveBytes", "Considered", "Machine", "Measurement",
            "MemoryFloor", "MemoryReport", "Plan", "PlanSettings", "Skipped", "Target",
            "TargetUnavailableError", "collective_bytes", "compile_for", "compiled_by",
            "memory_floor", "memory_report", "parse_target", "plan", "target_devices",
-           "target_mesh", "tree_bytes")
+           "target_mesh", "temporaries_over_memory", "tree_bytes")
