@@ -312,3 +312,21 @@ def test_libtpus_over_memory_refusal_is_read_as_bytes():
   needed = _targets.temporaries_over_memory(_Lowered(), RuntimeError("Invalid TPU program."))
   assert needed == int(36.41 * 2**30)
   assert _targets.temporaries_over_memory(_Lowered(), RuntimeError("shapes differ")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="no libtpu in this Python: `make venv-tpu`, then run with .venv-tpu")
+@pytest.mark.parametrize("shape, aborts", [((32, 4096), True), ((32, 8, 512), False)])
+def test_libtpu_aborts_on_a_host_stack_updated_a_row_at_a_time_for_a_tpu_v3(shape, aborts):
+  """benchmarks/libtpu_offload_abort.py: the reduced reproducer of the v3 abort
+  compiling the offloaded release, and its workaround layout. When a libtpu no
+  longer aborts, this fails: then the offload methods can come back on v3."""
+  script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "libtpu_offload_abort.py"
+  result = subprocess.run([sys.executable, str(script), *map(str, shape)],
+                          capture_output=True, text=True, timeout=600, check=False)
+  if aborts:
+    assert result.returncode == -6 or result.returncode == 134, result.stderr[-2000:]
+    assert "Sublane slicing size not multiple" in result.stderr
+  else:
+    assert result.returncode == 0, result.stderr[-2000:]
