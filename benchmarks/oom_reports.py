@@ -420,7 +420,7 @@ def capacity(args):
   import jax
 
   import optax_adama
-  from models import bench
+  from models import capacity as capacity_search
   from models import harness
 
   mesh = _mesh(args)
@@ -467,7 +467,7 @@ def capacity(args):
       fits = lambda scale: measure(method, scale) <= budget * 1e9
       guess = max((s for s in range(8, 257) if slope * count(s) + intercept <= budget * 1e9),
                   default=8)
-      scale = bench.largest_fitting(fits, 8, 256, guess=guess)
+      scale = capacity_search.largest_fitting(fits, 8, 256, guess=guess)
       config = llama_family(scale)
       rows.append({"method": method, "budget_gb": budget, "scale": scale,
                    "num_layers": config.num_layers, "hidden": config.hidden,

@@ -63,11 +63,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
-from collections.abc import Callable
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,8 +76,8 @@ from tqdm import tqdm
 
 import models
 import optax_adama
+from models import capacity
 from models import harness
-from models.harness import gpt_family  # the capacity family, shared with models.gpu_bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,244 +166,6 @@ def _check_memory_method(method: str) -> None:
         "command, or drop it from --methods.")
 
 
-def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
-                   seq_len: int, remat: str, vocab_size: int = 50257,
-                   mesh: jax.sharding.Mesh | None = None,
-                   hidden: int | None = None, scan_layers: bool = False,
-                   dtype: Any = None) -> tuple[int, int]:
-  """(compiled total bytes, param count) of a method's step on gpt_family(scale).
-
-  With a mesh the bytes are one device's, and every device gets
-  ``micro_batch_size`` rows of each micro-batch. ``scan_layers``: the blocks
-  stacked under one scan (what the release methods need).
-  """
-  config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
-                      scan_layers=scan_layers, dtype=dtype)
-  loss_fn, params = harness.split_model(config)
-  step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
-                       rank=config.hidden // 4)
-  devices = 1 if mesh is None else mesh.size
-  batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
-  state = jax.eval_shape(tx.init, params)
-  if method in harness.FSDP_METHODS:  # each device's slices, as the step keeps them
-    shardings = harness.fsdp_shardings(method, loss_fn, params, state, mesh)
-    place = lambda tree, sh: jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
-    params, state = place(params, shardings.params), place(state, shardings.opt_state)
-  offloaded = method.endswith("_offload")
-  total = device_bytes(step, params, state, batch, offloaded=offloaded)
-  if offloaded and method in harness.RELEASE_METHODS:
-    total += release_in_flight_bytes(loss_fn, state)
-  return total, models.param_count(config)
-
-
-def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> int:
-  """Device bytes of offloaded moments the release step has in flight.
-
-  The CPU backend's transfers are no-ops, so its compile counts none of
-  them; on a GPU the step brings in one layer's slice of the stack's m and v
-  at a time, and the outer leaves' (embedding, head) for their fold and
-  update. Both are added, an upper bound on what is in flight at once.
-  """
-  state = optax_adama.find_adama_state(opt_state)
-  (outer_mu, stacked_mu), (outer_nu, stacked_nu) = map(staged.split, (state.mu, state.nu))
-  num_layers = jax.tree.leaves(stacked_mu)[0].shape[0]
-  outer = optax_adama.moments.host_state_bytes((outer_mu, outer_nu))
-  return outer + optax_adama.moments.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
-
-
-def device_bytes(step: harness.Step, params: Any, opt_state: Any, batch: Any, *,
-                 offloaded: bool = False) -> int:
-  """Compiled device bytes of a step (compile only).
-
-  ``offloaded``: the state is placed in host memory (``offload_moments``) and
-  its bytes are not counted. The CPU backend's ``memory_analysis()`` counts
-  host-memory arguments with the device ones (its ``host_*`` fields are 0);
-  there the host state's bytes are taken off the total. Caveat: on CPU the
-  transfers are no-ops, so the one leaf's moments in flight on a GPU are not
-  in the count.
-  """
-  if offloaded:
-    opt_state = optax_adama.moments.offloaded_state_shapes(opt_state)
-  compiled = step.lower(params, opt_state, batch).compile()
-  total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
-  if offloaded and compiled.memory_analysis().host_argument_size_in_bytes == 0:
-    total -= optax_adama.moments.host_state_bytes(opt_state)
-  return total
-
-
-def largest_fitting(fits: Callable[[int], bool], low: int, high: int,
-                    guess: int | None = None) -> int:
-  """Largest integer s in [low, high] with fits(s), for a monotone predicate.
-
-  With a ``guess`` near the answer, gallops out from it to bracket the answer
-  before bisecting: a compile of a multi-billion-parameter step costs minutes
-  on a CPU, and a good guess needs two or three of them instead of log2(range).
-
-  Returns low - 1 if even ``low`` does not fit, ``high`` if everything fits.
-  """
-  if guess is not None:
-    guess = min(max(guess, low), high)
-    step = 1
-    if fits(guess):
-      low = guess
-      while low < high:
-        probe = min(low + step, high)
-        if not fits(probe):
-          high = probe - 1
-          break
-        # Steps 1, 1, 2, 4, ...: an answer one above the guess costs 3 calls.
-        low, step = probe, (step if probe == guess + 1 else 2 * step)
-      else:
-        return low
-    else:
-      high = guess - 1
-      while high >= low:
-        probe = max(high - step + 1, low)
-        if fits(probe):
-          low = probe
-          break
-        high, step = probe - 1, 2 * step
-      else:
-        return low - 1
-  elif not fits(low):
-    return low - 1
-  while low < high:
-    mid = (low + high + 1) // 2
-    if fits(mid):
-      low = mid
-    else:
-      high = mid - 1
-  return low
-
-
-@functools.cache
-def family_param_count(scale: int, vocab_size: int = 50257) -> int:
-  """Parameters of gpt_family(scale), counted abstractly once per scale."""
-  return models.param_count(gpt_family(scale, vocab_size=vocab_size))
-
-
-def guess_scale(bytes_per_param: float, budget_bytes: float, max_scale: int,
-                vocab_size: int = 50257) -> int:
-  """Largest scale whose parameters times ``bytes_per_param`` fit the budget."""
-  best = 1
-  for scale in range(1, max_scale + 1):
-    if family_param_count(scale, vocab_size) * bytes_per_param > budget_bytes:
-      break  # parameter counts grow with scale
-    best = scale
-  return best
-
-
-def measure_capacity(
-    budgets_gb: Sequence[float],
-    methods: Sequence[str],
-    *,
-    num_micro_batches: int,
-    micro_batch_size: int,
-    seq_len: int,
-    remat: str,
-    max_scale: int,
-    vocab_size: int = 50257,
-    mesh: jax.sharding.Mesh | None = None,
-    progress: bool = True,
-    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
-    refine_width: bool = False,
-    scan_layers: bool = False,
-    dtype: Any = None,
-) -> list[dict[str, Any]]:
-  """For each budget and method, the largest gpt_family model whose step fits.
-
-  With a mesh, the budget is per device. ``on_result`` is called with the
-  results so far after each (method, budget), so a long search can be saved
-  as it goes. With ``refine_width``, the answer's width is then grown in steps
-  of 64 at the same depth while the step fits: the family's width moves in
-  steps of 128, too coarse to tell methods apart that differ by less than a
-  step.
-  """
-  cache: dict[tuple[str, int, int | None], tuple[int, int]] = {}
-
-  def measure(method, scale, hidden=None):
-    if (method, scale, hidden) not in cache:
-      cache[method, scale, hidden] = total_bytes_at(
-          scale, method, num_micro_batches=num_micro_batches,
-          micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
-          vocab_size=vocab_size, mesh=mesh, hidden=hidden, scan_layers=scan_layers,
-          dtype=dtype)
-    return cache[method, scale, hidden]
-
-  results = []
-  bar = tqdm(total=len(budgets_gb) * len(methods), desc="capacity", disable=not progress,
-             file=sys.stderr)
-  for method in methods:
-    # Fit bytes = a * params + b through two cheap anchor scales: a is the
-    # marginal bytes per parameter (params, moments, buffers), b the part that
-    # hardly grows (logits, one layer's activations). Extrapolated, it lands
-    # within a scale or two, so the gallop costs two or three compiles.
-    anchors = sorted({max(1, min(12, max_scale - 1)), min(16, max_scale)})
-    points = [measure(method, a) for a in anchors]
-    if len(points) == 2 and points[1][1] > points[0][1]:
-      slope = (points[1][0] - points[0][0]) / (points[1][1] - points[0][1])
-      intercept = points[1][0] - slope * points[1][1]
-    else:
-      slope, intercept = points[-1][0] / points[-1][1], 0.0
-    for budget in budgets_gb:
-      budget_bytes = budget * 1e9
-      guess = guess_scale(slope, budget_bytes - max(intercept, 0.0), max_scale, vocab_size)
-      scale = largest_fitting(
-          lambda s: measure(method, s)[0] <= budget_bytes, 1, max_scale, guess=guess)
-      total, count = measure(method, scale) if scale >= 1 else (0, 0)
-      hidden = gpt_family(scale).hidden if scale >= 1 else 0
-      if refine_width and scale >= 1:
-        # Bytes grow about linearly in the width at a fixed depth: one step of
-        # 64 gives the slope, and the gallop starts where it points.
-        wider = lambda steps: measure(method, scale, hidden + 64 * steps)
-        if wider(1)[0] <= budget_bytes:
-          per_step = max(wider(1)[0] - total, 1)
-          steps = largest_fitting(
-              lambda k: wider(k)[0] <= budget_bytes, 1, 4 * hidden // 64,
-              guess=int((budget_bytes - total) // per_step))
-          hidden += 64 * steps
-          total, count = measure(method, scale, hidden)
-      results.append({"budget_gb": budget, "method": method, "scale": scale,
-                      "hidden": hidden, "param_count": count, "total_bytes": total,
-                      "compiles": len(cache)})
-      if on_result is not None:
-        on_result(results)
-      bar.update()
-  bar.close()
-  return sorted(results, key=lambda r: (r["budget_gb"], methods.index(r["method"])))
-
-
-def capacity_table(results: Sequence[dict[str, Any]]) -> str:
-  """Markdown: one row per budget, one column per method, and the ratios.
-
-  Ratios are of parameter counts against data-parallel (or FSDP, or
-  single-device) scan accumulation, and for ZeRO-2 AdamA against ZeRO-2
-  accumulation too.
-  """
-  methods = list(dict.fromkeys(r["method"] for r in results))
-  budgets = list(dict.fromkeys(r["budget_gb"] for r in results))
-  base = next((m for m in ("dp_scan_accumulation", "fsdp_scan_accumulation") if m in methods),
-              "scan_accumulation")
-  same = "zero2_scan_accumulation"  # AdamA against accumulation with the same sharding
-  lines = ["| budget | " + " | ".join(methods) + f" | parameters vs {base} |",
-           "|" + "---|" * (len(methods) + 2)]
-  for budget in budgets:
-    by_method = {r["method"]: r for r in results if r["budget_gb"] == budget}
-    ratio = lambda m, b: by_method[m]["param_count"] / by_method[b]["param_count"]
-    ratios = []
-    if by_method.get(base, {}).get("param_count"):
-      ratios += [f"{m}: {ratio(m, base):.2f}x" for m in methods if m != base and m in by_method]
-    if by_method.get(same, {}).get("param_count"):
-      ratios += [f"{m} vs {same}: {ratio(m, same):.2f}x"
-                 for m in methods if m.startswith("zero2_adama") and m in by_method]
-    cells = [f"{by_method[m]['param_count'] / 1e6:,.0f}M ({by_method[m]['scale']} layers x "
-             f"{by_method[m].get('hidden') or gpt_family(max(by_method[m]['scale'], 1)).hidden})"
-             if m in by_method else "" for m in methods]
-    lines.append(f"| {budget:g} GB | " + " | ".join(cells) + f" | {'; '.join(ratios)} |")
-  return "\n".join(lines)
-
-
 def compiled_for_line(rows: Sequence[MemoryRow]) -> str:
   """The memory table's first line: which compiler made its steps' bytes."""
   compilers = sorted({r.compiled_for or optax_adama.memory.compiled_by() for r in rows})
@@ -487,27 +247,6 @@ def plot_memory_vs_n(rows: Sequence[MemoryRow], path: Path) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
-
-
-def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
-  """Parameters that fit against the budget, one line per method."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-
-  fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for method in dict.fromkeys(r["method"] for r in results):
-    points = sorted((r["budget_gb"], r["param_count"] / 1e9)
-                    for r in results if r["method"] == method)
-    ax.plot(*zip(*points), marker="o", label=method)
-  ax.set_xlabel("device memory budget (GB, compile-only memory_analysis)")
-  ax.set_ylabel("parameters that fit (billions)")
-  ax.set_title("Largest GPT-family model per budget (N = 4, 1 sequence / micro-batch)",
-               fontsize=9)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  harness.save_figure(fig, path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -670,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           for m in args.methods) + f" | {ratio} |")
     table = "\n".join(lines)
   else:
-    results = measure_capacity(
+    results = capacity.measure_capacity(
         args.budgets_gb, args.methods, num_micro_batches=args.num_micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len or 1024,
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
@@ -678,10 +417,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         dtype=None if args.dtype is None else jnp.dtype(args.dtype), progress=progress,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
         on_result=lambda so_far: _write_outputs(
-            args, {**result, "capacity": so_far}, capacity_table(so_far)))
+            args, {**result, "capacity": so_far}, capacity.capacity_table(so_far)))
     result["capacity"] = results
     table = f"Compiled by {optax_adama.memory.compiled_by(num_devices=args.devices)}.\n\n" + (
-        capacity_table(results))
+        capacity.capacity_table(results))
   print(table)
   _write_outputs(args, result, table)
   return result
@@ -702,9 +441,9 @@ def merge_tables(args: argparse.Namespace, runs: Sequence[dict[str, Any]]) -> di
   else:
     merged["capacity"] = sorted((r for run in runs for r in run["capacity"]),
                                 key=lambda r: r["budget_gb"])
-    table = capacity_table(merged["capacity"])
+    table = capacity.capacity_table(merged["capacity"])
     if args.plot:
-      plot_capacity(merged["capacity"], args.plot)
+      capacity.plot_capacity(merged["capacity"], args.plot)
   print(table)
   _write_outputs(args, merged, table)
   return merged

@@ -10,6 +10,7 @@ from conftest import xla_flags
 import models
 import optax_adama
 from models import bench
+from models import capacity
 from models import harness
 
 
@@ -87,7 +88,7 @@ def test_throughput_smoke_interleaves_methods():
 @pytest.mark.parametrize("budget_gb, max_scale", [
     (0.0085, 2), pytest.param(0.03, 4, marks=pytest.mark.slow)], ids=["1-2_layers", "1-4_layers"])
 def test_capacity_smoke_adama_fits_at_least_as_large(budget_gb, max_scale):
-  results = bench.measure_capacity(
+  results = capacity.measure_capacity(
       [budget_gb], ["scan_accumulation", "adama"], num_micro_batches=2,
       micro_batch_size=1, seq_len=16, remat="full", max_scale=max_scale, vocab_size=256,
       progress=False)
@@ -104,22 +105,22 @@ def test_capacity_smoke_scanned_release_holds_less():
   # layer-aligned 8-bit moments against scan accumulation on the same model
   # (the capacity search itself is tested above on the unrolled one).
   scanned = dict(SMALL_STEP, hidden=128, scan_layers=True)
-  accumulation, count = bench.total_bytes_at(2, "scan_accumulation", **scanned)
-  release, _ = bench.total_bytes_at(2, "adama_release_8bit", **scanned)
+  accumulation, count = capacity.total_bytes_at(2, "scan_accumulation", **scanned)
+  release, _ = capacity.total_bytes_at(2, "adama_release_8bit", **scanned)
   # Measured 2.77 P against 5.16 P: the accumulator, the stacked gradient and
   # 6 of the 8 bytes of m and v a parameter.
   assert accumulation - release > 2.0 * 4 * count, (accumulation, release, count)
   with pytest.raises(ValueError, match="scanned model"):
-    bench.total_bytes_at(1, "adama_release_8bit", **SMALL_STEP)
+    capacity.total_bytes_at(1, "adama_release_8bit", **SMALL_STEP)
   # Offloaded, the codes leave the count and the slices in flight (one
   # layer's, the embeddings') come back; nothing else changes.
-  offloaded, _ = bench.total_bytes_at(2, "adama_release_8bit_offload", **scanned)
-  config = bench.gpt_family(2, remat="full", vocab_size=256, hidden=128, scan_layers=True)
+  offloaded, _ = capacity.total_bytes_at(2, "adama_release_8bit_offload", **scanned)
+  config = capacity.gpt_family(2, remat="full", vocab_size=256, hidden=128, scan_layers=True)
   staged, params = harness.split_model(config)
   _, tx = harness.make_step("adama_release_8bit_offload", staged, num_micro_batches=2)
   state = jax.eval_shape(tx.init, params)
   host = optax_adama.moments.host_state_bytes(state)
-  in_flight = bench.release_in_flight_bytes(staged, state)
+  in_flight = capacity.release_in_flight_bytes(staged, state)
   assert 0 < in_flight < host
   # Measured 2.59 P against 2.77 P, equal to the sum to within 704 B of
   # scalar temps (0.05% of P): no stack-sized copy appears.
@@ -131,7 +132,7 @@ def test_fsdp_methods_place_each_layer_split_and_count_one_devices_bytes():
   # they keep them (the 8-device numbers: benchmarks/fsdp_memory.py, slow).
   mesh = jax.make_mesh((1,), ("data",))
   scanned = dict(SMALL_STEP, hidden=128, scan_layers=True)
-  totals = {method: bench.total_bytes_at(2, method, mesh=mesh, **scanned)
+  totals = {method: capacity.total_bytes_at(2, method, mesh=mesh, **scanned)
             for method in harness.FSDP_METHODS}
   count = totals["fsdp_scan_accumulation"][1]
   # 8-bit moments save 6 of their 8 bytes a parameter against float32 ones,
@@ -140,7 +141,7 @@ def test_fsdp_methods_place_each_layer_split_and_count_one_devices_bytes():
           > 0.6 * 6 * count), totals
   assert totals["fsdp_scan_accumulation"][0] > totals["fsdp_adama_release"][0], totals
   with pytest.raises(ValueError, match=r"needs a scanned model \(--scan-layers\) and a mesh"):
-    bench.total_bytes_at(1, "fsdp_adama_release_8bit", **SMALL_STEP)
+    capacity.total_bytes_at(1, "fsdp_adama_release_8bit", **SMALL_STEP)
 
 
 @pytest.mark.parametrize("guess", [None, 1, 4, 5, 6, 13, 20])
@@ -150,7 +151,7 @@ def test_largest_fitting_finds_the_threshold(threshold, want, guess):
   def fits(s):
     calls.append(s)
     return s <= threshold
-  assert bench.largest_fitting(fits, 1, 20, guess=guess) == want
+  assert capacity.largest_fitting(fits, 1, 20, guess=guess) == want
   assert len(calls) <= 2 * 5 + 1  # gallop + bisect, both logarithmic
   if guess is not None and abs(guess - want) <= 1 and 1 <= want < 20:
     assert len(calls) <= 3  # a good guess costs two or three compiles
@@ -184,15 +185,15 @@ def test_capacity_on_eight_devices_zero2_fits_more(tmp_path):
 def test_refine_width_grows_the_answer_while_it_fits(monkeypatch):
   """The width refinement, on a fake byte count (no compiles): bytes = layers x width."""
   def fake_total_bytes_at(scale, method, *, hidden=None, **_):
-    width = bench.gpt_family(scale).hidden if hidden is None else hidden
+    width = capacity.gpt_family(scale).hidden if hidden is None else hidden
     return scale * width, scale * width // 2  # (bytes, params)
 
-  monkeypatch.setattr(bench, "total_bytes_at", fake_total_bytes_at)
+  monkeypatch.setattr(capacity, "total_bytes_at", fake_total_bytes_at)
   budget_gb = 21 * 1408 / 1e9  # 29,568 "bytes"
   common = dict(num_micro_batches=2, micro_batch_size=1, seq_len=16, remat="full",
                 max_scale=40, progress=False)
-  (coarse,) = bench.measure_capacity([budget_gb], ["adama"], **common)
-  (fine,) = bench.measure_capacity([budget_gb], ["adama"], refine_width=True, **common)
+  (coarse,) = capacity.measure_capacity([budget_gb], ["adama"], **common)
+  (fine,) = capacity.measure_capacity([budget_gb], ["adama"], refine_width=True, **common)
   # 21 x 1280 = 26,880 fits, 22 x 1408 = 30,976 does not: the family's answer.
   assert (coarse["scale"], coarse["hidden"], coarse["total_bytes"]) == (21, 1280, 26880)
   # At 21 layers, 1344 (28,224) and 1408 (29,568) fit, 1472 (30,912) does not.
@@ -220,7 +221,7 @@ def test_table_merges_capacity_runs_of_one_method_each(tmp_path):
 
 @pytest.fixture(scope="module")
 def width_64_adama_bytes():
-  return bench.total_bytes_at(1, "adama", **SMALL_STEP)[0]
+  return capacity.total_bytes_at(1, "adama", **SMALL_STEP)[0]
 
 
 SMALL_STEP = dict(num_micro_batches=2, micro_batch_size=1, seq_len=8, remat="full",
@@ -243,7 +244,7 @@ def test_state_method_smoke(method, width_64_adama_bytes):
   it holds less than float32 AdamA (measured 3.02-3.51 P against 3.75 P; at
   this width most leaves are under the 8-bit minimum size). The slow test
   below orders the methods on a wider model."""
-  total, _ = bench.total_bytes_at(1, method, **SMALL_STEP)
+  total, _ = capacity.total_bytes_at(1, method, **SMALL_STEP)
   assert 0 < total < width_64_adama_bytes, method
 
 
@@ -257,7 +258,7 @@ def test_state_methods_shrink_the_state_in_order():
   """
   common = dict(num_micro_batches=2, micro_batch_size=1, seq_len=16, remat="full",
                 vocab_size=256, hidden=256)
-  measured = {m: bench.total_bytes_at(1, m, **common)
+  measured = {m: capacity.total_bytes_at(1, m, **common)
               for m in ("adama_8bit", "adama_8bit_lowrank", "adama_8bit_lowrank_offload",
                         "scan_accumulation_bf16_8bit")}
   total = {m: b for m, (b, _) in measured.items()}
