@@ -22,7 +22,7 @@ the harness. Everything here is how a user builds a model and turns it into
 models.train`, `bench`, `plan`, `validate`, `demo`, `gpu_bench` and
 `models.harness`, `models.planner` and `models.study` below them) trains,
 measures and plots; none of it is imported here. A built wheel ships
-`optax_adama` alone: the zoo and the harness run from a checkout.
+`optax_adama` and `models` (with the `[models]` extra for the zoo's dependencies).
 """
 
 from __future__ import annotations

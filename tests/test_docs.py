@@ -289,7 +289,7 @@ def test_a_page_shows_how_to_train_the_small_llamas_and_the_command_parses():
 
 def test_install_lines_name_what_can_be_installed():
   """optax_adama is not on PyPI: every `pip install` of it is from a clone (`-e`) or
-  a git URL, and the Install section says `import models` needs a clone."""
+  a git URL, and the Install section says what `import models` needs."""
   from_pypi = []
   for page in PAGES + sorted((ROOT / "optax_adama").glob("*.py")):
     for line in page.read_text().splitlines():
@@ -299,5 +299,5 @@ def test_install_lines_name_what_can_be_installed():
   assert not from_pypi, from_pypi
   readme = (ROOT / "README.md").read_text()
   install = readme[readme.index("## Install"):].split("\n## ", 1)[0]
-  assert "`import models`" in install and "editable install of a clone" in install
+  assert "`import models`" in install and "`[models]` extra" in install
   assert '".[flax]"' in install and "optax_adama.nnx" in install

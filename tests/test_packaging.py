@@ -1,12 +1,14 @@
 """What pyproject.toml promises: the dependency floors `make test-min` runs, and
-a wheel that installs the library alone.
+a wheel and an editable install of exactly two packages.
 
 `make test-min` installs .ci/constraints-min.txt, which pins each floor
 exactly; a floor raised or lowered in one file and not the other would leave
-the floors untested. The wheel ships `optax_adama` only, with its GPU spec files:
-models/ (the Flax zoo and the harness) runs from a checkout.
+the floors untested. The wheel ships `optax_adama`, with its GPU spec files, and
+`models` (the Flax zoo and its tools); an editable install maps the same two.
 """
 
+import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -60,20 +62,46 @@ def test_constraints_pin_exactly_the_floors():
       assert floors.get(name) == pins[name], (name, floors.get(name), pins[name])
 
 
-def test_wheel_installs_the_library_and_nothing_else(tmp_path):
+def test_wheel_installs_the_library_and_the_zoo_and_nothing_else(tmp_path):
   # Built as a user's `pip install .` would (isolated, hatchling from the index).
   subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
                   "--wheel-dir", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
   (wheel,) = tmp_path.glob("*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
   top = {name.split("/")[0] for name in names}
-  assert {t for t in top if not t.endswith(".dist-info")} == {"optax_adama"}, sorted(top)
-  library = {f"optax_adama/{p.name}" for p in (ROOT / "optax_adama").glob("*.py")}
-  assert library <= names, sorted(library - names)
+  assert {t for t in top if not t.endswith(".dist-info")} == {"optax_adama", "models"}, sorted(top)
+  for package in ("optax_adama", "models"):
+    sources = {f"{p.relative_to(ROOT)}" for p in (ROOT / package).rglob("*.py")}
+    assert sources <= names, sorted(sources - names)
   # The GPU descriptions optax_adama.memory's targets compile for (package data).
   specs = {f"optax_adama/gpu_specs/{p.name}"
            for p in (ROOT / "optax_adama" / "gpu_specs").glob("*.txtpb")}
   assert len(specs) == 4 and specs <= names, sorted(specs - names)
   # PEP 561: type checkers read the library's annotations from the wheel.
   assert "optax_adama/py.typed" in names
-  assert not any(name.startswith("models/") for name in names)
+
+
+def test_editable_install_exposes_exactly_the_two_packages(tmp_path):
+  """`pip install -e .` maps optax_adama and models, not the checkout's root.
+
+  The editable wheel is built by the project's own backend (PEP 660's
+  build_editable) and read: its import hook maps exactly the two packages, and
+  it holds no path file naming the root, which would make `tests`,
+  `benchmarks` and `examples` importable from anywhere.
+  """
+  from hatchling.build import build_editable  # the build backend, in the test extra
+
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    wheel = tmp_path / build_editable(str(tmp_path))
+  finally:
+    os.chdir(cwd)
+  archive = zipfile.ZipFile(wheel)
+  texts = {name: archive.read(name).decode() for name in archive.namelist()
+           if name.endswith((".pth", ".py"))}
+  assert all(text.strip() != str(ROOT) for name, text in texts.items() if name.endswith(".pth"))
+  (hook,) = [text for name, text in texts.items() if name.endswith(".py")]
+  # editables writes one `F.map_module('name', '/path/to/name/__init__.py')` per package.
+  mapped = dict(re.findall(r"map_module\('([A-Za-z_]+)', '([^']+)'\)", hook))
+  assert mapped == {name: str(ROOT / name / "__init__.py") for name in ("optax_adama", "models")}
