@@ -204,12 +204,24 @@ def jax_standard_promotion():
   return stack
 
 
-def test_the_readme_lists_every_docs_page():
+def _linked_pages(text: str, prefix: str) -> list[str]:
+  """The .md pages a markdown list links, in order, each once."""
+  pages = re.findall(rf"\]\({re.escape(prefix)}([\w.-]+\.md)\)", text)
+  return list(dict.fromkeys(pages))
+
+
+def test_docs_index_lists_every_page_and_the_readme_matches_it():
+  """docs/README.md indexes every page of docs/; the README's documentation list
+  links the index and then the same pages, in the index's order."""
+  pages = {page.name for page in (ROOT / "docs").glob("*.md")} - {"README.md"}
+  indexed = _linked_pages((ROOT / "docs" / "README.md").read_text(), "")
+  assert sorted(indexed) == sorted(pages), (
+      f"docs/README.md leaves out {sorted(pages - set(indexed))}, "
+      f"links missing pages {sorted(set(indexed) - pages)}")
   readme = (ROOT / "README.md").read_text()
-  listed = readme[readme.index("## Documentation"):].split("\n## ", 1)[0]
-  missing = [page.name for page in sorted((ROOT / "docs").glob("*.md"))
-             if f"(docs/{page.name})" not in listed]
-  assert not missing, f"README's documentation list leaves out {missing}"
+  listed = _linked_pages(readme[readme.index("## Documentation"):].split("\n## ", 1)[0],
+                         "docs/")
+  assert listed == ["README.md", *indexed], listed
 
 
 def test_pages_keep_to_their_length():
