@@ -58,8 +58,10 @@ def check_real_for_halves(params: Any, nu_estimator: str) -> None:
         "Pass nu_estimator=\"mean\" (the default).")
 
 
-def floor_increment(grad, half_difference, state: ScaleByAdamAState, config: AdamAConfig,
-                    leaf_shape) -> FactoredSquares:
+def floor_increment(grad: jax.Array,
+                    half_difference: Any,  # an array; callers' lists type it Optional
+                    state: ScaleByAdamAState, config: AdamAConfig,
+                    leaf_shape: tuple[int, ...]) -> FactoredSquares:
   """The floor's increment from one gradient leaf (or one layer's slice of one).
 
   The ``"sum"`` estimator's fold ``(1 - b2) / N**2 * g**2`` of the entries
@@ -141,8 +143,9 @@ def resolve_estimator(state: ScaleByAdamAState, halves: bool) -> ScaleByAdamASta
   return with_estimator(state, "split" if split else "mean")
 
 
-def half_differences(half_difference, treedef,
-                      state: ScaleByAdamAState) -> list[Optional[jax.Array]]:
+def half_differences(half_difference: Any,  # a pytree like the updates, or None
+                     treedef: jax.tree_util.PyTreeDef,
+                     state: ScaleByAdamAState) -> list[Optional[jax.Array]]:
   """The "split" estimator's half differences, one per leaf (``None``: unused)."""
   if not takes_halves(state):
     return [None] * treedef.num_leaves
@@ -161,7 +164,8 @@ def floors_split(state: ScaleByAdamAState) -> bool:
   return takes_halves(state) and bool(jax.tree.leaves(state.nu_floor))
 
 
-def leaf_floors(state: ScaleByAdamAState, treedef) -> list[Optional[FactoredSquares]]:
+def leaf_floors(state: ScaleByAdamAState,
+                treedef: jax.tree_util.PyTreeDef) -> list[Optional[FactoredSquares]]:
   """Per leaf of ``treedef``, the floor the direction reads (``None``: none)."""
   if not floors_split(state):
     return [None] * treedef.num_leaves

@@ -12,6 +12,7 @@ part of a sum (``factored_axes``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 from typing import Optional
@@ -47,11 +48,11 @@ class FactoredSquares(NamedTuple):
 FACTORED_MIN_DIM = 128
 
 
-def _factored(leaf_shape) -> bool:
+def _factored(leaf_shape: Sequence[int]) -> bool:
   return len(leaf_shape) >= 2 and min(leaf_shape[-2:]) >= FACTORED_MIN_DIM
 
 
-def zero_floor(shape) -> FactoredSquares:
+def zero_floor(shape: Sequence[int]) -> FactoredSquares:
   """An all-zero :class:`FactoredSquares` for a leaf of ``shape``."""
   shape = tuple(shape)
   if not _factored(shape):
@@ -60,7 +61,7 @@ def zero_floor(shape) -> FactoredSquares:
                          jnp.zeros(shape[:-2] + shape[-1:], jnp.float32))
 
 
-def factor_squares(squares: jax.Array, leaf_shape) -> FactoredSquares:
+def factor_squares(squares: jax.Array, leaf_shape: Sequence[int]) -> FactoredSquares:
   """The :class:`FactoredSquares` increment of ``squares``.
 
   ``squares`` is shaped like a leaf of ``leaf_shape``, or like one layer's
@@ -75,7 +76,8 @@ def factor_squares(squares: jax.Array, leaf_shape) -> FactoredSquares:
   return FactoredSquares(jnp.sum(squares), squares)  # one layer of a 2-D stack
 
 
-def factored_axes(dim: int, slice_ndim: int, leaf_shape) -> tuple[Optional[int], Optional[int]]:
+def factored_axes(dim: int, slice_ndim: int,
+                  leaf_shape: Sequence[int]) -> tuple[Optional[int], Optional[int]]:
   """Where axis ``dim`` of a squares slice lands in :func:`factor_squares`'
   ``(rows, cols)``; ``None`` where it is summed away. For a device's block of
   a leaf (``dim`` split over devices): the blocks of a kept axis are placed

@@ -15,6 +15,7 @@ is its sum with ``p``).
 from __future__ import annotations
 
 from typing import NamedTuple
+from typing import Optional
 
 import chex
 import jax
@@ -88,11 +89,14 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
     raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
   seed = seed % (1 << 32)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> RoundParamsStochasticallyState:
     del params
     return RoundParamsStochasticallyState(count=jnp.zeros([], jnp.uint32))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(
+      updates: optax.Updates, state: RoundParamsStochasticallyState,
+      params: Optional[optax.Params] = None,
+  ) -> tuple[optax.Updates, RoundParamsStochasticallyState]:
     if params is None:
       raise ValueError(
           "round_params_stochastically needs params: call tx.update(updates, state, "

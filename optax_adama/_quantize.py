@@ -118,7 +118,7 @@ class BlockQuantization:
   code_dtype: jax.typing.DTypeLike = jnp.float8_e4m3fn
   layer_aligned: Optional[bool] = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.block_size < 1:
       raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
     if jnp.dtype(self.code_dtype).itemsize != 1:

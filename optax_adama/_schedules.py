@@ -60,11 +60,11 @@ class _MiniBatchSchedule:
   def init(self) -> MiniBatchScheduleState:
     return MiniBatchScheduleState(count=jnp.zeros([], jnp.int32))
 
-  def update(self, state: MiniBatchScheduleState, **extra_args) -> MiniBatchScheduleState:
+  def update(self, state: MiniBatchScheduleState, **extra_args: Any) -> MiniBatchScheduleState:
     del extra_args
     return MiniBatchScheduleState(count=optax.safe_increment(state.count))
 
-  def __call__(self, state: MiniBatchScheduleState, **extra_args) -> jax.Array:
+  def __call__(self, state: MiniBatchScheduleState, **extra_args: Any) -> jax.Array:
     del extra_args
     return self.schedule(state.count // self.num_micro_batches)
 

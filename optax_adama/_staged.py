@@ -104,19 +104,23 @@ class StagedLoss:
     return self.head(outer, x, micro_batch)
 
 
-def _split(tree, path, full_path):
+# tree: a mapping of params (dict, nnx.State, FrozenDict) or any pytree that
+# turns out not to be one (the error names its type); path: mapping keys.
+# type(tree) is that concrete mapping class, built from a dict; mypy knows
+# only the abstract Mapping it narrows to, whose constructor takes nothing.
+def _split(tree: Any, path: tuple[Any, ...], full_path: tuple[Any, ...]) -> tuple[Any, Any]:
   key, rest = path[0], path[1:]
   if not isinstance(tree, collections.abc.Mapping) or key not in tree:
     raise ValueError(
         f"StagedLoss(layers={full_path!r}): no key {key!r} in a "
         f"{type(tree).__name__} of params.")
   if not rest:
-    return type(tree)({k: v for k, v in tree.items() if k != key}), tree[key]
+    return type(tree)({k: v for k, v in tree.items() if k != key}), tree[key]  # type: ignore[call-arg]
   inner, stacked = _split(tree[key], rest, full_path)
-  return type(tree)({**tree, key: inner}), stacked
+  return type(tree)({**tree, key: inner}), stacked  # type: ignore[call-arg]
 
 
-def _merge(outer, stacked, path):
+def _merge(outer: Any, stacked: Any, path: tuple[Any, ...]) -> Any:
   key, rest = path[0], path[1:]
   value = stacked if not rest else _merge(outer[key], stacked, rest)
   return type(outer)({**outer, key: value})
