@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 from typing import Optional
@@ -26,6 +27,10 @@ from optax_adama._state import AdamAConfig
 from optax_adama._state import ScaleByAdamAState
 
 Moment = Union[jax.Array, QuantizedArray]
+# b1 / b2: Python floats, or arrays where inject_hyperparams traces them.
+Decay = Union[float, jax.Array]
+# A leaf's (m, v) rounding seeds, None where a moment rounds to nearest.
+SeedPair = tuple[Optional[jax.Array], Optional[jax.Array]]
 
 
 def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
@@ -120,7 +125,7 @@ class _Folded(NamedTuple):
 
 def _fold_moment(
     moment: Moment, grad: jax.Array, is_finite: jax.Array, decay: jax.Array,
-    weight: jax.Array, order: int, less: Optional[jax.Array] = None,
+    weight: jax.typing.ArrayLike, order: int, less: Optional[jax.Array] = None,
     less_absmax: Optional[jax.Array] = None,
     whole_block_absmax: Callable[[jax.Array], jax.Array] = lambda x: x,
 ) -> _Folded:
@@ -232,7 +237,8 @@ def update_like(grad: jax.Array, mu: Moment, nu: Moment) -> jax.ShapeDtypeStruct
   return jax.ShapeDtypeStruct(jnp.shape(grad), dtype)
 
 
-def gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
+def gated_direction(mu: Moment, nu: Moment, grad: jax.Array, emit: jax.Array,
+                    **hyperparams: Any) -> jax.Array:  # Any: _direction's mixed keywords
   """The direction where ``emit``, exact zeros elsewhere."""
   # Only the gradient's shape and dtype enter: the gradient itself would
   # become an operand of the branch, one more reason for XLA to keep it alive.
@@ -250,7 +256,8 @@ def gated_direction(mu, nu, grad, emit, **hyperparams) -> jax.Array:
       lambda: jnp.zeros(like.shape, like.dtype))
 
 
-def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
+def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus: Sequence[Moment],
+               nus: Sequence[Moment]) -> list[SeedPair]:
   """Two uint32 seeds per leaf (m, v), fresh for every call; no key in the state.
 
   ``None`` seeds (round to nearest, or nothing to round) unless
@@ -268,14 +275,15 @@ def leaf_seeds(config: AdamAConfig, state: ScaleByAdamAState, mus, nus):
           for i in range(len(mus))]
 
 
-def nu_weight(b2, num_micro_batches: int, nu_estimator: str):
+def nu_weight(b2: Decay, num_micro_batches: int, nu_estimator: str) -> Decay:
   """The weight of each g_i**2 in v's fold."""
   if nu_estimator in ("auto", "mean", "split"):  # E = mu**2 + sigma**2 (before split's term)
     return (1 - b2) / num_micro_batches
   return (1 - b2) / num_micro_batches**2  # E = (mu**2 + sigma**2) / N
 
 
-def split_noise(half_difference, is_finite, num_micro_batches: int) -> jax.Array:
+def split_noise(half_difference: jax.Array, is_finite: jax.Array,
+                num_micro_batches: int) -> jax.Array:
   """``(1 - 1/N) d**2``: with ``d = (g_a - g_b) / 2`` over a micro-batch's two
   halves, ``E[d**2] = sigma**2``, so ``g**2 - (1 - 1/N) d**2`` has Adam's
   expectation ``mu**2 + sigma**2 / N``."""
@@ -284,8 +292,11 @@ def split_noise(half_difference, is_finite, num_micro_batches: int) -> jax.Array
   return (1 - 1 / num_micro_batches) * d * d
 
 
-def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds,
-              half_difference=None, whole_block_absmax=lambda x: x):
+def fold_leaf(grad: jax.typing.ArrayLike, mu: Moment, nu: Moment, state: ScaleByAdamAState,
+              config: AdamAConfig, seeds: Sequence[Optional[jax.Array]],
+              half_difference: Optional[jax.Array] = None,
+              whole_block_absmax: Callable[[jax.Array], jax.Array] = lambda x: x,
+              ) -> tuple[Moment, Moment, jax.Array]:
   """Folds one gradient leaf into its moments: ``(mu, nu, all entries finite)``.
 
   The fold kernel: :func:`fold_micro_batch` maps it over a tree, and
@@ -320,7 +331,8 @@ def fold_leaf(grad, mu, nu, state: ScaleByAdamAState, config: AdamAConfig, seeds
           jnp.all(is_finite))  # the flag is counted only, never gating: free.
 
 
-def add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
+def add_squared_momentum(m: _Folded, v: _Folded, state: ScaleByAdamAState, b1: Decay,
+                         b2: Decay) -> _Folded:
   """On a mini-batch's last call, ``v += (1 - b2)(1 - 1/N) m_hat**2``.
 
   With the ``1/N**2`` fold this makes ``E[v]`` about Adam's ``mu**2 +
@@ -346,7 +358,8 @@ def add_squared_momentum(m: _Folded, v: _Folded, state, b1, b2) -> _Folded:
   return _Folded(value, absmax)
 
 
-def gated_direction_of_leaf(m, v, p, emit, direction: dict,
+def gated_direction_of_leaf(m: Moment, v: Moment, p: jax.Array, emit: jax.Array,
+                            direction: dict[str, Any],  # _direction's mixed keywords
                             nu_floor: Optional[jax.Array] = None) -> jax.Array:
   """One leaf's direction where ``emit``, exact zeros elsewhere (``nu_floor``:
   the floor's value over the leaf, :func:`floor_estimate`)."""
