@@ -14,11 +14,14 @@ import functools
 import math
 import operator
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_adama import _adama
 from optax_adama import _estimators
@@ -32,8 +35,13 @@ from optax_adama._adama import ScaleByAdamAState
 
 is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
 
+# An AdamA transformation's _adama.FoldingParts (`.config`, `.offload_min_size`),
+# loose while the restructuring of _adama may rename that class.
+FoldingParts = Any
 
-def check_moments(staged: _staged.StagedLoss, params, state: ScaleByAdamAState) -> None:
+
+def check_moments(staged: _staged.StagedLoss, params: optax.Params,
+                  state: ScaleByAdamAState) -> None:
   """On a mesh: raises for 8-bit stacked moments whose blocks straddle layers
   (one device folds those through a float32 copy: :func:`_straddling_in_float32`;
   :func:`release_shardings` checks that each device holds whole blocks)."""
@@ -53,21 +61,23 @@ def check_moments(staged: _staged.StagedLoss, params, state: ScaleByAdamAState) 
             "BlockQuantization(layer_aligned=True).")
 
 
-def straddles(moment, shape) -> bool:
+# moment: a _fold.Moment, loose since the is_quantized lambda narrows nothing for mypy.
+def straddles(moment: Any, shape: tuple[int, ...]) -> bool:
   """Whether ``moment`` is 8-bit with blocks that straddle the layers of a
   stacked leaf of ``shape`` (not :class:`BlockQuantization`'s layer-aligned
   layout)."""
   return is_quantized(moment) and not _layer_aligned(moment, shape)
 
 
-def _layer_aligned(moment: _quantize.QuantizedArray, shape) -> bool:
+def _layer_aligned(moment: _quantize.QuantizedArray, shape: tuple[int, ...]) -> bool:
   # BlockQuantization(layer_aligned=True)'s layout: [layers, blocks, block_len].
   codes_shape = moment.codes.shape
   return (len(codes_shape) == 3 and codes_shape[0] == shape[0]
           and codes_shape[1] * codes_shape[2] == math.prod(shape[1:]))
 
 
-def layer_slice(moment, layer, num_layers, keepdims=False):
+def layer_slice(moment: _fold.Moment, layer: jax.Array, num_layers: int,
+                keepdims: bool = False) -> _fold.Moment:
   """Layer ``layer``'s slice of a stacked moment (its blocks if 8-bit)."""
   del num_layers
   if isinstance(moment, _quantize.QuantizedArray):
@@ -77,7 +87,7 @@ def layer_slice(moment, layer, num_layers, keepdims=False):
   return jax.lax.dynamic_index_in_dim(moment, layer, keepdims=keepdims)
 
 
-def _as_bytes(x):
+def _as_bytes(x: jax.Array) -> jax.Array:
   # Sliced as raw bytes: the CPU backend widens float8 to float16 before any
   # op on it, and for moments read-only in a loop (the update by layer) it
   # hoists that widening out of the loop: the whole stack's codes in float16
@@ -85,11 +95,12 @@ def _as_bytes(x):
   return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
 
 
-def _as_stored(x, dtype):
+def _as_stored(x: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
-def _with_layer_slice(moment, value, layer):
+def _with_layer_slice(moment: _fold.Moment, value: _fold.Moment,
+                      layer: jax.Array) -> _fold.Moment:
   """``moment`` with layer ``layer``'s slice replaced by ``value``, in place."""
   if isinstance(moment, _quantize.QuantizedArray):
     return jax.tree.map(
@@ -120,8 +131,8 @@ class Reductions(NamedTuple):
   outer_seeds: Callable[[list], list]
   # Flat lists of "split"'s floor increments (FactoredSquares) from the
   # reduced gradient leaves above, each made whole; with the leaves' shapes.
-  outer_floors: Callable[[list, list[int]], list]
-  layer_floors: Callable[[list, list[int]], list]
+  outer_floors: Callable[[list, list[tuple[int, ...]]], list]
+  layer_floors: Callable[[list, list[tuple[int, ...]]], list]
   # FSDP: this device's slices of the outer params, or of one layer's, made
   # whole (gathered); the identity where params are whole on every device.
   outer_params: Callable[[Any], Any]
@@ -139,8 +150,11 @@ ONE_DEVICE = Reductions(identity, identity, identity, identity, identity,
                         _increments, _increments, identity, identity)
 
 
-def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offloaded,
-                        reductions: Reductions = ONE_DEVICE):
+def release_micro_batch(staged: _staged.StagedLoss, parts: FoldingParts, has_aux: bool,
+                        params: optax.Params, state: ScaleByAdamAState,
+                        micro_batch: _staged.Batch, offloaded: tuple[Any, Any, Any],
+                        reductions: Reductions = ONE_DEVICE,
+                        ) -> tuple[ScaleByAdamAState, jax.Array, Any]:
   """One micro-batch: forward, then a backward that folds layer by layer.
 
   ``offloaded``: which leaves of m, v and the floor live in host memory
@@ -206,7 +220,8 @@ def release_micro_batch(staged, parts, has_aux, params, state, micro_batch, offl
   return _adama.advance_counters(state, mu, nu, all_finite, floor), loss, aux
 
 
-def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
+def _head_loss_and_grads(head: Callable[..., Any], has_aux: bool, outer: optax.Params, x: Any,
+                         micro_batch: _staged.Batch) -> tuple[jax.Array, Any, Any]:
   """``(loss, aux, (outer cotangent, x cotangent))`` of the head stage."""
   if has_aux:
     loss, head_vjp, aux = jax.vjp(lambda o, x: head(o, x, micro_batch), outer, x,
@@ -216,7 +231,8 @@ def _head_loss_and_grads(head, has_aux, outer, x, micro_batch):
   return loss, aux, head_vjp(jnp.ones_like(loss))
 
 
-def _pullback(stage, primals, micro_batch, cotangent):
+def _pullback(stage: Callable[..., Any], primals: tuple[Any, ...], micro_batch: _staged.Batch,
+              cotangent: Any) -> tuple[Any, ...]:
   """Cotangents of ``stage(*primals, micro_batch)`` for ``cotangent``.
 
   The stage's forward is recomputed from ``primals``: only they were kept.
@@ -225,7 +241,9 @@ def _pullback(stage, primals, micro_batch, cotangent):
   return stage_vjp(cotangent)
 
 
-def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, list]:
+def _gradient_and_difference(grads: list, halves: bool,
+                             reduce: Callable[[list[jax.Array]], list[jax.Array]],
+                             ) -> tuple[list, list]:
   """Flat gradient leaves as folded: ``(g, d)``, both reduced by ``reduce``.
 
   With ``halves`` each leaf is ``[2, ...]``, one gradient per half; ``g`` is
@@ -238,9 +256,13 @@ def _gradient_and_difference(grads: list, halves: bool, reduce) -> tuple[list, l
   return reduce(_steps.mean_of_halves(grads)), reduce(_steps.half_difference(grads))
 
 
-def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
-                   x_grad, mu_stacked, nu_stacked, floor_stacked, offloaded, reductions,
-                   layer_pullback, halves):
+def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _staged.Batch,
+                   loss: jax.Array, stacked: optax.Params, layer_inputs: Any, x_grad: Any,
+                   mu_stacked: optax.Updates, nu_stacked: optax.Updates, floor_stacked: Any,
+                   # (m's, v's) flag trees, a name the body reuses for per-leaf pairs.
+                   offloaded: Sequence[Any], reductions: Reductions,
+                   layer_pullback: Callable[..., tuple[Any, Any]], halves: bool,
+                   ) -> tuple[Any, optax.Updates, optax.Updates, Any, jax.Array]:
   """The backward through the stack as a reverse scan over its layers.
 
   Each step takes one layer's vjp from its saved input, folds that layer's
@@ -275,7 +297,8 @@ def _release_stack(parts, state, micro_batch, loss, stacked, layer_inputs,
   offloaded_stored = offloaded
   offloaded = [(False, False) if w else flags for w, flags in zip(whole, offloaded)]
 
-  def release_layer(carry, xs):
+  def release_layer(carry: tuple[Any, list, list, Optional[list]],
+                    xs: tuple[jax.Array, Any, Any]) -> tuple[tuple, jax.Array]:
     x_grad, mus, nus, floors = carry
     layer, layer_params, layer_input = xs
     layer_params = reductions.layer_params(layer_params)
@@ -341,7 +364,8 @@ def _restored(folded: list, stored: list, offloaded: list, whole: list, order: i
   """Inverse of :func:`_straddling_in_float32` after the fold: each ``whole``
   leaf quantized like its ``stored`` moment (with the leaf's own seed, as
   ``scale_by_adama`` rounds it) and sent back where it lives."""
-  def quantized(value, like, off, seed):
+  def quantized(value: jax.Array, like: _quantize.QuantizedArray, off: bool,
+                seed: Optional[jax.Array]) -> _quantize.QuantizedArray:
     blocks = _quantize.to_blocks(value, *like.codes.shape)
     absmax = _quantize.block_absmax(blocks)
     return _offload.to_host(_fold._store(blocks, like, order, seed, absmax), off)
@@ -350,8 +374,11 @@ def _restored(folded: list, stored: list, offloaded: list, whole: list, order: i
           for x, like, off, w, seed in zip(folded, stored, offloaded, whole, seeds)]
 
 
-def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
-                leaf_shapes, stacked_mus, stacked_nus, offloaded, reductions, halves):
+def _fold_outer(parts: FoldingParts, state: ScaleByAdamAState, loss: jax.Array,
+                outer_grads: optax.Updates, mu_outer: optax.Updates, nu_outer: optax.Updates,
+                floor_outer: Any, leaf_shapes: list[tuple[int, ...]], stacked_mus: list,
+                stacked_nus: list, offloaded: tuple[Any, Any], reductions: Reductions,
+                halves: bool) -> tuple[optax.Updates, optax.Updates, Any, jax.Array]:
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
   ``leaf_shapes``: the outer params' (whole) shapes, which decide how the
@@ -387,7 +414,7 @@ def _fold_outer(parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer
           functools.reduce(operator.and_, finite, jnp.array(True)))
 
 
-def offloaded_state(state, parts):
+def offloaded_state(state: ScaleByAdamAState, parts: FoldingParts) -> tuple[Any, Any, Any]:
   """``(m's, v's, the floor's)`` flags of :func:`_offload.offloaded_leaves`:
   per leaf, whether it lives in host memory. Taken from the whole leaves of
   ``state`` (under ``shard_map`` a device sees slices, smaller than
@@ -396,8 +423,12 @@ def offloaded_state(state, parts):
                                    parts.offload_min_size)
 
 
-def _fold_offloaded_leaf(grad, mu, nu, offloaded, state, parts, seeds, half_difference=None,
-                         whole_block_absmax=identity):
+def _fold_offloaded_leaf(grad: jax.Array, mu: _fold.Moment, nu: _fold.Moment,
+                         offloaded: tuple[bool, bool], state: ScaleByAdamAState,
+                         parts: FoldingParts, seeds: Sequence[Optional[jax.Array]],
+                         half_difference: Optional[jax.Array] = None,
+                         whole_block_absmax: Callable[[jax.Array], jax.Array] = identity,
+                         ) -> tuple[_fold.Moment, _fold.Moment, jax.Array]:
   """:func:`_fold.fold_leaf` of a whole leaf (or this device's slice of it),
   its moments brought in and sent back where ``offloaded = (m's, v's flags)``
   says they live in host memory."""

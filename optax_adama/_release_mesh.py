@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from optax_adama import _chain
 from optax_adama import _estimators
 from optax_adama import _floor
+from optax_adama import _fold
 from optax_adama import _offload
 from optax_adama import _quantize
 from optax_adama import _release_fold
@@ -33,7 +37,7 @@ __all__ = ["release_shardings", "stack_shardings"]
 RELEASE_SHARD_STATES = (None, "zero1", "zero2", "fsdp")
 
 
-def check_release_stage(mesh, shard_states) -> None:
+def check_release_stage(mesh: Optional[Mesh], shard_states: Optional[str]) -> None:
   _sharding.check_shard_states(shard_states)
   if mesh is None and shard_states is not None:
     raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
@@ -162,7 +166,9 @@ def stack_shardings(
                          align_blocks=False)
 
 
-def stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
+# params / opt_state: their trees of arrays or jax.ShapeDtypeStruct, as release_shardings takes.
+def stage_shardings(staged: _staged.StagedLoss, params: Any, opt_state: Any, mesh: Mesh,
+                    shard_states: Optional[str], data_axis: _sharding.AxisName,
                     align_blocks: bool) -> _sharding.StepShardings:
   """:func:`stack_shardings`; ``align_blocks``: as :func:`release_step` folds 8-bit moments.
 
@@ -199,7 +205,8 @@ def stage_shardings(staged, params, opt_state, mesh, shard_states, data_axis,
   return _sharding.StepShardings(param_shardings, opt_state_shardings, grads)
 
 
-def moment_slices(staged, params, opt_state, mesh, shard_states, data_axis):
+def moment_slices(staged: _staged.StagedLoss, params: Any, opt_state: Any, mesh: Mesh,
+                  shard_states: Optional[str], data_axis: _sharding.AxisName) -> Any:
   """Per param, how the release splits its moments, in the param's layout:
   what each device folds (its gradient's slice) and updates."""
   if shard_states is None:
@@ -215,14 +222,17 @@ def _splits_blocks(codes_spec: PartitionSpec) -> bool:
   return dim is not None and dim == len(codes_spec) - 1
 
 
-def _block_aligned_slices(staged, slices, params, mu, mesh, data_axis):
+def _block_aligned_slices(staged: _staged.StagedLoss, slices: Any, params: Any, mu: Any,
+                          mesh: Mesh, data_axis: _sharding.AxisName) -> Any:
   """``slices`` (each param's split) with the 8-bit moments' leaves that
   cannot split whole blocks kept whole on every device, or an error for
   those with a block for each device (where keeping them whole costs memory)."""
   num_devices = _sharding.num_devices(mesh, data_axis)
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  def align(path, sharding, param, moment):
+  # param: an array or its jax.ShapeDtypeStruct; moment: its m leaf (or shapes).
+  def align(path: jax.tree_util.KeyPath, sharding: NamedSharding, param: Any,
+            moment: Any) -> NamedSharding:
     if not _release_fold.is_quantized(moment):
       return sharding
     shape = jnp.shape(param)
@@ -243,16 +253,19 @@ def _block_aligned_slices(staged, slices, params, mu, mesh, data_axis):
                                           is_leaf=_release_fold.is_quantized)
 
 
-def _moment_shardings(slices, params, moment):
+def _moment_shardings(slices: Any, params: Any, moment: Any) -> Any:
   """A moment's shardings from its params' (``slices``, block-aligned)."""
-  def place(sharding, param, leaf):
+  # param: an array or its jax.ShapeDtypeStruct; leaf: the moment's (or its shapes).
+  def place(sharding: NamedSharding, param: Any,
+            leaf: Any) -> Optional[Union[NamedSharding, _quantize.QuantizedArray]]:
     if _release_fold.is_quantized(leaf):
       return _sharding.quantized_sharding(leaf, jnp.shape(param), sharding)
     return sharding
   return jax.tree.map(place, slices, params, moment, is_leaf=_release_fold.is_quantized)
 
 
-def _stack_aware_shardings(staged, tree, mesh, data_axis):
+def _stack_aware_shardings(staged: _staged.StagedLoss, tree: Any, mesh: Mesh,
+                           data_axis: _sharding.AxisName) -> Any:
   mesh = _sharding.auto_mesh(mesh)
   axis_size = _sharding.num_devices(mesh, data_axis)
   outer, stacked = staged.split(tree)
@@ -264,9 +277,15 @@ def _stack_aware_shardings(staged, tree, mesh, data_axis):
   return _staged.like(tree, staged.merge(outer, stacked))
 
 
-def data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
-                       state_specs, param_specs, slice_specs, offloaded, params, state,
-                       micro_batch):
+# state_specs: a ScaleByAdamAState of PartitionSpecs; param_specs, slice_specs:
+# trees of PartitionSpecs like params; offloaded: the (m, v, floor) flag trees.
+def data_parallel_fold(staged: _staged.StagedLoss, parts: _release_fold.FoldingParts,
+                       has_aux: bool, mesh: Mesh, shard_states: Optional[str],
+                       data_axis: _sharding.AxisName, state_specs: Any, param_specs: Any,
+                       slice_specs: Any, offloaded: tuple[Any, Any, Any],
+                       params: optax.Params, state: ScaleByAdamAState,
+                       micro_batch: _staged.Batch,
+                       ) -> tuple[ScaleByAdamAState, jax.Array, Any]:
   """:func:`_release_fold.release_micro_batch` with each device on its rows,
   under ``shard_map``.
 
@@ -277,7 +296,8 @@ def data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
       staged, state_specs, param_specs, slice_specs, mesh, shard_states, data_axis)
   axis_names = _sharding.axis_names(data_axis)
 
-  def local(params, state, micro_batch):
+  def local(params: optax.Params, state: ScaleByAdamAState, micro_batch: _staged.Batch,
+            ) -> tuple[ScaleByAdamAState, jax.Array, Any]:
     if shard_states != "fsdp":
       # Replicated params, gradients that differ per device: marked varying,
       # the backward leaves the reduction to `reductions`.
@@ -293,8 +313,9 @@ def data_parallel_fold(staged, parts, has_aux, mesh, shard_states, data_axis,
       out_specs=(state_specs, replicated, replicated))(params, state, micro_batch)
 
 
-def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mesh,
-                              shard_states, data_axis):
+def _data_parallel_reductions(staged: _staged.StagedLoss, state_specs: Any, param_specs: Any,
+                              slice_specs: Any, mesh: Mesh, shard_states: Optional[str],
+                              data_axis: _sharding.AxisName) -> _release_fold.Reductions:
   """The collectives of a ZeRO stage, for
   :func:`_release_fold.release_micro_batch` in ``shard_map``.
 
@@ -319,7 +340,7 @@ def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mes
   layer_param_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), stacked_param_specs,
                                    is_leaf=is_spec)
 
-  def gather(p, spec):
+  def gather(p: jax.Array, spec: PartitionSpec) -> jax.Array:
     # FSDP: this device's slice made whole (marked varying: its gradient is
     # reduced by `reduce`, not by the gather's transpose).
     dim = _sharding.split_dim(spec)
@@ -327,27 +348,29 @@ def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mes
       p = jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
     return _sharding.to_varying(p, axis_names)
 
-  def reduce(grad, spec):
+  def reduce(grad: jax.Array, spec: PartitionSpec) -> jax.Array:
     if shard_states in ("zero2", "fsdp"):
       return _sharding.reduce_gradient(grad, spec, data_axis, num_devices)
     grad = _sharding.reduce_gradient(grad, PartitionSpec(), data_axis, num_devices)
     return local_slice(grad, spec, data_axis, num_devices)
 
-  def all_finite(finite):
+  def all_finite(finite: jax.Array) -> jax.Array:
     # A non-finite entry may sit in another device's slice.
     return jax.lax.psum((~finite).astype(jnp.int32), data_axis) == 0
 
-  def seed(s, spec):
+  def seed(s: Optional[jax.Array], spec: PartitionSpec) -> Optional[jax.Array]:
     # Each device rounds its own slice: its own noise. A leaf whole on every
     # device is rounded alike on each, so that it stays the same everywhere.
     if s is None or _sharding.split_dim(spec) is None:
       return s
     return _quantize.mix_seed(s, jax.lax.axis_index(data_axis).astype(jnp.uint32))
 
-  def seeds(pairs, specs):
+  def seeds(pairs: list[_fold.SeedPair],
+            specs: list[PartitionSpec]) -> list[tuple[Optional[jax.Array], ...]]:
     return [tuple(seed(s, spec) for s in pair) for pair, spec in zip(pairs, specs)]
 
-  def floor(increment, spec, leaf_shape, slice_ndim):
+  def floor(increment: _floor.FactoredSquares, spec: PartitionSpec,
+            leaf_shape: tuple[int, ...], slice_ndim: int) -> _floor.FactoredSquares:
     # Computed from this device's block of the gradient: whole again (and
     # the same on every device, as the state's replicated floor must be).
     dim = _sharding.split_dim(spec)
@@ -357,7 +380,8 @@ def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mes
     return _floor.FactoredSquares(*(
         _assembled(x, axis, data_axis, num_devices) for x, axis in zip(increment, axes)))
 
-  def floors(increments, leaf_shapes, specs, layered):
+  def floors(increments: list[_floor.FactoredSquares], leaf_shapes: list[tuple[int, ...]],
+             specs: list[PartitionSpec], layered: bool) -> list[_floor.FactoredSquares]:
     return [floor(inc, spec, shape, len(shape) - layered)
             for inc, spec, shape in zip(increments, specs, leaf_shapes)]
 
@@ -379,7 +403,8 @@ def _data_parallel_reductions(staged, state_specs, param_specs, slice_specs, mes
       if shard_states == "fsdp" else _release_fold.identity)
 
 
-def _assembled(x, axis, data_axis, num_devices):
+def _assembled(x: jax.Array, axis: Optional[int], data_axis: _sharding.AxisName,
+               num_devices: int) -> jax.Array:
   """Inside ``shard_map``: the sum over devices of ``x``, each device's block
   placed at its offset along ``axis`` first (``None``: added as is)."""
   if axis is not None:
@@ -390,7 +415,8 @@ def _assembled(x, axis, data_axis, num_devices):
   return jax.lax.psum(x, data_axis)
 
 
-def local_slice(x, spec, data_axis, num_devices):
+def local_slice(x: jax.Array, spec: PartitionSpec, data_axis: _sharding.AxisName,
+                num_devices: int) -> jax.Array:
   """Inside ``shard_map``: this device's block of a replicated ``x`` under ``spec``."""
   dim = _sharding.split_dim(spec)
   if dim is None:
@@ -399,7 +425,9 @@ def local_slice(x, spec, data_axis, num_devices):
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(data_axis) * size, size, dim)
 
 
-def apply_sharded_updates(staged, params, updates, slices, mesh, data_axis):
+def apply_sharded_updates(staged: _staged.StagedLoss, params: optax.Params,
+                          updates: optax.Updates, slices: Any, mesh: Mesh,
+                          data_axis: _sharding.AxisName) -> optax.Params:
   """Replicated params plus updates split like the moments, gathered in pieces.
 
   Each device adds its slice of the update to its slice of the params and
@@ -412,12 +440,13 @@ def apply_sharded_updates(staged, params, updates, slices, mesh, data_axis):
   update_specs = partition_specs(slices)
   outer_specs, stacked_specs = staged.split(update_specs)
 
-  def apply(p, u, spec):
+  def apply(p: jax.Array, u: jax.Array, spec: PartitionSpec) -> jax.Array:
     new = _steps.apply_updates(local_slice(p, spec, data_axis, num_devices), u)
     dim = _sharding.split_dim(spec)
     return new if dim is None else jax.lax.all_gather(new, data_axis, axis=dim, tiled=True)
 
-  def apply_layer(stacked, xs):
+  def apply_layer(stacked: optax.Params,
+                  xs: tuple[jax.Array, optax.Updates]) -> tuple[optax.Params, None]:
     layer, layer_updates = xs
     layer_params = jax.tree.map(
         lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), stacked)
@@ -426,7 +455,7 @@ def apply_sharded_updates(staged, params, updates, slices, mesh, data_axis):
     return jax.tree.map(lambda p, n: jax.lax.dynamic_update_index_in_dim(p, n, layer, 0),
                         stacked, new), None
 
-  def local(params, updates):
+  def local(params: optax.Params, updates: optax.Updates) -> optax.Params:
     (outer, stacked), (outer_updates, stacked_updates) = map(staged.split, (params, updates))
     outer = jax.tree.map(apply, outer, outer_updates, outer_specs)
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
@@ -441,5 +470,5 @@ def apply_sharded_updates(staged, params, updates, slices, mesh, data_axis):
       out_specs=PartitionSpec(), check_vma=False)(params, updates)
 
 
-def partition_specs(shardings):
+def partition_specs(shardings: Any) -> Any:  # a tree of NamedSharding -> of PartitionSpec
   return jax.tree.map(lambda s: s.spec, shardings)

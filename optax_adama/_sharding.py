@@ -40,6 +40,7 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -94,7 +95,7 @@ def check_shard_states(shard_states: Optional[str]) -> Optional[str]:
   return shard_states
 
 
-def _axis_size(mesh: Mesh, data_axis: AxisName) -> int:
+def _axis_size(mesh: Union[Mesh, AbstractMesh], data_axis: AxisName) -> int:
   names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
   missing = [n for n in names if n not in mesh.shape]
   if missing:
@@ -268,7 +269,8 @@ def block_aligned_moments(opt_state_shardings: Any, opt_state: Any, params: Any,
   devices = num_devices(mesh, data_axis)
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  def align(param_slice, param, moment, moment_sharding):
+  def align(param_slice: NamedSharding, param: jax.Array, moment: Any,
+            moment_sharding: Any) -> Any:  # moment: a Moment, its sharding likewise
     # A gradient kept whole on every device: any split of its moment is a local slice.
     if not is_quantized(moment) or split_dim(param_slice.spec) is None:
       return moment_sharding
@@ -279,7 +281,7 @@ def block_aligned_moments(opt_state_shardings: Any, opt_state: Any, params: Any,
       return _quantize.QuantizedArray(codes=replicated, scale=replicated)
     return moment_sharding
 
-  def per_state(state_shardings, state):
+  def per_state(state_shardings: Any, state: Any) -> Any:  # any node of the state trees
     if not isinstance(state, _adama.ScaleByAdamAState):
       return state_shardings
     moments = {}
@@ -337,7 +339,7 @@ def _replicated_floors(opt_state_shardings: Any, mesh: Mesh) -> Any:
   """``opt_state_shardings`` with AdamA's "split" floor replicated: it is a
   few vectors per leaf, and whole on every device each device can read the
   floor of its own slice without a collective."""
-  def replicate_floor(x):
+  def replicate_floor(x: Any) -> Any:  # any node of the shardings tree
     if isinstance(x, _adama.ScaleByAdamAState):
       return x._replace(nu_floor=replicated_shardings(x.nu_floor, mesh))
     return x
@@ -371,7 +373,7 @@ def batch_sharding(mesh: Mesh, data_axis: AxisName = "data") -> NamedSharding:
 # one device's share of a micro-batch to the whole micro-batch's.
 
 
-def place_micro_batch_rows(micro_batches, mesh, data_axis):
+def place_micro_batch_rows(micro_batches: Any, mesh: Mesh, data_axis: AxisName) -> Any:
   """``[N, B / N, ...]`` micro-batches with the row axis split over the devices.
 
   The column-major split keeps each device's rows on that device.
@@ -381,11 +383,11 @@ def place_micro_batch_rows(micro_batches, mesh, data_axis):
       micro_batches, jax.tree.map(lambda _: row_split, micro_batches))
 
 
-def axis_names(data_axis) -> tuple[str, ...]:
+def axis_names(data_axis: AxisName) -> tuple[str, ...]:
   return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
 
 
-def num_devices(mesh, data_axis) -> int:
+def num_devices(mesh: Union[Mesh, AbstractMesh], data_axis: AxisName) -> int:
   """Devices along ``data_axis``; a ``ValueError`` naming the mesh's axes if absent."""
   return _axis_size(mesh, data_axis)
 
@@ -396,7 +398,8 @@ def split_dim(spec: PartitionSpec) -> Optional[int]:
   return dims[0] if dims else None
 
 
-def reduce_gradient(grad, spec, data_axis, num_devices):
+def reduce_gradient(grad: jax.Array, spec: PartitionSpec, data_axis: AxisName,
+                    num_devices: int) -> jax.Array:
   """Inside ``shard_map``: the device-mean of ``grad``, placed as ``spec`` says."""
   dim = split_dim(spec)
   if dim is None:  # all-reduce (plain data parallel, ZeRO-1, odd-sized leaves)
@@ -406,7 +409,7 @@ def reduce_gradient(grad, spec, data_axis, num_devices):
       grad, data_axis, scatter_dimension=dim, tiled=True) / num_devices
 
 
-def reduce_aux(x, data_axis):
+def reduce_aux(x: jax.typing.ArrayLike, data_axis: AxisName) -> jax.Array:
   """Inside ``shard_map``: a float aux value averaged over devices, a count summed."""
   x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -414,7 +417,7 @@ def reduce_aux(x, data_axis):
   return jax.lax.psum(x, data_axis)
 
 
-def to_varying(x, axis_names):
+def to_varying(x: jax.Array, axis_names: tuple[str, ...]) -> jax.Array:
   aval = jax.typeof(x)
   mat = getattr(aval, "mat", None)  # where newer JAX keeps the varying axes
   vma = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
@@ -423,4 +426,4 @@ def to_varying(x, axis_names):
     return x
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)
+  return jax.lax.pvary(x, missing)  # type: ignore[attr-defined]  # JAX before pcast
