@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_adama import _adama
 from optax_adama import _estimators
 from optax_adama._checks import check_num_micro_batches
 
+if TYPE_CHECKING:
+  from optax_adama._state import ScaleByAdamAState
+
 Batch = Any
 Metrics = dict[str, Any]
+# A fused training step: (params, opt_state, batch) -> (params, opt_state, metrics).
+Step = Callable[[optax.Params, optax.OptState, Batch],
+                tuple[optax.Params, optax.OptState, Metrics]]
+# (params, micro_batch) -> (loss, aux, grads): one micro-batch's gradient.
+LossAndGrads = Callable[[optax.Params, Batch], tuple[jax.Array, Any, optax.Updates]]
 
 
 def naming_the_nnx_optimizer(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,13 +129,13 @@ def _explicit_sharding(x: jax.Array) -> Optional[tuple[jax.sharding.Mesh, tuple[
   return mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
 
-def _halvable(micro_batches, num_devices: int) -> bool:
+def _halvable(micro_batches: Batch, num_devices: int) -> bool:
   """Whether ``[N, B, ...]`` micro-batches split into two halves whose rows
   split evenly over ``num_devices`` devices."""
   return jax.tree.leaves(micro_batches)[0].shape[1] % (2 * num_devices) == 0
 
 
-def check_halvable(micro_batches, num_devices: int = 1) -> None:
+def check_halvable(micro_batches: Batch, num_devices: int = 1) -> None:
   """Raises unless ``[N, B, ...]`` micro-batches split into two halves whose
   rows split evenly over ``num_devices`` devices."""
   if not _halvable(micro_batches, num_devices):
@@ -138,7 +148,8 @@ def check_halvable(micro_batches, num_devices: int = 1) -> None:
         "folds such micro-batches as 'mean'.")
 
 
-def resolve_halves(state, micro_batches, num_devices: int = 1):
+def resolve_halves(state: ScaleByAdamAState, micro_batches: Batch,
+                   num_devices: int = 1) -> tuple[ScaleByAdamAState, bool]:
   """The AdamA state as this step folds ``micro_batches``: ``(state, halves)``.
 
   ``halves`` says whether each micro-batch's gradient is taken as its two
@@ -156,14 +167,14 @@ def resolve_halves(state, micro_batches, num_devices: int = 1):
   return _estimators.resolve_estimator(state, halves), halves
 
 
-def halves(micro_batch):
+def halves(micro_batch: Batch) -> Batch:
   """``[B, ...]`` rows as ``[2, B / 2, ...]``: the micro-batch's two halves.
 
   The first and second half of the rows; on a mesh with explicit axes, rows
   ``0, 2, 4, ...`` and ``1, 3, 5, ...`` (a reshape there must keep the rows'
   sharding in its type, and two halves of a sharded axis have none).
   """
-  def split(x):
+  def split(x: jax.Array) -> jax.Array:
     if _explicit_sharding(x) is not None:
       return _column_major_split(x, x.shape[0] // 2)
     return x.reshape((2, x.shape[0] // 2) + x.shape[1:])
@@ -171,12 +182,12 @@ def halves(micro_batch):
   return jax.tree.map(split, micro_batch)
 
 
-def mean_of_halves(pairs):
+def mean_of_halves(pairs: Any) -> Any:  # trees of [2, ...] leaves
   """``(x_a + x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
   return jax.tree.map(lambda x: (x[0] + x[1]) / 2, pairs)
 
 
-def combine_halves(pairs):
+def combine_halves(pairs: Any) -> Any:  # (loss, aux) of [2, ...] leaves
   """A loss and aux of the whole micro-batch from its halves' ``[2, ...]`` leaves.
 
   Floating leaves are averaged (a mean over the examples, such as the loss or
@@ -184,19 +195,21 @@ def combine_halves(pairs):
   are added, keeping their dtype (counts, such as tokens or correct
   predictions, add up).
   """
-  def combine(x):
+  def combine(x: jax.Array) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.inexact):
       return (x[0] + x[1]) / 2
     return (x[0] + x[1]).astype(x.dtype)
   return jax.tree.map(combine, pairs)
 
 
-def half_difference(pairs):
+def half_difference(pairs: Any) -> Any:  # trees of [2, ...] leaves
   """``(x_a - x_b) / 2`` of a tree of ``[2, ...]`` leaves (one per half)."""
   return jax.tree.map(lambda x: (x[0] - x[1]) / 2, pairs)
 
 
-def loss_and_half_grads(loss_and_grads, params, micro_batch):
+def loss_and_half_grads(
+    loss_and_grads: LossAndGrads, params: optax.Params, micro_batch: Batch,
+) -> tuple[jax.Array, Any, optax.Updates, optax.Updates]:
   """(loss, aux, (g_a + g_b) / 2, (g_a - g_b) / 2) over the micro-batch's halves.
 
   One vmapped backward over the two halves: the same FLOPs as the micro-batch's
@@ -206,7 +219,7 @@ def loss_and_half_grads(loss_and_grads, params, micro_batch):
   return (*combine_halves((loss, aux)), mean_of_halves(grads), half_difference(grads))
 
 
-def poison_if_loss_nonfinite(loss, grads):
+def poison_if_loss_nonfinite(loss: jax.Array, grads: optax.Updates) -> optax.Updates:
   # A scalar-gated select per leaf: local, and fuses with AdamA's fold, whose
   # elementwise guard then drops the whole micro-batch and counts it.
   loss_finite = jnp.isfinite(loss)
@@ -238,9 +251,9 @@ def step_metrics(losses: jax.Array, dropped: jax.Array, aux: Any = None) -> Metr
   return metrics
 
 
-def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
-                          num_micro_batches: Optional[int] = None,
-                          expected_shardings: Optional[Callable] = None):
+def with_distinct_buffers(jitted: jax.stages.Wrapped, num_devices: int = 1,
+                          data_axis: Any = "data", num_micro_batches: Optional[int] = None,
+                          expected_shardings: Optional[Callable] = None) -> Step:
   """``jitted`` with a check that no two donated leaves are one array.
 
   XLA refuses to donate one buffer twice ("Attempt to donate the same buffer
@@ -258,7 +271,8 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
   """
 
   @functools.wraps(jitted)
-  def step(params, opt_state, batch):
+  def step(params: optax.Params, opt_state: optax.OptState,
+           batch: Batch) -> tuple[optax.Params, optax.OptState, Metrics]:
     leaves = jax.tree.leaves((params, opt_state))
     if len({id(x) for x in leaves}) != len(leaves):
       raise_shared_leaves(params, opt_state)
@@ -274,7 +288,8 @@ def with_distinct_buffers(jitted, num_devices: int = 1, data_axis: Any = "data",
   return step
 
 
-def check_rows_per_device(batch, opt_state, num_devices: int, data_axis: Any,
+def check_rows_per_device(batch: Batch, opt_state: optax.OptState, num_devices: int,
+                          data_axis: Any,
                           num_micro_batches: Optional[int] = None) -> None:
   """Raises unless every micro-batch of ``batch`` gives each device as many rows.
 
@@ -295,7 +310,9 @@ def check_rows_per_device(batch, opt_state, num_devices: int, data_axis: Any,
         f"N x {num_devices} = {n * num_devices} rows (e.g. {example}).")
 
 
-def check_placement(params, opt_state, param_shardings, state_shardings) -> None:
+# *_shardings: trees of NamedSharding like params and opt_state.
+def check_placement(params: optax.Params, opt_state: optax.OptState, param_shardings: Any,
+                    state_shardings: Any) -> None:
   """Raises for a leaf placed on the step's mesh with another sharding than the
   step keeps it in. Leaves not placed on a mesh (fresh from ``tx.init``) pass:
   the step places them, at the cost of a copy."""
@@ -322,10 +339,10 @@ def check_placement(params, opt_state, param_shardings, state_shardings) -> None
               "large leaves it puts in host memory" if memory else "") + ").")
 
 
-def place_off_mesh(tree, shardings):
+def place_off_mesh(tree: Any, shardings: Any) -> Any:  # any tree, its NamedShardings
   """``tree`` with its leaves not placed on the mesh of ``shardings`` (the
   leaves :func:`check_placement` lets through) put there."""
-  def place(leaf, expected):
+  def place(leaf: jax.Array, expected: jax.sharding.NamedSharding) -> jax.Array:
     sharding = getattr(leaf, "sharding", None)
     on_mesh = (isinstance(sharding, jax.sharding.NamedSharding)
                and sharding.mesh.devices.shape == expected.mesh.devices.shape)
@@ -333,7 +350,7 @@ def place_off_mesh(tree, shardings):
   return jax.tree.map(place, tree, shardings)
 
 
-def raise_shared_leaves(params, opt_state):
+def raise_shared_leaves(params: optax.Params, opt_state: optax.OptState) -> None:
   first_path: dict[int, str] = {}
   for name, tree in (("params", params), ("opt_state", opt_state)):
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -348,7 +365,7 @@ def raise_shared_leaves(params, opt_state):
       first_path[id(leaf)] = where
 
 
-def apply_updates(params, updates):
+def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
   """``optax.apply_updates`` with its promotion spelled out.
 
   ``p + u`` in the two dtypes' promotion, cast back to ``p``'s: optax's values
@@ -356,7 +373,7 @@ def apply_updates(params, updates):
   AdamA hands bfloat16 params float32 updates (as ``optax.adam`` does when
   its moments are float32).
   """
-  def add(p, u):
+  def add(p: jax.Array, u: jax.Array) -> jax.Array:
     with jax.numpy_dtype_promotion("standard"):
       dtype = jnp.promote_types(p.dtype, u.dtype)
     return (p.astype(dtype) + u.astype(dtype)).astype(p.dtype)
