@@ -52,7 +52,7 @@ test-min: $(STAMP_MIN)
 	$(VENV_MIN)/bin/python -m pytest -m "not slow" -n 2 --dist loadgroup
 
 # Compile-only memory for real accelerators without one (optax_adama.memory's
-# targets, `--target` of models.bench and benchmarks/oom_reports.py;
+# targets, `--target` of models.bench and benchmarks/scripts/oom_reports.py;
 # docs/design.md, "How we measure memory"). Each its own environment: libtpu
 # and the CUDA plugin would change what .venv's tests compile for.
 #   venv-tpu: the package, then jax[tpu] (libtpu from PyPI, no TPU needed).
@@ -92,9 +92,10 @@ validate: $(STAMP)
 
 # On a machine with a GPU: memory and step times of every accumulation method,
 # gpt2_small and gpt2_medium, N = 4, unrolled and scanned ->
-# benchmarks/gpu_<device>.md and benchmarks/raw/gpu_<device>.json. Runs on the
-# machine's own Python, whose jax has CUDA (.venv's is the CPU build). Other
-# presets through BENCH_GPU_ARGS (benchmarks/README.md, "Waiting for a GPU").
+# benchmarks/results/gpu/gpu_<device>.md and benchmarks/results/gpu/raw/gpu_<device>.json.
+# Runs on the machine's own Python, whose jax has CUDA (.venv's is the CPU build).
+# Other presets through BENCH_GPU_ARGS (benchmarks/results/gpu/live_runs.md,
+# "Waiting for a GPU").
 bench-gpu:
 	$(PYTHON) -m models.gpu_bench $(BENCH_GPU_ARGS)
 
@@ -106,14 +107,14 @@ bench-gpu-capacity:
 # size), 2,000 steps, Adam + accumulation and then the default AdamA on the same
 # mini-batch (GPU_BATCH sequences of 256 tokens in GPU_N micro-batches, seed
 # GPU_SEED), one run at a time, raw runs into GPU_OUT, named by the preset;
-# `PYTHONPATH=. python benchmarks/gpu_convergence.py` tables them.
+# `PYTHONPATH=. python benchmarks/scripts/gpu_convergence.py` tables them.
 # GPU_EXTRA_ARGS go last, so they override (the CPU test's few steps).
 GPU_PRESET ?= gpt2_small
 GPU_MODEL = $(if $(filter llama%,$(GPU_PRESET)),llama,gpt)
 GPU_N ?= 8
 GPU_BATCH ?= 32
 GPU_SEED ?= 1
-GPU_OUT ?= benchmarks/raw
+GPU_OUT ?= benchmarks/results/gpu/raw
 GPU_EXTRA_ARGS ?=
 # Which optimizers run, and a tag after the optimizer in the raw names.
 GPU_OPTIMIZERS ?= adam adama

@@ -445,7 +445,7 @@ the budget is per device). The committed results, from a clone of the repository
     ("code", '''\
 from pathlib import Path
 for name in ("capacity.md", "capacity_24gb.md", "capacity_8_devices_4gb.md"):
-  table = Path(REPO) / "benchmarks" / "raw" / name
+  table = Path(REPO) / "benchmarks" / "results" / "memory" / "raw" / name
   print(f"{name}:\\n{table.read_text()}" \
 if table.exists() else f"{name}: not in this checkout")'''),
 ]

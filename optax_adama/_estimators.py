@@ -34,7 +34,7 @@ NU_ESTIMATOR_NAMES = ("auto",) + NU_ESTIMATORS
 # the estimator nearest Adam almost everywhere it was measured: GPT-2 small on
 # a GPU, 2,000 steps, -0.61% (N = 4) and +0.40% (N = 8) held-out against
 # Adam + accumulation, where "momentum" was +0.29% and +4.44%
-# (benchmarks/gpu_convergence.md; docs/estimators.md has the tiny models).
+# (benchmarks/results/gpu/gpu_convergence.md; docs/estimators.md has the tiny models).
 DEFAULT_NU_ESTIMATOR = "mean"
 
 

@@ -97,7 +97,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_script(relative_path: str):
-  """A script of the repository outside the packages (``benchmarks/x.py``,
+  """A script of the repository outside the packages (``benchmarks/scripts/x.py``,
   ``notebooks/build.py``) imported as the module ``<folder>_<file>``, and
   registered in ``sys.modules`` (dataclasses look their module up there)."""
   path = REPO / relative_path

@@ -129,7 +129,7 @@ def test_capacity_smoke_scanned_release_holds_less():
 
 def test_fsdp_methods_place_each_layer_split_and_count_one_devices_bytes():
   # A one-device mesh: the FSDP steps compile with their arguments placed as
-  # they keep them (the 8-device numbers: benchmarks/fsdp_memory.py, slow).
+  # they keep them (the 8-device numbers: benchmarks/scripts/fsdp_memory.py, slow).
   mesh = jax.make_mesh((1,), ("data",))
   scanned = dict(SMALL_STEP, hidden=128, scan_layers=True)
   totals = {method: capacity.total_bytes_at(2, method, mesh=mesh, **scanned)
@@ -272,7 +272,7 @@ def test_state_methods_shrink_the_state_in_order():
 
 
 def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
-  """benchmarks/unrolled_residuals.py (its own process: it sets XLA_FLAGS to dump).
+  """benchmarks/scripts/unrolled_residuals.py (its own process: it sets XLA_FLAGS to dump).
 
   What it parses from the dumped buffer assignment (the buffers live at the temp
   peak) must add up to the temp bytes `memory_analysis()` reports for the same
@@ -286,7 +286,7 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
   scratch = tmp_path / "tmp"  # the script's dump directory goes here
   scratch.mkdir()
   subprocess.run(
-      [sys.executable, os.path.join("benchmarks", "unrolled_residuals.py"),
+      [sys.executable, os.path.join("benchmarks", "scripts", "unrolled_residuals.py"),
        "--presets", "bert_test", "--json", str(out)],
       check=True, cwd=root, env={**os.environ, "PYTHONPATH": root, "TMPDIR": str(scratch)})
   assert not list(scratch.iterdir())  # the dumps are removed when it exits
@@ -305,10 +305,10 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
     ("split",), pytest.param(("mean", "split"), marks=pytest.mark.slow)],
     ids=["split", "mean_and_split"])
 def test_estimator_memory_script_release_takes_split_at_means_memory(estimators):
-  """benchmarks/estimator_memory.py on a 4-layer scanned gpt_test: in the fused
+  """benchmarks/scripts/estimator_memory.py on a 4-layer scanned gpt_test: in the fused
   step "split" holds the stack's gradient twice (one leaf, per half); the
   release step folds each layer's halves and drops them, at "mean"'s memory."""
-  module = load_script("benchmarks/estimator_memory.py")
+  module = load_script("benchmarks/scripts/estimator_memory.py")
   totals = module.estimator_totals(
       "gpt_test", batch_size=4, num_micro_batches=2, scan_layers=True,
       estimators=estimators, num_layers=4)
@@ -322,11 +322,11 @@ def test_estimator_memory_script_release_takes_split_at_means_memory(estimators)
 
 
 def test_cpu_stand_in_tables_and_plots_a_compare_run(tmp_path):
-  """benchmarks/cpu_stand_in.py on a `models.train --compare` payload: the gap,
+  """benchmarks/scripts/cpu_stand_in.py on a `models.train --compare` payload: the gap,
   the curves (smoothed as a running mean) and the table."""
   import numpy as np
 
-  module = load_script("benchmarks/cpu_stand_in.py")
+  module = load_script("benchmarks/scripts/cpu_stand_in.py")
   np.testing.assert_allclose(harness.running_mean([4.0, 2.0, 0.0], window=2), [4.0, 3.0, 1.0])
 
   def run(optimizer, eval_loss):
@@ -352,7 +352,7 @@ def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypa
   run from another setting is refused before any training."""
   import dataclasses
 
-  module = load_script("benchmarks/cpu_stand_in.py")
+  module = load_script("benchmarks/scripts/cpu_stand_in.py")
   adam_args = [a for a in module.TRAIN_ARGS if a != "--compare"] + ["--optimizer", "adam",
                                                                       "--steps", "3"]
 
@@ -396,7 +396,7 @@ def test_cpu_stand_in_retrains_the_default_and_keeps_the_rest(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
-  """benchmarks/fsdp_memory.py on gpt_test (its own process: 8 fake devices)."""
+  """benchmarks/scripts/fsdp_memory.py on gpt_test (its own process: 8 fake devices)."""
   import subprocess
   import sys
   from pathlib import Path
@@ -404,7 +404,7 @@ def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
   root = Path(__file__).resolve().parents[1]
   out = tmp_path / "fsdp.json"
   result = subprocess.run(
-      [sys.executable, str(root / "benchmarks" / "fsdp_memory.py"), "--presets", "gpt_test",
+      [sys.executable, str(root / "benchmarks" / "scripts" / "fsdp_memory.py"), "--presets", "gpt_test",
        "--seq-len", "32", "--json", str(out), "--markdown", str(tmp_path / "fsdp.md")],
       cwd=root, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]

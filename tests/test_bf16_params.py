@@ -1,4 +1,4 @@
-"""benchmarks/bf16_params.py, the convergence cost of bfloat16 params, on gpt_test."""
+"""benchmarks/scripts/bf16_params.py, the convergence cost of bfloat16 params, on gpt_test."""
 
 import json
 import pathlib
@@ -12,7 +12,7 @@ import models
 import optax_adama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scripts"))
 import bf16_params  # noqa: E402  # pylint: disable=wrong-import-position
 
 

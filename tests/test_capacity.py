@@ -1,4 +1,4 @@
-"""benchmarks/oom_reports.py's capacity table: rows kept across runs, host bytes beside.
+"""benchmarks/scripts/oom_reports.py's capacity table: rows kept across runs, host bytes beside.
 
 The capacity search compiles multi-billion-parameter steps for minutes each,
 so a run may measure one method and keep the others' rows from the JSON it
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax_adama
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+                                "benchmarks", "scripts"))
 import oom_reports  # pylint: disable=wrong-import-position
 
 
@@ -39,8 +39,8 @@ def test_a_run_of_one_method_keeps_the_other_methods_rows(tmp_path):
   saved = json.loads((tmp_path / "c.json").read_text())
   assert [r["method"] for r in saved["rows"]] == [
       "scan_accumulation", "adama_release_offload", "adama_release_8bit_offload"]
-  assert saved["commands"] == ["python benchmarks/oom_reports.py capacity",
-                               "python benchmarks/oom_reports.py capacity --methods "
+  assert saved["commands"] == ["python benchmarks/scripts/oom_reports.py capacity",
+                               "python benchmarks/scripts/oom_reports.py capacity --methods "
                                "adama_release_8bit_offload"]
   table = (tmp_path / "c.md").read_text()
   assert "40,000M (40 x 2560), host 50 GB a device" in table

@@ -237,12 +237,13 @@ def test_quoted_plan_search_times_are_the_recorded_ones():
   writes "seconds"), not a number left from an older revision."""
   page = (ROOT / "docs" / "activation_memory.md").read_text()
   checked = 0
-  for row in re.findall(r"^\|.*\]\(\.\./benchmarks/plan_[^)]*\).*$|^\| `\w+`, \d+ GB \|.*$",
-                        page, re.MULTILINE):
+  for row in re.findall(
+      r"^\|.*\]\(\.\./benchmarks/results/memory/plan_[^)]*\).*$|^\| `\w+`, \d+ GB \|.*$",
+      page, re.MULTILINE):
     preset = re.match(r"\| `(\w+)`, (\d+) GB", row)
     if preset is None:
       continue
-    (raw,) = [path for path in (ROOT / "benchmarks").glob(f"plan_{preset[1]}_*gb.json")
+    (raw,) = [path for path in (ROOT / "benchmarks" / "results" / "memory").glob(f"plan_{preset[1]}_*gb.json")
               if f"x{preset[2]}gb" in path.name or f"_{preset[2]}gb" in path.name]
     recorded = json.loads(raw.read_text()).get("seconds")
     if recorded is None:

@@ -214,7 +214,7 @@ def _train_small_family_member(method):
 # The section of benchmarks/README.md that shows the Llama 3.2 1B rows, and
 # the raw file its table came from.
 LLAMA_SECTION = "GPU: one H200, Llama 3.2 1B"
-LLAMA_RAW = REPO / "benchmarks" / "raw" / "gpu_nvidia_h200_llama32_1b.json"
+LLAMA_RAW = REPO / "benchmarks" / "results" / "gpu" / "raw" / "gpu_nvidia_h200_llama32_1b.json"
 
 
 def test_the_llama_command_shown_is_the_one_that_made_the_table():

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_convergence.py renders its table and plots from the committed runs,
+"""benchmarks/scripts/gpu_convergence.py renders its table and plots from the committed runs,
 and `make gpu-convergence` trains the pair it tables, on any causal LM preset."""
 
 import json
@@ -12,19 +12,23 @@ from conftest import REPO as ROOT
 from conftest import load_script
 
 
+# The committed raw runs the script tables.
+RAW = ROOT / "benchmarks" / "results" / "gpu" / "raw"
+
+
 def committed_gpt2_small_runs(raw):
-  """benchmarks/raw's gpt2_small runs (the script's fixed cells) copied into ``raw``."""
-  shutil.copytree(ROOT / "benchmarks" / "raw", raw,
+  """benchmarks/results/gpu/raw's gpt2_small runs (the script's fixed cells) copied into ``raw``."""
+  shutil.copytree(RAW, raw,
                   ignore=lambda d, names: [n for n in names if not n.startswith("gpu_gpt2_small")])
 
 
 def test_the_table_gaps_are_each_cell_s_runs_against_its_own_adam(tmp_path):
-  script = load_script("benchmarks/gpu_convergence.py")
-  script.main(["--raw", str(ROOT / "benchmarks" / "raw"), "--out-dir", str(tmp_path)])
+  script = load_script("benchmarks/scripts/gpu_convergence.py")
+  script.main(["--raw", str(RAW), "--out-dir", str(tmp_path)])
   for _, _, plot in script.CELLS:
     assert (tmp_path / plot).stat().st_size > 0
   text = (tmp_path / "gpu_convergence.md").read_text()
-  raw = lambda stem: json.loads((ROOT / "benchmarks" / "raw"
+  raw = lambda stem: json.loads((RAW
                                  / f"gpu_gpt2_small_{stem}.json").read_text())
   adam, mean = raw("n8_adam"), raw("n8_adama_mean")
   assert mean["config"]["num_micro_batches"] == adam["config"]["num_micro_batches"] == 8
@@ -40,7 +44,7 @@ def test_the_table_gaps_are_each_cell_s_runs_against_its_own_adam(tmp_path):
 
 
 def test_pairs_of_make_gpu_convergence_become_cells_of_their_own(tmp_path):
-  script = load_script("benchmarks/gpu_convergence.py")
+  script = load_script("benchmarks/scripts/gpu_convergence.py")
   raw = tmp_path / "raw"
   committed_gpt2_small_runs(raw)
   # A second seed at N = 8, as `make gpu-convergence GPU_SEED=1` names it.
@@ -148,7 +152,7 @@ def test_make_gpu_convergence_trains_a_llama_pair_that_tables_as_its_own_cell(tm
             run["config"]["steps"], run["config"]["dtype"]) == (
                 "llama_test", "llama", optimizer, 2, "bfloat16")
   assert adama["config"]["nu_estimator"] == train_default_estimator()
-  script = load_script("benchmarks/gpu_convergence.py")
+  script = load_script("benchmarks/scripts/gpu_convergence.py")
   script.main(["--raw", str(raw), "--out-dir", str(tmp_path)])
   assert (tmp_path / "gpu_convergence_llama_test_n2_b4_seed0.png").stat().st_size > 0
   text = (tmp_path / "gpu_convergence.md").read_text()
@@ -168,4 +172,4 @@ def train_default_estimator():
 
 
 def script_pattern_matches(name):
-  return load_script("benchmarks/gpu_convergence.py").EXTRA_RUN.fullmatch(name) is not None
+  return load_script("benchmarks/scripts/gpu_convergence.py").EXTRA_RUN.fullmatch(name) is not None

@@ -251,7 +251,8 @@ def test_llama_tiny_learns_stdlib_bytes():
 def test_the_capacity_search_counts_parameters_as_the_model_does():
   import os
   import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                                  "scripts"))
   import oom_reports
 
   for config in (oom_reports.llama_family(8), oom_reports.llama_family(21),

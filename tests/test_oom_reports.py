@@ -3,7 +3,7 @@
 A user's own model is a plain ``loss_fn``: under ``shard_states="fsdp"`` it must stay
 split and be gathered a layer at a time inside the model's own scan, so that AdamA
 saves the accumulator against FSDP accumulation written by hand
-(``benchmarks/oom_reports.py``, whose smoke run on a 4-layer ``llama_test`` is here).
+(``benchmarks/scripts/oom_reports.py``, whose smoke run on a 4-layer ``llama_test`` is here).
 The moments must follow the params' split however ``init`` is called (optax.MultiSteps'
 accumulator, built under ``jax.jit``, lands on one device: llama-2-jax #10). The checks
 run in one subprocess with 8 virtual CPU devices (this file run as a script).
@@ -35,7 +35,7 @@ def _worker() -> dict:
 
   import models
   import optax_adama
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks", "scripts"))
   import oom_reports
 
   out = {}
@@ -162,7 +162,7 @@ def test_bfloat16_params_halve_the_params_a_device_takes_in(eight_devices):
 
 def test_the_cpu_backend_gathers_bfloat16_as_float32(eight_devices):
   # Were this to change, the capacity table could compile its bf16 columns
-  # (benchmarks/oom_reports.py's PROJECTED says why it projects them).
+  # (benchmarks/scripts/oom_reports.py's PROJECTED says why it projects them).
   assert eight_devices["gathered_dtype"] == "f32", eight_devices["gathered_dtype"]
 
 

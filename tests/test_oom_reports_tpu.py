@@ -1,6 +1,6 @@
 """LLaMA-7B's FSDP step compiled by libtpu for a TPU v3-8 (EasyLM #36), compile-only.
 
-These pin what ``benchmarks/oom_easylm_tpu_v3.md`` reports about layout on the TPU's
+These pin what ``benchmarks/results/memory/oom_easylm_tpu_v3.md`` reports about layout on the TPU's
 own compiler: at N = 1 the plain FSDP step of the unrolled model (as EasyLM's LLaMA
 runs it: a remat per block) fits a v3 core, the same step over stacked, scanned
 layers does not. No small preset shows the effect (a 15.48 GiB core is only
@@ -42,7 +42,7 @@ def _per_core_gib(target, mesh, method, n, *, unrolled, seq_len=2048):
   import models
   import optax_adama
   from models import harness
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks", "scripts"))
   import oom_reports
 
   config = models.get_config("llama2_7b", scan_layers=not unrolled, remat="full")

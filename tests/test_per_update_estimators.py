@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/per_update_estimators.py: one seed, 10 mini-batches."""
+"""Smoke run of benchmarks/scripts/per_update_estimators.py: one seed, 10 mini-batches."""
 
 import json
 import math
@@ -7,7 +7,7 @@ from conftest import load_script
 
 
 def test_every_arm_runs_through_nnx_optimizer(tmp_path):
-  bench = load_script("benchmarks/per_update_estimators.py")
+  bench = load_script("benchmarks/scripts/per_update_estimators.py")
   out, table = tmp_path / "raw.json", tmp_path / "table.md"
   result = bench.main(["--seeds", "0", "--steps", "10", "--learning-rates", "1e-2", "2e-2",
                        "--heldout-size", "256", "--json", str(out), "--markdown", str(table)])

@@ -1,4 +1,4 @@
-"""benchmarks/run_waiting.py: the waiting GPU commands, in order, within a deadline."""
+"""benchmarks/scripts/run_waiting.py: the waiting GPU commands, in order, within a deadline."""
 
 import os
 import tarfile
@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 from conftest import load_script
 
-run_waiting = load_script("benchmarks/run_waiting.py")
+run_waiting = load_script("benchmarks/scripts/run_waiting.py")
 
 
 def test_every_waiting_item_has_commands_and_the_numbers_run_in_order():
@@ -18,7 +18,7 @@ def test_every_waiting_item_has_commands_and_the_numbers_run_in_order():
   # The Llama pair first (the order the issues ask for), its table after it.
   assert items[0].commands == (
       "make gpu-convergence PYTHON=python3 GPU_PRESET=llama_small GPU_SEED=0",
-      "PYTHONPATH=. python3 benchmarks/gpu_convergence.py")
+      "PYTHONPATH=. python3 benchmarks/scripts/gpu_convergence.py")
   # Every command is one line, from the repository root.
   for item in items:
     for command in item.commands:

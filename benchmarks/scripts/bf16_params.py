@@ -1,9 +1,10 @@
 """The convergence cost of bfloat16 params: AdamA with float32 against bfloat16 params.
 
-    python benchmarks/bf16_params.py --seeds 0 1 2 \
-        --out benchmarks/raw/bf16_params.json --markdown benchmarks/bf16_params.md \
-        --plot benchmarks/bf16_params.png
-    python benchmarks/bf16_params.py --seeds 0 --steps 20 --out /tmp/b.json \
+    python benchmarks/scripts/bf16_params.py --seeds 0 1 2 \
+        --out benchmarks/results/convergence/raw/bf16_params.json \
+        --markdown benchmarks/results/convergence/bf16_params.md \
+        --plot benchmarks/results/convergence/bf16_params.png
+    python benchmarks/scripts/bf16_params.py --seeds 0 --steps 20 --out /tmp/b.json \
         --markdown /tmp/b.md --plot /tmp/b.png      # a smoke run, seconds
 
 The protocol of ``models.validate`` for gpt_tiny (same data order and initial
@@ -36,7 +37,7 @@ float32 moments in every arm, so the params' storage is the only difference:
   noise without its grid; ``f32_bf16_passes_noise``: both at once, bfloat16
   storage but for the grid.
 
-The target (the capacity of benchmarks/capacity_fsdp_8_devices.md rests on it):
+The target (the capacity of benchmarks/results/memory/capacity_fsdp_8_devices.md rests on it):
 ``bf16_stochastic`` within 1% of ``float32`` in held-out loss, mean of the seeds.
 """
 
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           {(s, a) for s in args.seeds for a in args.arms}]
   kept = previous.get("commands") or previous.get("command", "").split("; ")
   commands = list(dict.fromkeys([c for c in kept if c] * bool(runs)
-                                + ["python benchmarks/bf16_params.py " + " ".join(argv)]))
+                                + ["python benchmarks/scripts/bf16_params.py " + " ".join(argv)]))
   command = "; ".join(commands)
   jobs = [(seed, arm) for seed in args.seeds for arm in args.arms]
   for seed, arm in tqdm(jobs, desc="runs"):

@@ -1,12 +1,12 @@
 """What checkpointing every K steps costs a training run, interleaved.
 
-    python benchmarks/checkpoint_overhead.py --steps 300 --every 100 --rounds 3
+    python benchmarks/scripts/checkpoint_overhead.py --steps 300 --every 100 --rounds 3
 
 Trains the same run (the tiny GPT, `models.train`'s defaults) with and without
 `--checkpoint-dir`, alternating the two in each round so that machine noise
 falls on both, and compares the wall time of the step loop (the saves and the
 wait for the last one included; compile and evaluation excluded). Writes
-benchmarks/raw/checkpoint_overhead.json and prints a markdown table.
+benchmarks/results/step_time/raw/checkpoint_overhead.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--every", type=int, default=100)
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--out", type=Path, default=Path("benchmarks/raw/checkpoint_overhead.json"))
+  parser.add_argument("--out", type=Path,
+                      default=Path("benchmarks/results/step_time/raw/checkpoint_overhead.json"))
   args = parser.parse_args()
   config = harness.TrainConfig(model="gpt", preset=args.preset, steps=args.steps)
   loops: dict[str, list[float]] = {"none": [], "checkpoint": []}
@@ -78,7 +79,7 @@ def main() -> None:
             "rounds": args.rounds, "loop_s": loops, "median_loop_s": median,
             "overhead": overhead, "paired_overheads": paired, "one_save": costs,
             "median_step_s_without": median["none"] / args.steps,
-            "command": f"python benchmarks/checkpoint_overhead.py --steps {args.steps} "
+            "command": f"python benchmarks/scripts/checkpoint_overhead.py --steps {args.steps} "
                        f"--every {args.every} --rounds {args.rounds}",
             "machine": harness.machine_info()}
   args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """The at-scale check's CPU stand-in: AdamA's default against Adam + accumulation, long.
 
-    PYTHONPATH=. python benchmarks/cpu_stand_in.py             # trains both, ~70 min
-    PYTHONPATH=. python benchmarks/cpu_stand_in.py --metrics benchmarks/raw/cpu_stand_in.json
-    PYTHONPATH=. python benchmarks/cpu_stand_in.py --retrain-default   # AdamA's side, ~35 min
+    PYTHONPATH=. python benchmarks/scripts/cpu_stand_in.py       # trains both, ~70 min
+    PYTHONPATH=. python benchmarks/scripts/cpu_stand_in.py \
+        --metrics benchmarks/results/convergence/raw/cpu_stand_in.json
+    PYTHONPATH=. python benchmarks/scripts/cpu_stand_in.py --retrain-default   # AdamA's, ~35 min
 
 Without a GPU the largest run this project makes is the tiny GPT on the offline
 corpus for about 35 minutes a side on 2 CPU cores: `models.train --compare`
@@ -24,6 +25,8 @@ from pathlib import Path
 from models import harness
 from models import train
 
+# The result page, its plot and its raw runs, from the checkout's root.
+RESULTS = Path("benchmarks/results/convergence")
 TRAIN_ARGS = ["--model", "gpt", "--preset", "gpt_tiny", "--compare", "--num-micro-batches",
               "4", "--batch-size", "128", "--seq-len", "64", "--steps", "3000",
               "--learning-rate", "2e-3", "--warmup-steps", "100", "--no-progress"]
@@ -98,7 +101,7 @@ def markdown(runs, metrics_path: Path, plot_path: Path) -> str:
       f"{config['batch_size'] // config['num_micro_batches']} sequences x "
       f"{config['seq_len']} tokens, {config['steps']:,} steps, warm-up + cosine from "
       f"{config['learning_rate']:g}, seed {config['seed']}, on {adama['machine']['device']}. "
-      "Made by `PYTHONPATH=. python benchmarks/cpu_stand_in.py` "
+      "Made by `PYTHONPATH=. python benchmarks/scripts/cpu_stand_in.py` "
       + ("(the default's row by `... --retrain-default`) " if len(runs) > 2 else "")
       + f"(raw runs: [{metrics_path.name}](raw/{metrics_path.name})).",
       "",
@@ -120,9 +123,9 @@ def markdown(runs, metrics_path: Path, plot_path: Path) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--metrics", type=Path, default=Path("benchmarks/raw/cpu_stand_in.json"))
-  parser.add_argument("--plot", type=Path, default=Path("benchmarks/cpu_stand_in.png"))
-  parser.add_argument("--markdown", type=Path, default=Path("benchmarks/cpu_stand_in.md"))
+  parser.add_argument("--metrics", type=Path, default=RESULTS / "raw" / "cpu_stand_in.json")
+  parser.add_argument("--plot", type=Path, default=RESULTS / "cpu_stand_in.png")
+  parser.add_argument("--markdown", type=Path, default=RESULTS / "cpu_stand_in.md")
   parser.add_argument("--steps", type=int, default=None, help="override the 3,000 steps")
   parser.add_argument("--retrain-default", action="store_true",
                       help="train AdamA's side again with the default estimator; keep the rest")

@@ -1,8 +1,10 @@
 """Step time of AdamA's "momentum" estimator against "mean" (the default).
 
-    PYTHONPATH=. python benchmarks/default_step_time.py --presets gpt_tiny bert_tiny vit_tiny
+    PYTHONPATH=. python benchmarks/scripts/default_step_time.py \
+        --presets gpt_tiny bert_tiny vit_tiny
 
-"momentum" (the default until "mean" replaced it; benchmarks/default_step_time.md
+"momentum" (the default until "mean" replaced it;
+benchmarks/results/step_time/default_step_time.md
 was made then) folds g^2 / N^2 per micro-batch, as "mean" folds g^2 / N, and adds
 (1 - 1/N) m_hat^2 once per mini-batch; this measures what that term costs.
 Each preset, N = 4 micro-batches of ``--micro-batch-size`` examples, through
@@ -112,7 +114,7 @@ def main(argv=None):
   rows = [row for preset in args.presets for row in time_preset(
       preset, args.micro_batch_size, args.num_micro_batches, args.rounds,
       args.steps_per_round, progress=not args.no_progress)]
-  command = "PYTHONPATH=. python benchmarks/default_step_time.py " + " ".join(
+  command = "PYTHONPATH=. python benchmarks/scripts/default_step_time.py " + " ".join(
       argv if argv is not None else sys.argv[1:])
   table = markdown(rows, command)
   print(table)

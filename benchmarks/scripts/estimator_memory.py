@@ -1,7 +1,7 @@
 """Compile-only step memory of each AdamA estimator, in units of P.
 
-    PYTHONPATH=. python benchmarks/estimator_memory.py --presets gpt_test gpt2_small
-    PYTHONPATH=. python benchmarks/estimator_memory.py --presets gpt2_small \
+    PYTHONPATH=. python benchmarks/scripts/estimator_memory.py --presets gpt_test gpt2_small
+    PYTHONPATH=. python benchmarks/scripts/estimator_memory.py --presets gpt2_small \
         --scan-layers --remat full [--loss-chunks 8]
 
 `adama(nu_estimator=...)`, N = 4, `memory_analysis()` on the default backend.

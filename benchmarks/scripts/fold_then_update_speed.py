@@ -1,7 +1,7 @@
 """AdamA's step with the update once per mini-batch against once per micro-batch.
 
-    PYTHONPATH=. python benchmarks/fold_then_update_speed.py \
-        --json benchmarks/raw/fold_then_update_speed.json
+    PYTHONPATH=. python benchmarks/scripts/fold_then_update_speed.py \
+        --json benchmarks/results/step_time/raw/fold_then_update_speed.json
 
 `microbatch_step` with a bare AdamA (`optax_adama.adama`) scans folds only and
 applies AdamA's direction once, after the N-th fold. The same AdamA under

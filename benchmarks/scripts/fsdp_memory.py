@@ -1,6 +1,6 @@
 """Per-device step memory under FSDP on 8 devices, compile-only: release against accumulation.
 
-    python benchmarks/fsdp_memory.py --presets gpt2_small gpt2_medium
+    python benchmarks/scripts/fsdp_memory.py --presets gpt2_small gpt2_medium
 
 Fakes 8 CPU devices (``--devices``), builds each preset with its layers
 scanned and ``remat="full"``, and compiles (nothing is allocated) one
@@ -35,6 +35,9 @@ import os
 import sys
 from pathlib import Path
 
+# The result page and its raw rows, from the checkout's root.
+RESULTS = Path("benchmarks/results/memory")
+
 
 def _parse(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,8 +46,8 @@ def _parse(argv):
   parser.add_argument("--num-micro-batches", type=int, default=4)
   parser.add_argument("--rows", type=int, default=2, help="sequences per device per micro-batch")
   parser.add_argument("--seq-len", type=int, default=256)
-  parser.add_argument("--json", type=Path, default=Path("benchmarks/raw/fsdp_memory.json"))
-  parser.add_argument("--markdown", type=Path, default=Path("benchmarks/fsdp_memory.md"))
+  parser.add_argument("--json", type=Path, default=RESULTS / "raw" / "fsdp_memory.json")
+  parser.add_argument("--markdown", type=Path, default=RESULTS / "fsdp_memory.md")
   return parser.parse_args(argv)
 
 
@@ -160,9 +163,9 @@ def main(argv=None):
   args = _parse(argv)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.devices}")
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
   rows = [r for preset in args.presets for r in measure(preset, args)]
-  command = ("python benchmarks/fsdp_memory.py "
+  command = ("python benchmarks/scripts/fsdp_memory.py "
              + " ".join(argv if argv is not None else sys.argv[1:]))
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))

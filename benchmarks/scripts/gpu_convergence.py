@@ -16,14 +16,14 @@ against Adam + accumulation.
     #   n8_adama_mean.json (--nu-estimator mean) and n8_adama.json (--nu-estimator
     #   momentum, the default then)
     # here: the table and the curves from the raw runs
-    PYTHONPATH=. python benchmarks/gpu_convergence.py
+    PYTHONPATH=. python benchmarks/scripts/gpu_convergence.py
 
     # more seeds and mini-batches: Adam + accumulation, then the default, one
     # after the other (the N = 8 runs above: 115-126 s of loop and 20-23 s of
     # compile each, at 32 sequences on one H100)
     make gpu-convergence PYTHON=python3 GPU_N=8 GPU_BATCH=64 GPU_SEED=1 GPU_OUT=$OUT
     #   -> gpu_gpt2_small_n8_b64_seed1_adam.json and ..._adama.json, copied into
-    #   benchmarks/raw/: every such pair becomes a cell of its own here
+    #   benchmarks/results/gpu/raw/: every such pair becomes a cell of its own here
     # the same pair on another preset, its cells its own (raw names carry it):
     make gpu-convergence PYTHON=python3 GPU_PRESET=llama_small GPU_SEED=0 GPU_OUT=$OUT
     #   -> gpu_llama_small_n8_b32_seed0_adam.json and ..._adama.json
@@ -116,7 +116,7 @@ def markdown(cells) -> str:
       "of each row's tokens per step (N x tokens per micro-batch), 2,000 steps, warm-up "
       "(100) + cosine from 6e-4, one run each, at Adam's learning rate for every arm. "
       "Made by the commands "
-      "in `benchmarks/gpu_convergence.py` (raw runs: `raw/gpu_<preset>_*.json`). Step "
+      "in `benchmarks/scripts/gpu_convergence.py` (raw runs: `raw/gpu_<preset>_*.json`). Step "
       "times are not compared here (runs shared the card or ran on different ones); "
       "`make bench-gpu` times the steps.",
       "",
@@ -146,8 +146,8 @@ def markdown(cells) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--raw", type=Path, default=Path("benchmarks/raw"))
-  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"),
+  parser.add_argument("--raw", type=Path, default=Path("benchmarks/results/gpu/raw"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/gpu"),
                       help="where gpu_convergence.md and its plots are written")
   args = parser.parse_args(argv)
   cells = [(n, [json.loads((args.raw / f"gpu_gpt2_small_{stem}.json").read_text())

@@ -1,6 +1,6 @@
 """GPU step time of AdamA's second-moment estimators and 8-bit moments.
 
-    PYTHONPATH=. python benchmarks/gpu_estimator_step_time.py   # on a GPU machine
+    PYTHONPATH=. python benchmarks/scripts/gpu_estimator_step_time.py   # on a GPU machine
 
 gpt2_small, N = 4 micro-batches of one 1,024-token sequence, unrolled and
 scanned blocks: scan accumulation (`optax.adam`), AdamA with the "mean" and
@@ -8,7 +8,7 @@ scanned blocks: scan accumulation (`optax.adam`), AdamA with the "mean" and
 scanned stack the gradient-release step. Compile-only memory
 (`memory_analysis()`) and median step time over 7 interleaved rounds of 3
 steps. Writes `$OUT/variants.json` (or /tmp). Results:
-benchmarks/raw/gpu_estimator_step_time_h100.json.
+benchmarks/results/gpu/raw/gpu_estimator_step_time_h100.json.
 """
 import json
 import os

@@ -1,7 +1,9 @@
 """libtpu 0.0.42.1 aborts compiling a host-offloaded stack updated one layer at a time (v3).
 
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python benchmarks/libtpu_offload_abort.py 32 4096
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python benchmarks/libtpu_offload_abort.py 32 8 512
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python \
+        benchmarks/scripts/libtpu_offload_abort.py 32 4096
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python \
+        benchmarks/scripts/libtpu_offload_abort.py 32 8 512
 
 What `release_step` over `offload_moments` does to a stacked moment, reduced: an
 array of `layers` rows in host memory (`pinned_host`), split over a TPU v3-8's cores

@@ -1,8 +1,8 @@
 """Convergence of AdamA with 8-bit, low-rank and offloaded moments against Adam.
 
-    python benchmarks/low_rank_convergence.py --seeds 0 1 \
-        --out benchmarks/raw/low_rank_convergence.json \
-        --markdown benchmarks/low_rank_convergence.md
+    python benchmarks/scripts/low_rank_convergence.py --seeds 0 1 \
+        --out benchmarks/results/convergence/raw/low_rank_convergence.json \
+        --markdown benchmarks/results/convergence/low_rank_convergence.md
 
 The protocol of ``models.validate`` for gpt_tiny (same settings, same data
 order and initial weights per seed, held-out loss at the end): Adam with
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", type=Path, required=True)
   parser.add_argument("--markdown", type=Path, required=True)
   args = parser.parse_args(argv)
-  command = ("python benchmarks/low_rank_convergence.py "
+  command = ("python benchmarks/scripts/low_rank_convergence.py "
              + " ".join(sys.argv[1:] if argv is None else argv))
   settings = (f"rank {args.rank}, refreshed every {args.refresh_period} mini-batches, "
               + ("blocks' kernels only" if args.blocks_only else "embeddings projected too"))

@@ -1,10 +1,10 @@
 """Public out-of-memory reports of 7B training on 8 devices, reproduced compile-only.
 
-    python benchmarks/oom_reports.py easylm      # LLaMA-7B, FSDP on a v3-8 / v2-8
-    python benchmarks/oom_reports.py gpt7b       # a 7B-shaped GPT, tried as a new user would
-    python benchmarks/oom_reports.py easylm --preset llama_test --seq-len 64   # seconds
-    python benchmarks/oom_reports.py capacity    # the largest Llama per method, 16 and 80 GB
-    python benchmarks/oom_reports.py easylm --target tpu:v3-8   # libtpu's bytes (make venv-tpu)
+    python benchmarks/scripts/oom_reports.py easylm    # LLaMA-7B, FSDP on a v3-8 / v2-8
+    python benchmarks/scripts/oom_reports.py gpt7b     # a 7B-shaped GPT, tried as a new user would
+    python benchmarks/scripts/oom_reports.py easylm --preset llama_test --seq-len 64   # seconds
+    python benchmarks/scripts/oom_reports.py capacity  # the largest Llama per method, 16 and 80 GB
+    python benchmarks/scripts/oom_reports.py easylm --target tpu:v3-8   # libtpu's (make venv-tpu)
 
 The reports (EasyLM #36 and #61, EasyDeL #95, llama-2-jax #10): LLaMA-7B trained with
 FSDP over the 8 cores of a TPU v3-8 (16 GiB each, 15.48 GiB usable) runs without
@@ -31,10 +31,10 @@ method:
   (``BlockQuantization()``) and host-offloaded moments.
 - ``..._bf16``: the same method with bfloat16 params. AdamA's moments stay
   float32 and its updates land with stochastic rounding
-  (``optax_adama.contrib.round_params_stochastically``, benchmarks/bf16_params.md
-  has its convergence cost); ``scan_accumulation_bf16`` is Adam with optax's
-  defaults for bfloat16 params (bfloat16 moments, round-to-nearest add) and the
-  float32 accumulator.
+  (``optax_adama.contrib.round_params_stochastically``;
+  benchmarks/results/convergence/bf16_params.md has its convergence cost);
+  ``scan_accumulation_bf16`` is Adam with optax's defaults for bfloat16 params
+  (bfloat16 moments, round-to-nearest add) and the float32 accumulator.
 
 Each row gives one device's compiled bytes (``memory_analysis()``: argument +
 output + temp - alias), whether it fits a v3 core (15.48 GiB usable) and a v2
@@ -159,8 +159,8 @@ def _parse(argv):
   if args.target_spec:  # tpu:v3-8 -> oom_easylm_tpu_v3, gpu:h100x8 -> ..._gpu_h100x8
     stem += "_" + args.target_spec.name.replace(":", "_").removesuffix("-8")
   stem += "_unrolled" * args.unrolled + "_mu_bf16" * (args.mu_dtype == "bfloat16")
-  args.json = args.json or Path(f"benchmarks/raw/{stem}.json")
-  args.markdown = args.markdown or Path(f"benchmarks/{stem}.md")
+  args.json = args.json or Path(f"benchmarks/results/memory/raw/{stem}.json")
+  args.markdown = args.markdown or Path(f"benchmarks/results/memory/{stem}.md")
   return args
 
 
@@ -345,7 +345,7 @@ def device_bytes(compiled, state, method, devices):
 
 def llama_family(scale: int, param_dtype=None):
   """A Llama-3-shaped model grown in depth and width together, as the GPT family of
-  benchmarks/capacity_fsdp_8_devices.md: ``scale`` layers of width 64 x scale (to a
+  benchmarks/results/memory/capacity_fsdp_8_devices.md: ``scale`` layers of width 64 x scale (to a
   multiple of 128), heads of 128, a quarter as many kv heads (the largest divisor
   of the heads at most that), a SwiGLU of 3.5 x width (to 256), Llama 3's 128,256-token
   vocabulary, bf16 compute with float32 params (``param_dtype`` else); scale 64 is 64
@@ -491,7 +491,7 @@ def capacity_markdown(rows, command):
       f"Made by `{command}`, compiled by "
       + (first.get("compiled_for") or f"XLA's CPU backend ({first['devices']} fake devices)")
       + ". The family of "
-      "`benchmarks/oom_reports.py`'s `llama_family`: `scale` layers of width 64 x scale, "
+      "`benchmarks/scripts/oom_reports.py`'s `llama_family`: `scale` layers of width 64 x scale, "
       "heads of 128, a quarter as many kv heads, SwiGLU 3.5 x width, Llama 3's 128,256-token "
       "vocabulary (scale 64 = 64 layers of llama3_8b's width), bf16 compute, float32 params "
       "(bfloat16 in the `_bf16` columns: AdamA's updates rounded stochastically, Adam's to "
@@ -544,7 +544,7 @@ def _save_capacity(args, rows):
   from the JSON it updates (their command beside), so one method can be
   added to a table without recompiling the others."""
   args.json.parent.mkdir(parents=True, exist_ok=True)
-  command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
+  command = "python benchmarks/scripts/oom_reports.py " + " ".join(args.argv)
   measured = {r["method"] for r in rows}
   kept, commands = [], [command]
   if args.json.exists():
@@ -695,7 +695,7 @@ def markdown(rows, command, left_out=()):
 
 def _save(args, rows):
   args.json.parent.mkdir(parents=True, exist_ok=True)
-  command = "python benchmarks/oom_reports.py " + " ".join(args.argv)
+  command = "python benchmarks/scripts/oom_reports.py " + " ".join(args.argv)
   args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
   args.markdown.write_text(markdown(rows, command, getattr(args, "left_out", ())))
 
@@ -706,7 +706,7 @@ def main(argv=None):
   args.argv = argv
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.devices}")
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
   rows = capacity(args) if args.scenario == CAPACITY else measure(args)
   print(args.markdown.read_text())
   return rows

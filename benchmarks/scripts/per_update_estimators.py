@@ -1,6 +1,6 @@
 """AdamA's second-moment estimators on the per-update path, as a Flax user meets them.
 
-    python benchmarks/per_update_estimators.py --seeds 0 1 2 3 4 --steps 300
+    python benchmarks/scripts/per_update_estimators.py --seeds 0 1 2 3 4 --steps 300
 
 Flax NNX's data-parallel toy example (flax/examples/nnx_toy_examples/
 04_data_parallel_with_jit.py), rebuilt here on one device: ``MLP(1, 64, 1)``,
@@ -30,10 +30,10 @@ the same seed and rate, in percent, and their median over seeds.
 
 The rates run beyond those two, to find each arm's best (5 rates, 100 runs):
 
-    python benchmarks/per_update_estimators.py --seeds 0 1 2 3 4 --steps 300 \
+    python benchmarks/scripts/per_update_estimators.py --seeds 0 1 2 3 4 --steps 300 \
         --learning-rates 1e-2 2e-2 4e-2 8e-2 1.6e-1 \
-        --json benchmarks/raw/per_update_estimators_rate_grid.json \
-        --markdown benchmarks/per_update_estimators_rate_grid.md
+        --json benchmarks/results/convergence/raw/per_update_estimators_rate_grid.json \
+        --markdown benchmarks/results/convergence/per_update_estimators_rate_grid.md
 
 Writes ``--json`` (every run, with its loss curve per mini-batch) and
 ``--markdown`` (the command, the machine, the tables).
@@ -59,7 +59,9 @@ from flax import nnx
 
 import optax_adama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+# The result pages and their raw rows.
+RESULTS = ROOT / "benchmarks" / "results" / "convergence"
 BASELINE = "multisteps"
 ESTIMATORS = ("mean", "sum", "momentum")
 ARMS = (BASELINE, *ESTIMATORS)
@@ -319,9 +321,8 @@ def parse_args(argv=None):
   parser.add_argument("--heldout-size", type=int, default=4096)
   parser.add_argument("--heldout-seed", type=int, default=10_000)
   parser.add_argument("--json", type=Path,
-                      default=ROOT / "benchmarks/raw/per_update_estimators.json")
-  parser.add_argument("--markdown", type=Path,
-                      default=ROOT / "benchmarks/per_update_estimators.md")
+                      default=RESULTS / "raw" / "per_update_estimators.json")
+  parser.add_argument("--markdown", type=Path, default=RESULTS / "per_update_estimators.md")
   args = parser.parse_args(argv)
   if args.steps < 1 or args.num_micro_batches < 1 or args.micro_batch_size < 1:
     parser.error("--steps, --num-micro-batches and --micro-batch-size must be positive")
@@ -346,7 +347,7 @@ def main(argv=None) -> dict:
           f"  held-out {row['heldout_loss']:.5f}  ({row['seconds']:.1f} s)", flush=True)
   add_gaps(rows)
   result = {
-      "command": "python benchmarks/per_update_estimators.py " + shlex.join(argv),
+      "command": "python benchmarks/scripts/per_update_estimators.py " + shlex.join(argv),
       "machine": machine(),
       "settings": {"seeds": args.seeds, "steps": args.steps,
                    "learning_rates": args.learning_rates, "arms": args.arms,

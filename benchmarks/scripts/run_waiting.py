@@ -1,7 +1,8 @@
-"""Runs the "Waiting for a GPU" commands of benchmarks/README.md in order, within a deadline.
+"""Runs the "Waiting for a GPU" commands of benchmarks/results/gpu/live_runs.md in order,
+within a deadline.
 
-    python3 benchmarks/run_waiting.py --list                      # the items and their commands
-    python3 benchmarks/run_waiting.py --items 1 2 --deadline-s 560 --out "$OUT"   # on the GPU
+    python3 benchmarks/scripts/run_waiting.py --list       # the items and their commands
+    python3 benchmarks/scripts/run_waiting.py --items 1 2 --deadline-s 560 --out "$OUT"  # on a GPU
 
 On a lent GPU machine every minute counts and a call has one fixed limit, so the
 waiting items run as one prepared command: one after another, each alone on the
@@ -28,7 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# The page that lists the waiting commands (its "Waiting for a GPU" section).
+WAITING_PAGE = ROOT / "benchmarks" / "results" / "gpu" / "live_runs.md"
 SECTION = "## Waiting for a GPU"
 # A command started with less time than this left is not started.
 MIN_START_S = 30.0
@@ -42,6 +45,13 @@ class Item:
   number: int
   title: str
   commands: tuple[str, ...]
+
+
+def checkout_root(page: Path) -> Path:
+  """The checkout a page under ``benchmarks/`` belongs to: the commands run from
+  there, and what they write under its ``benchmarks/`` is packed."""
+  page = page.resolve()
+  return next(folder.parent for folder in page.parents if folder.name == "benchmarks")
 
 
 def waiting_items(readme: str) -> list[Item]:
@@ -136,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                       help="seconds from the start after which nothing runs")
   parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
                       help="where the logs and results.tgz go; default: $OUT")
-  parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
+  parser.add_argument("--readme", type=Path, default=WAITING_PAGE,
+                      help="the page whose waiting section lists the items")
   parser.add_argument("--list", action="store_true", help="print the items and stop")
   args = parser.parse_args(argv)
   items = waiting_items(args.readme.read_text())
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[str]:
   if args.out is None:
     parser.error("--out is needed (or OUT in the environment)")
   summary = run(items, deadline_s=args.deadline_s, out=Path(args.out),
-                root=args.readme.resolve().parents[1])
+                root=checkout_root(args.readme))
   print("\n".join(summary))
   return summary
 

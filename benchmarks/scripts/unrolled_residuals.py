@@ -1,6 +1,7 @@
 """Why AdamA's unrolled step sits above its floor: forward residuals, not gradients.
 
-    PYTHONPATH=. python benchmarks/unrolled_residuals.py --presets bert_base gpt2_small vit_base
+    PYTHONPATH=. python benchmarks/scripts/unrolled_residuals.py \
+        --presets bert_base gpt2_small vit_base
 
 For each preset, one micro-batch (one sequence or image), compile only, it
 compiles three programs on the same loss and reads their temp memory and the
