@@ -13,8 +13,11 @@ from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import Optional
+from typing import Union
 
 import jax
+import optax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
@@ -25,6 +28,12 @@ from optax_adama._release_mesh import stack_shardings
 from optax_adama._staged import StagedLoss
 
 Batch = Any
+# (params, micro_batch) -> (loss, or (loss, aux) with has_aux; grads).
+ValueAndGrad = Callable[[optax.Params, Batch], tuple[Any, optax.Updates]]
+# (params, opt_state or None) -> the step's shardings.
+Shardings = Callable[[optax.Params, Optional[optax.OptState]], _sharding.StepShardings]
+# What a loss run under shard_map returns: (loss, aux, grads) with has_aux, else (loss, grads).
+LocalOutputs = Union[tuple[jax.Array, Any, optax.Updates], tuple[jax.Array, optax.Updates]]
 
 
 class Placement(NamedTuple):
@@ -42,7 +51,7 @@ class Placement(NamedTuple):
   num_devices: int = 1
 
 
-def with_offloaded_state(placement: Placement, tx) -> Placement:
+def with_offloaded_state(placement: Placement, tx: optax.GradientTransformation) -> Placement:
   """``placement`` keeping in host memory the state leaves that AdamA under
   :func:`offload_moments` offloads (its fold returns them to the host)."""
   parts = _adama.folding_parts(tx)
@@ -52,8 +61,9 @@ def with_offloaded_state(placement: Placement, tx) -> Placement:
       placement.shardings(params, opt_state), opt_state, parts.offload_min_size))
 
 
-def single_device_placement(value_and_grad, has_aux) -> Placement:
-  def loss_and_grads(params, micro_batch):
+def single_device_placement(value_and_grad: ValueAndGrad, has_aux: bool) -> Placement:
+  def loss_and_grads(params: optax.Params,
+                     micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
     out, grads = value_and_grad(params, micro_batch)
     loss, aux = out if has_aux else (out, None)
     return loss, aux, grads
@@ -65,20 +75,24 @@ def single_device_placement(value_and_grad, has_aux) -> Placement:
       apply_updates=lambda params, updates, emitted: _steps.apply_updates(params, updates))
 
 
-def mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> Placement:
-  def shardings(params, opt_state):
+def mesh_placement(value_and_grad: ValueAndGrad, has_aux: bool, mesh: Mesh,
+                   shard_states: Optional[str], data_axis: _sharding.AxisName) -> Placement:
+  def shardings(params: optax.Params,
+                opt_state: Optional[optax.OptState]) -> _sharding.StepShardings:
     return _sharding.step_shardings(
         params, opt_state, mesh, shard_states=shard_states, data_axis=data_axis)
 
-  def loss_and_grads(params, micro_batch):
+  def loss_and_grads(params: optax.Params,
+                     micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
     return _data_parallel_loss_and_grads(
         value_and_grad, has_aux, mesh, data_axis, shard_states,
         shardings(params, None), params, micro_batch)
 
-  def place_micro_batches(micro_batches):
+  def place_micro_batches(micro_batches: Batch) -> Batch:
     return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
-  def apply_updates(params, updates, emitted):
+  def apply_updates(params: optax.Params, updates: optax.Updates,
+                    emitted: Optional[jax.Array]) -> optax.Params:
     if shard_states in ("zero1", "zero2") and emitted is not None:
       # Params are replicated but AdamA's updates come out sharded like m
       # and v: applying them all-gathers. They are exactly zero until the
@@ -95,10 +109,12 @@ def mesh_placement(value_and_grad, has_aux, mesh, shard_states, data_axis) -> Pl
                     _sharding.num_devices(mesh, data_axis))
 
 
-def _split_params_placement(loss_and_grads, shardings, mesh, data_axis) -> Placement:
+def _split_params_placement(loss_and_grads: _steps.LossAndGrads, shardings: Shardings,
+                            mesh: Mesh, data_axis: _sharding.AxisName) -> Placement:
   """The placement of the FSDP steps: rows over ``data_axis``, and params kept
   split as ``shardings`` says after each update."""
-  def apply_updates(params, updates, emitted):
+  def apply_updates(params: optax.Params, updates: optax.Updates,
+                    emitted: Optional[jax.Array]) -> optax.Params:
     del emitted
     params = _steps.apply_updates(params, updates)
     return jax.lax.with_sharding_constraint(params, shardings(params, None).params)
@@ -109,7 +125,8 @@ def _split_params_placement(loss_and_grads, shardings, mesh, data_axis) -> Place
       apply_updates, _sharding.num_devices(mesh, data_axis))
 
 
-def fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> Placement:
+def fsdp_placement(value_and_grad: ValueAndGrad, has_aux: bool, mesh: Mesh,
+                   data_axis: _sharding.AxisName) -> Placement:
   """FSDP for a plain loss: GSPMD gathers each param where the model reads it.
 
   Params, moments and each micro-batch's gradient are split as
@@ -122,11 +139,13 @@ def fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> Placement:
   every leaf up front inside ``shard_map``, as the other stages do, held the
   whole model on every device: 66.34 GB a device for a 7B-shaped GPT.)
   """
-  def shardings(params, opt_state):
+  def shardings(params: optax.Params,
+                opt_state: Optional[optax.OptState]) -> _sharding.StepShardings:
     return _sharding.step_shardings(
         params, opt_state, mesh, shard_states="fsdp", data_axis=data_axis)
 
-  def loss_and_grads(params, micro_batch):
+  def loss_and_grads(params: optax.Params,
+                     micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
     out, grads = value_and_grad(params, micro_batch)
     loss, aux = out if has_aux else (out, None)
     grads = jax.lax.with_sharding_constraint(grads, shardings(params, None).grads)
@@ -135,7 +154,8 @@ def fsdp_placement(value_and_grad, has_aux, mesh, data_axis) -> Placement:
   return _split_params_placement(loss_and_grads, shardings, mesh, data_axis)
 
 
-def staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> Placement:
+def staged_fsdp_placement(staged: StagedLoss, has_aux: bool, mesh: Mesh,
+                          data_axis: _sharding.AxisName) -> Placement:
   """FSDP for a model in stages: each layer's params gathered inside the layer scan.
 
   Params, moments and gradients are split as :func:`stack_shardings` says (a
@@ -149,35 +169,37 @@ def staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> Place
   num_devices = _sharding.num_devices(mesh, data_axis)
   axis_names = _sharding.axis_names(data_axis)
 
-  def shardings(params, opt_state):
+  def shardings(params: optax.Params,
+                opt_state: Optional[optax.OptState]) -> _sharding.StepShardings:
     return stack_shardings(staged, params, opt_state, mesh, shard_states="fsdp",
                            data_axis=data_axis)
 
-  def gather(p, spec):
+  def gather(p: jax.Array, spec: PartitionSpec) -> jax.Array:
     dim = _sharding.split_dim(spec)
     if dim is None:  # a leaf no dimension of which the devices divide: replicated
       return _sharding.to_varying(p, axis_names)
     return jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
 
-  def loss_and_grads(params, micro_batch):
+  def loss_and_grads(params: optax.Params,
+                     micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
     param_specs = jax.tree.map(lambda s: s.spec, shardings(params, None).params)
     outer_specs, stacked_specs = staged.split(param_specs)
     layer_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), stacked_specs,
                                is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    def local_loss(params, micro_batch):
+    def local_loss(params: optax.Params, micro_batch: Batch) -> Any:  # loss, or (loss, aux)
       outer, stacked = staged.split(params)
       outer = jax.tree.map(gather, outer, outer_specs)
       x = staged.embed(outer, micro_batch)
 
       @jax.checkpoint
-      def block(x, layer):
+      def block(x: Any, layer: Any) -> Any:  # StagedLoss.block's activations, layer params
         return staged.block(jax.tree.map(gather, layer, layer_specs), x, micro_batch)
 
       x, _ = jax.lax.scan(lambda x, layer: (block(x, layer), None), x, stacked)
       return staged.head(outer, x, micro_batch)
 
-    def local(params, micro_batch):
+    def local(params: optax.Params, micro_batch: Batch) -> LocalOutputs:
       out, grads = jax.value_and_grad(local_loss, has_aux=has_aux)(params, micro_batch)
       loss, aux = out if has_aux else (out, None)
       # Each gather's transpose summed the devices' gradients of their own
@@ -195,8 +217,9 @@ def staged_fsdp_placement(staged: StagedLoss, has_aux, mesh, data_axis) -> Place
 
 
 def _data_parallel_loss_and_grads(
-    value_and_grad, has_aux, mesh, data_axis, shard_states, shardings,
-    params, micro_batch):
+    value_and_grad: ValueAndGrad, has_aux: bool, mesh: Mesh, data_axis: _sharding.AxisName,
+    shard_states: Optional[str], shardings: _sharding.StepShardings, params: optax.Params,
+    micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
   """One micro-batch's loss and gradient, data parallel over ``data_axis``.
 
   Written with ``shard_map`` rather than left to GSPMD so the gradient
@@ -209,14 +232,14 @@ def _data_parallel_loss_and_grads(
   param_specs = jax.tree.map(lambda s: s.spec, shardings.params)
   grad_specs = jax.tree.map(lambda s: s.spec, shardings.grads)
 
-  def gather(p, spec):
+  def gather(p: jax.Array, spec: PartitionSpec) -> jax.Array:
     dim = _sharding.split_dim(spec)
     return p if dim is None else jax.lax.all_gather(p, data_axis, axis=dim, tiled=True)
 
   reduce_grad = lambda g, spec: _sharding.reduce_gradient(g, spec, data_axis, num_devices)
   reduce_aux = lambda x: _sharding.reduce_aux(x, data_axis)
 
-  def local(params, micro_batch):
+  def local(params: optax.Params, micro_batch: Batch) -> LocalOutputs:
     # FSDP: gather each leaf for this device's forward and backward pass.
     params = jax.tree.map(gather, params, param_specs)
     # The params are the same on every device but their gradient is not:
@@ -235,8 +258,12 @@ def _data_parallel_loss_and_grads(
                        params, micro_batch)
 
 
-def _shard_mapped(local, mesh, data_axis, has_aux, param_specs, grad_specs, params,
-                  micro_batch):
+# param_specs / grad_specs: trees of PartitionSpec like params. local returns
+# LocalOutputs, typed Any: which of the two tuples is known from has_aux alone.
+def _shard_mapped(local: Callable[[optax.Params, Batch], Any], mesh: Mesh,
+                  data_axis: _sharding.AxisName, has_aux: bool, param_specs: Any,
+                  grad_specs: Any, params: optax.Params,
+                  micro_batch: Batch) -> tuple[jax.Array, Any, optax.Updates]:
   """``(loss, aux, grads)`` of ``local(params, micro_batch)`` under ``shard_map``:
   params placed by ``param_specs``, rows over ``data_axis``, the loss and aux
   replicated and the gradient placed by ``grad_specs``."""
