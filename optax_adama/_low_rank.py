@@ -157,7 +157,8 @@ def low_rank(
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
 
-  def dimension_numbers(params):
+  # A tree like params of GaLoreDimensionNumbers, None where a leaf is not projected.
+  def dimension_numbers(params: optax.Params) -> Any:
     projected = mask(params) if callable(mask) else mask
     if projected is None:
       projected = low_rank_mask(params, rank, min_size)
@@ -166,28 +167,33 @@ def low_rank(
         lambda p, on: GaLoreDimensionNumbers() if on and jnp.ndim(p) == 2 else None,
         params, projected)
 
+  # dims: optax's weight_dimension_numbers, a tree as above or a function of params.
   def galore(update_proj_gap: int, base: optax.GradientTransformation = inner,
-             dims=dimension_numbers) -> optax.GradientTransformation:
+             dims: Union[Any, Callable[[optax.Params], Any]] = dimension_numbers,
+             ) -> optax.GradientTransformation:
     return optax.contrib.scale_by_galore(
         rank=rank, update_proj_gap=update_proj_gap, base_optimizer=base,
         weight_dimension_numbers=dims)
 
-  def store(projector):
+  def store(projector: jax.Array) -> jax.Array:
     return projector if projector_dtype is None else projector.astype(projector_dtype)
 
-  def keep_finite(new, old):
+  def keep_finite(new: Any, old: Any) -> Any:  # trees of projectors
     # A projector must be finite; only a refresh from a non-finite gradient
     # makes one that is not. The check reads the small m x r projector, not
     # the gradient, so it holds no gradient alive.
     return jax.tree.map(
         lambda n, o: jnp.where(jnp.all(jnp.isfinite(n)), n, o), new, old)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> GaLoreState:
     _refuse_complex_projections(params, dimension_numbers(params))
     state = galore(1).init(params)  # the period does not enter init.
     return state._replace(projector=jax.tree.map(store, state.projector))
 
-  def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
+  def update_fn(
+      updates: optax.Updates, state: GaLoreState, params: Optional[optax.Params] = None, *,
+      half_difference: Optional[optax.Updates] = None, **extra_args: Any,
+  ) -> tuple[optax.Updates, GaLoreState]:
     del params  # the moments have the projected shapes; see the docstring.
     # optax's GaLore calls its base without extra arguments: bind them to it.
     base = _with_extra_args(inner, extra_args)
@@ -251,7 +257,9 @@ def _with_extra_args(inner: optax.GradientTransformation,
   """``inner`` with ``extra_args`` (e.g. ``value=``) given to every ``update``."""
   update = optax.with_extra_args_support(inner).update
 
-  def update_fn(updates, state, params=None, **more):
+  def update_fn(updates: optax.Updates, state: optax.OptState,
+                params: Optional[optax.Params] = None,
+                **more: Any) -> tuple[optax.Updates, optax.OptState]:
     return update(updates, state, params, **extra_args, **more)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
@@ -265,7 +273,9 @@ def _with_half_difference(inner: optax.GradientTransformation) -> optax.Gradient
   """
   update = optax.with_extra_args_support(inner).update
 
-  def update_fn(pair, state, params=None):
+  def update_fn(pair: tuple[optax.Updates, optax.Updates], state: optax.OptState,
+                params: Optional[optax.Params] = None,
+                ) -> tuple[tuple[optax.Updates, optax.Updates], optax.OptState]:
     grads, half_difference = pair
     updates, state = update(grads, state, params, half_difference=half_difference)
     return (updates, half_difference), state

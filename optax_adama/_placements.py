@@ -45,8 +45,8 @@ class Placement(NamedTuple):
   shardings: Callable[[Any, Any], Optional[_sharding.StepShardings]]
   # (micro_batches) -> micro_batches, row axis placed.
   place_micro_batches: Callable[[Batch], Batch]
-  # (params, updates, emitted) -> params.
-  apply_updates: Callable[[Any, Any, jax.Array], Any]
+  # (params, updates, emitted) -> params; emitted is None where tx is not AdamA.
+  apply_updates: Callable[[Any, Any, Optional[jax.Array]], Any]
   # How many devices share each micro-batch's rows.
   num_devices: int = 1
 
