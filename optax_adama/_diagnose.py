@@ -24,6 +24,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
 from typing import ClassVar
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -281,20 +282,27 @@ def diagnose_second_moment(
       step_ratio={name: np.stack(values) for name, values in step_ratio.items() if values})
 
 
+# value_and_grad: (params, micro_batch) -> (loss or (loss, aux), grads); state:
+# count, m and every second moment by name (diagnose_second_moment's dict).
 def _adam_step_with_estimators(
-    value_and_grad, has_aux, params, state, batch, n, learning_rate, b1, b2, eps,
-    follow="adam"):
+    value_and_grad: Callable[[optax.Params, Any], tuple[Any, optax.Updates]], has_aux: bool,
+    params: optax.Params, state: dict[str, Any], batch: Any, n: int, learning_rate: float,
+    b1: float, b2: float, eps: float, follow: str = "adam",
+) -> tuple[optax.Params, dict[str, Any], jax.Array,
+           tuple[dict[str, jax.Array], dict[str, jax.Array]]]:
   micro_batches = _steps.split_micro_batches(batch, n)
   # "split" needs each micro-batch's two halves: measured where they exist.
   halves = jax.tree.leaves(micro_batches)[0].shape[1] % 2 == 0
   if follow == "split" and not halves:
     raise ValueError("follow='split' needs micro-batches of an even number of rows.")
 
-  def loss_and_grads(params, micro_batch):
+  def loss_and_grads(params: optax.Params,
+                     micro_batch: Any) -> tuple[jax.Array, None, optax.Updates]:
     out, grads = value_and_grad(params, micro_batch)
     return (out[0] if has_aux else out), None, grads
 
-  def body(sums, micro_batch):
+  def body(sums: tuple[optax.Updates, optax.Updates, Optional[optax.Updates]],
+           micro_batch: Any) -> tuple[tuple[Any, Any, Any], jax.Array]:
     grad_sum, square_sum, split_sum = sums
     if halves:  # as microbatch_step takes them; g**2 - (1 - 1/N) d**2
       loss, _, grads, difference = _steps.loss_and_half_grads(loss_and_grads, params, micro_batch)
@@ -344,7 +352,7 @@ def _adam_step_with_estimators(
   return params, new_state, jnp.mean(losses), quantiles
 
 
-def _rho_quantiles(state, names):
+def _rho_quantiles(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, jax.Array]:
   """Quantiles of v_estimator / v_adam over the coordinates where v_adam > 0."""
   adam = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(state["adam"])])
   positive = adam > 0
@@ -356,7 +364,8 @@ def _rho_quantiles(state, names):
   return out
 
 
-def _step_quantiles(adam_direction, directions):
+def _step_quantiles(adam_direction: optax.Updates,
+                    directions: dict[str, optax.Updates]) -> dict[str, jax.Array]:
   """Quantiles of |u_estimator| / |u_adam| over the coordinates where u_adam != 0."""
   flat = lambda tree: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
   adam = jnp.abs(flat(adam_direction))
@@ -402,7 +411,8 @@ def _nanquantiles(x: jax.Array, qs: tuple[float, ...]) -> jax.Array:
   high_weight = position - low
   rank = jnp.clip(low, 0, jnp.maximum(count - 1, 0)).astype(int_dtype)
 
-  def halve(_, bounds):  # the smallest key with more than `rank` keys at or below it
+  def halve(_: jax.Array,  # the smallest key with more than `rank` keys at or below it
+            bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     lo, hi = bounds
     mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
     enough = jnp.sum(key[None, :] <= mid[:, None], axis=1, dtype=int_dtype) > rank
