@@ -16,7 +16,9 @@ class itself is made then).
 from __future__ import annotations
 
 import importlib.util
+import types
 from collections.abc import Callable
+from collections.abc import Hashable
 from typing import Any
 from typing import Optional
 
@@ -48,7 +50,7 @@ if not _flax_is_installed():
   raise ImportError(f"optax_adama.nnx needs Flax: {_INSTALL}")
 
 
-def _nnx():
+def _nnx() -> types.ModuleType:
   """``flax.nnx``, imported on first use: importing this module stays cheap."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   return nnx
@@ -132,7 +134,7 @@ class _MicroBatchOptimizer:
       wrt: Filter,
       mutable: Optional[Filter] = None,
       num_micro_batches: Optional[int] = None,
-  ):
+  ) -> None:
     nnx = _nnx()
     _check_module(model, "MicroBatchOptimizer")
     if not isinstance(tx, optax.GradientTransformation):
@@ -235,7 +237,9 @@ class _MicroBatchOptimizer:
     nnx = _nnx()
     return nnx.All(self.mutable, nnx.Not(self.wrt), nnx.Not(nnx.RngState))
 
-  def _build(self, graphdef, loss_fn, has_aux, rngs_graphdef):
+  # graphdef / rngs_graphdef: nnx.GraphDef (Any: Flax is imported on first use only).
+  def _build(self, graphdef: Any, loss_fn: Callable[..., Any], has_aux: bool,
+             rngs_graphdef: Optional[Any]) -> jax.stages.Wrapped:
     """The jitted ``(params, opt_state, stats, counts, rest, step, batch, args,
     rngs_state)`` step."""
     nnx = _nnx()
@@ -243,8 +247,14 @@ class _MicroBatchOptimizer:
     stats_filter = self._stats_filter()
     fixed = nnx.All(nnx.Not(self.wrt), nnx.Not(stats_filter), nnx.Not(nnx.RngState))
 
-    def step(params, opt_state, stats, counts, rest, count, batch, args, rngs_state):
-      def micro_batch_loss(params, rows_and_micro_batch):
+    # stats, counts, rest, rngs_state: pure nnx.State trees of arrays.
+    def step(params: optax.Params, opt_state: optax.OptState, stats: Any, counts: Any,
+             rest: Any, count: jax.Array, batch: Batch, args: tuple[Any, ...],
+             rngs_state: Any) -> tuple[optax.Params, optax.OptState, Any, Any, jax.Array,
+                                       Metrics]:
+      # -> (loss, (aux, the mutable state after the loss, loss)).
+      def micro_batch_loss(params: optax.Params, rows_and_micro_batch: tuple[jax.Array, Batch],
+                           ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
         rows, micro_batch = rows_and_micro_batch
         model = nnx.merge(graphdef, params, stats, counts, rest)
         _seed_streams(model, rows[0])
@@ -284,7 +294,8 @@ class _StepCache:
   def __init__(self) -> None:
     self._steps: dict[Any, Callable[..., Any]] = {}
 
-  def get(self, key, build):
+  def get(self, key: Hashable,
+          build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
     if key not in self._steps:
       self._steps[key] = build()
     return self._steps[key]
@@ -299,12 +310,12 @@ def _check_module(model: Any, caller: str) -> None:
         "attributes of one).")
 
 
-def _variables(tree) -> list[Any]:
+def _variables(tree: Any) -> list[Any]:  # any tree holding nnx.Variables
   nnx = _nnx()
   return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _pure(tree):
+def _pure(tree: Any) -> Any:  # any tree, nnx.Variables in it
   """``tree`` with each ``nnx.Variable`` replaced by its array.
 
   ``nnx.as_pure`` does this from Flax 0.12.8 on and ``nnx.pure`` before (and
@@ -316,7 +327,7 @@ def _pure(tree):
       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _check_floating(stats, mutable) -> None:
+def _check_floating(stats: Any, mutable: Filter) -> None:  # stats: a pure nnx.State
   for path, leaf in jax.tree_util.tree_leaves_with_path(stats):
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
       raise ValueError(
@@ -325,7 +336,7 @@ def _check_floating(stats, mutable) -> None:
           "micro-batches, which takes floating point. Narrow mutable.")
 
 
-def _check_distinct_buffers(**trees) -> None:
+def _check_distinct_buffers(**trees: Any) -> None:  # pytrees of arrays by name
   """Raises if a donated array is also another leaf (XLA would refuse it, cryptically)."""
   donated = ("params", "opt_state")
   seen: dict[int, tuple[str, str]] = {}  # id -> (tree name, leaf path)
@@ -360,7 +371,8 @@ def _fold_in(keys: jax.Array, data: jax.Array) -> jax.Array:
   return fold(keys, jnp.broadcast_to(data, keys.shape))
 
 
-def _seed_streams(node_tree, row: jax.Array, *, restart: bool = False) -> None:
+# node_tree: Any, as Flax's types are only known once Flax is imported.
+def _seed_streams(node_tree: Any, row: jax.Array, *, restart: bool = False) -> None:
   """Gives each RNG stream of ``node_tree`` (a model, an ``nnx.Rngs``) this
   micro-batch's own key.
 
@@ -378,7 +390,7 @@ def _seed_streams(node_tree, row: jax.Array, *, restart: bool = False) -> None:
         node.count.set_value(jnp.zeros_like(count))
 
 
-def _advance_counts(rngs) -> None:
+def _advance_counts(rngs: Any) -> None:  # an nnx.Rngs (Flax imported on first use)
   """Moves each stream of ``rngs`` (an ``nnx.Rngs``) on by one draw."""
   nnx = _nnx()
   for _, node in nnx.iter_graph(rngs):
@@ -403,7 +415,7 @@ def _check_loss_args(args: tuple[Any, ...], rngs: Any) -> None:
           "keep other state in the model.")
 
 
-def _check_unchanged(before, after) -> None:
+def _check_unchanged(before: Any, after: Any) -> None:  # pure trees / nnx.State
   """Raises if the loss assigned to a Variable whose change the step would drop.
 
   At trace time, by identity: a Variable the loss did not write still holds
@@ -422,7 +434,8 @@ def _check_unchanged(before, after) -> None:
           "is floating point, or keep it out of the loss.")
 
 
-def _mean_over_finite(stacked, old, finite: jax.Array):
+# stacked / old: pure nnx.State trees of the mutable state, [N, ...] and one.
+def _mean_over_finite(stacked: Any, old: Any, finite: jax.Array) -> Any:
   """The mean over micro-batches of ``[N, ...]`` leaves, finite-loss rows only.
 
   Taken as ``old`` plus the mean change, so state the loss leaves alone comes
@@ -430,7 +443,7 @@ def _mean_over_finite(stacked, old, finite: jax.Array):
   """
   num_finite = jnp.sum(finite.astype(jnp.int32))
 
-  def mean(new, previous):
+  def mean(new: jax.Array, previous: jax.Array) -> jax.Array:
     keep = finite.reshape(finite.shape + (1,) * previous.ndim)
     change = jnp.where(keep, new - previous[None], jnp.zeros_like(new))
     mean_change = jnp.sum(change, axis=0) / jnp.maximum(num_finite, 1).astype(new.dtype)
