@@ -404,7 +404,8 @@ def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
   root = Path(__file__).resolve().parents[1]
   out = tmp_path / "fsdp.json"
   result = subprocess.run(
-      [sys.executable, str(root / "benchmarks" / "scripts" / "fsdp_memory.py"), "--presets", "gpt_test",
+      [sys.executable, str(root / "benchmarks" / "scripts" / "fsdp_memory.py"),
+       "--presets", "gpt_test",
        "--seq-len", "32", "--json", str(out), "--markdown", str(tmp_path / "fsdp.md")],
       cwd=root, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]

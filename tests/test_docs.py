@@ -243,7 +243,8 @@ def test_quoted_plan_search_times_are_the_recorded_ones():
     preset = re.match(r"\| `(\w+)`, (\d+) GB", row)
     if preset is None:
       continue
-    (raw,) = [path for path in (ROOT / "benchmarks" / "results" / "memory").glob(f"plan_{preset[1]}_*gb.json")
+    plans = (ROOT / "benchmarks" / "results" / "memory").glob(f"plan_{preset[1]}_*gb.json")
+    (raw,) = [path for path in plans
               if f"x{preset[2]}gb" in path.name or f"_{preset[2]}gb" in path.name]
     recorded = json.loads(raw.read_text()).get("seconds")
     if recorded is None:

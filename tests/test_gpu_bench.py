@@ -16,9 +16,9 @@ GIB = 2**30
 
 
 def readme_command(target, containing, section="Waiting for a GPU"):
-  """The `make <target> ...` line of benchmarks/README.md's ``section`` (by
-  default the "Waiting for a GPU" list) that names ``containing``."""
-  text = (REPO / "benchmarks" / "README.md").read_text()
+  """The `make <target> ...` line of benchmarks/results/gpu/live_runs.md's ``section``
+  (by default the "Waiting for a GPU" list) that names ``containing``."""
+  text = (REPO / "benchmarks" / "results" / "gpu" / "live_runs.md").read_text()
   section = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
   [line] = [l.strip() for l in section.splitlines()
             if l.strip().startswith(f"make {target} ") and containing in l]
@@ -211,7 +211,7 @@ def _train_small_family_member(method):
   assert all(np.isfinite(result["losses"])) and result["losses"][1] != result["losses"][0]
 
 
-# The section of benchmarks/README.md that shows the Llama 3.2 1B rows, and
+# The section of benchmarks/results/gpu/live_runs.md that shows the Llama 3.2 1B rows, and
 # the raw file its table came from.
 LLAMA_SECTION = "GPU: one H200, Llama 3.2 1B"
 LLAMA_RAW = REPO / "benchmarks" / "results" / "gpu" / "raw" / "gpu_nvidia_h200_llama32_1b.json"

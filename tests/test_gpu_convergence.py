@@ -11,9 +11,10 @@ import pytest
 from conftest import REPO as ROOT
 from conftest import load_script
 
-
 # The committed raw runs the script tables.
 RAW = ROOT / "benchmarks" / "results" / "gpu" / "raw"
+# The page with the waiting list and the bf16-params run's command.
+LIVE_RUNS = ROOT / "benchmarks" / "results" / "gpu" / "live_runs.md"
 
 
 def committed_gpt2_small_runs(raw):
@@ -94,7 +95,7 @@ def test_make_gpu_convergence_passes_models_train_valid_arguments():
 def test_the_waiting_llama_small_command_is_the_gpt2_small_pair_on_a_llama():
   from models import train
 
-  text = (ROOT / "benchmarks" / "README.md").read_text()
+  text = LIVE_RUNS.read_text()
   section = text.split("\n## Waiting for a GPU\n", 1)[1].split("\n## ", 1)[0]
   [line] = [l.strip() for l in section.splitlines()
             if l.strip().startswith("make gpu-convergence ") and "llama_small" in l]
@@ -115,7 +116,7 @@ def test_the_waiting_llama_small_command_is_the_gpt2_small_pair_on_a_llama():
 def test_the_bf16_params_command_is_the_seed_0_default_run_with_bf16_params():
   from models import train
 
-  text = (ROOT / "benchmarks" / "README.md").read_text()
+  text = LIVE_RUNS.read_text()
   section = text.split("\n### bfloat16 params at GPT-2 small's scale", 1)[1].split("\n## ", 1)[0]
   start = section.index("make gpu-convergence PYTHON=python3 GPU_SEED=0 GPU_OPTIMIZERS=adama")
   command = section[start:section.index("```", start)].replace("\\\n", " ")

@@ -5,14 +5,13 @@ import tarfile
 import time
 
 import pytest
-from conftest import REPO
 from conftest import load_script
 
 run_waiting = load_script("benchmarks/scripts/run_waiting.py")
 
 
 def test_every_waiting_item_has_commands_and_the_numbers_run_in_order():
-  items = run_waiting.waiting_items((REPO / "benchmarks" / "README.md").read_text())
+  items = run_waiting.waiting_items(run_waiting.WAITING_PAGE.read_text())
   assert [item.number for item in items] == list(range(1, len(items) + 1))
   assert all(item.commands for item in items), [i.number for i in items if not i.commands]
   # The Llama pair first (the order the issues ask for), its table after it.

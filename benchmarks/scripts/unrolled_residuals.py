@@ -18,8 +18,8 @@ compiled modules):
 ``fold - grad`` is what folding costs beyond the floor's activations. If it
 were gradients kept alive, the buffers live at the peak would be
 parameter-shaped; the table lists them by shape, so one can see what they are.
-Results: benchmarks/README.md ("Unrolled presets: where the bytes above the
-floor are").
+Results: benchmarks/results/memory/compiled_memory.md ("Unrolled presets: where the
+bytes above the floor are").
 """
 
 from __future__ import annotations
