@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import weakref
-from collections.abc import Callable
 from typing import Any
 from typing import Optional
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ from optax_adama import _estimators
 from optax_adama import _fold
 from optax_adama._floor import add_floor
 from optax_adama._floor import floor_estimate
-from optax_adama._floor import zero_floor
 from optax_adama._quantize import BlockQuantization
 from optax_adama._state import AdamAConfig
 from optax_adama._state import ScaleByAdamAState
@@ -33,8 +31,9 @@ from optax_adama._state import ScaleByAdamAState
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FoldingParts:
-  """What a fused step needs of an AdamA transformation to fold by itself."""
+  """What a fused step needs of an AdamA transformation to fold in its place."""
 
+  # The hyperparameters its update closes over (the same object).
   config: AdamAConfig
   # The transforms run once per mini-batch after AdamA (mini_batch_chain).
   inner: Optional[optax.GradientTransformation] = None
@@ -42,19 +41,35 @@ class FoldingParts:
   offload_min_size: Optional[int] = None
 
 
-# The update functions AdamA's factories made, each with its parts, written
-# once when the transformation is built. A side table rather than a callable
-# object or a function attribute: optax's GradientTransformation is a pair of
-# plain functions, and users' tools rely on that (chex.assert_max_traces reads
-# the update's source; optax.with_extra_args_support its signature).
-_FOLDING_PARTS: weakref.WeakKeyDictionary[Callable, FoldingParts] = (
-    weakref.WeakKeyDictionary())
+class FoldingTransformation(optax.GradientTransformationExtraArgs):
+  """An AdamA transformation: optax's ``(init, update)`` pair, and its :class:`FoldingParts`.
+
+  Made by :func:`scale_by_adama`, :func:`adama`, :func:`adamaw`,
+  :func:`mini_batch_chain` and :func:`offload_moments` of one of them. A
+  ``GradientTransformationExtraArgs`` like any other, whose ``init`` and
+  ``update`` stay plain functions (users' tools rely on that:
+  ``chex.assert_max_traces`` reads the update's source,
+  ``optax.with_extra_args_support`` its signature); ``folding`` rides on the
+  pair, not in it, so ``init, update = tx`` and ``optax.chain(tx, ...)`` see
+  two functions. The fused steps read ``folding`` once, when they are built:
+  they fold a bare AdamA themselves. Any wrapper that makes a new pair
+  (``optax.chain``, ``inject_hyperparams``) drops it, so wrapped, AdamA takes
+  one ``update`` per micro-batch.
+  """
+
+  folding: Optional[FoldingParts]
+
+  def __new__(cls, init: optax.TransformInitFn, update: optax.TransformUpdateExtraArgsFn,
+              folding: Optional[FoldingParts] = None) -> FoldingTransformation:
+    tx = super().__new__(cls, init, update)
+    tx.folding = folding
+    return tx
 
 
-def folding_update(update_fn: Callable, parts: FoldingParts) -> Callable:
-  """Registers ``update_fn`` as an AdamA ``update`` made of ``parts``; returns it."""
-  _FOLDING_PARTS[update_fn] = parts
-  return update_fn
+@overload
+def folding_parts(tx: optax.GradientTransformation) -> Optional[FoldingParts]: ...
+@overload
+def folding_parts(tx: optax.GradientTransformation, caller: str) -> FoldingParts: ...
 
 
 def folding_parts(tx: optax.GradientTransformation,
@@ -66,7 +81,7 @@ def folding_parts(tx: optax.GradientTransformation,
   ``offload_moments``. For any other ``tx``: ``None`` without ``caller``,
   else a ``TypeError`` naming it.
   """
-  parts = _FOLDING_PARTS.get(tx.update)
+  parts = getattr(tx, "folding", None) if isinstance(tx, FoldingTransformation) else None
   if parts is not None or caller is None:
     return parts
   raise TypeError(
@@ -89,7 +104,8 @@ def emitted(state: ScaleByAdamAState) -> jax.Array:
 
 
 def advance_counters(
-    state: ScaleByAdamAState, mu, nu, all_finite: jax.Array, nu_floor: Any = None,
+    state: ScaleByAdamAState, mu: optax.Updates, nu: optax.Updates, all_finite: jax.Array,
+    nu_floor: Any = None,
 ) -> ScaleByAdamAState:
   """The state after one more micro-batch, with the folded moments (and
   floor; ``None``: ``state``'s, unchanged)."""
@@ -97,7 +113,7 @@ def advance_counters(
   micro_step = state.micro_step + 1
   completes = micro_step == state.num_micro_batches
   accepted = jnp.where(starts, 0, state.mini_batch_accepted) + all_finite.astype(jnp.int32)
-  return ScaleByAdamAState(
+  return state._replace(
       count=jnp.where(completes, optax.safe_increment(state.count), state.count),
       micro_step=jnp.where(completes, 0, micro_step).astype(jnp.int32),
       mu=mu,
@@ -105,23 +121,17 @@ def advance_counters(
       nu_floor=state.nu_floor if nu_floor is None else nu_floor,
       mini_batch_accepted=accepted.astype(jnp.int32),
       num_dropped=state.num_dropped + (~all_finite).astype(jnp.int32),
-      num_micro_batches=state.num_micro_batches,
-      nu_estimator=state.nu_estimator,
   )
 
 
-def fold_micro_batch(grads, state: ScaleByAdamAState, config: AdamAConfig,
-                     half_difference=None) -> ScaleByAdamAState:
+def fold_micro_batch(grads: optax.Updates, state: ScaleByAdamAState, config: AdamAConfig,
+                     half_difference: Optional[optax.Updates] = None) -> ScaleByAdamAState:
   """``state`` after folding one micro-batch's gradient: AdamA's update without its direction.
 
   The fold's one entry over a tree (:func:`fold_leaf` per leaf); ``config``
-  as :func:`scale_by_adama` made it; ``half_difference`` for the ``"split"``
-  estimator.
+  as :func:`scale_by_adama` made it, ``N`` and the estimator ``state``'s;
+  ``half_difference`` for the ``"split"`` estimator.
   """
-  if config.num_micro_batches != state.num_micro_batches:
-    raise ValueError(
-        f"num_micro_batches={config.num_micro_batches} but the state was made "
-        f"with num_micro_batches={state.num_micro_batches}.")
   leaves, treedef = jax.tree.flatten(grads)
   mus = treedef.flatten_up_to(state.mu)
   nus = treedef.flatten_up_to(state.nu)
@@ -218,7 +228,8 @@ def scale_by_adama(
     eps_root: Term added inside the square root of the denominator.
     mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
     num_micro_batches: ``N``, the number of ``update`` calls per mini-batch:
-      an integer (``np.int64`` and 0-d integer arrays too), fixed at ``init``.
+      an integer (``np.int64`` and 0-d integer arrays too), fixed at ``init``
+      (a static field of the state; ``update`` reads it from there).
     nesterov: accepted for ``optax.adam``'s signature; only ``False``. Its
       Nesterov direction reads the mini-batch's mean gradient beside m, the
       buffer AdamA never forms, so ``True`` raises a ``ValueError``.
@@ -246,8 +257,7 @@ def scale_by_adama(
       ``optax.inject_hyperparams`` passes unless it is among ``static_args``;
       :func:`optax_adama.inject_hyperparams` keeps it static), if ``b1`` or ``b2`` is outside
       ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
-      true, or (at ``update``) if ``num_micro_batches`` differs from the
-      ``N`` the state was made with.
+      true.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -267,40 +277,24 @@ def scale_by_adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  return make_scale_by_adama(
-      b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
-      nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
-      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed,
-      nu_estimator=_estimators.DEFAULT_NU_ESTIMATOR, split_floor=False)
-
-
-def make_scale_by_adama(
-    b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any, *,
-    num_micro_batches: Any, nesterov: Any, nu_dtype: Any,
-    quantization: Optional[BlockQuantization], stochastic_rounding: Any,
-    rounding_seed: Any, nu_estimator: str, split_floor: bool,
-) -> optax.GradientTransformation:
-  """:func:`scale_by_adama` with any estimator of v (:mod:`optax_adama.contrib`'s too)."""
   num_micro_batches = _checks.check_num_micro_batches(num_micro_batches)
   b1, b2, eps, eps_root = (_checks.real_hyperparam(x) for x in (b1, b2, eps, eps_root))
   _checks.check_hyperparams(b1, b2, eps, eps_root)
   _checks.check_nesterov(nesterov)
   _checks.check_storage_options(quantization, stochastic_rounding)
-  _estimators.check_estimator(nu_estimator, split_floor)
-  config = AdamAConfig(
-      b1=b1, b2=b2, eps=eps, eps_root=eps_root, num_micro_batches=num_micro_batches,
-      nu_estimator=nu_estimator, stochastic_rounding=stochastic_rounding,
-      rounding_seed=rounding_seed)
-  floors = split_floor and nu_estimator in ("auto", "split") and num_micro_batches > 1
+  config = AdamAConfig(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                       stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
   dtypes = (None if mu_dtype is None else jnp.dtype(mu_dtype),
             None if nu_dtype is None else jnp.dtype(nu_dtype))
 
   def init_fn(params: optax.Params) -> ScaleByAdamAState:
     _checks.check_float_params(params, quantization)
-    _estimators.check_real_for_halves(params, nu_estimator)
-    return _initial_state(params, config, dtypes, quantization, floors)
+    return _initial_state(params, num_micro_batches, dtypes, quantization)
 
-  def update_fn(updates, state, params=None, *, half_difference=None, **extra_args):
+  def update_fn(
+      updates: optax.Updates, state: ScaleByAdamAState, params: Optional[optax.Params] = None,
+      *, half_difference: Optional[optax.Updates] = None, **extra_args: Any,
+  ) -> tuple[optax.Updates, ScaleByAdamAState]:
     del params, extra_args  # optax.chain hands every extra argument to all.
     name = state.nu_estimator
     new_state = fold_micro_batch(
@@ -326,8 +320,7 @@ def make_scale_by_adama(
         for m, v, g, f in zip(new_mus, new_nus, grads, floors)])
     return updates, _estimators.with_estimator(new_state, name)
 
-  return optax.GradientTransformationExtraArgs(
-      init_fn, folding_update(update_fn, FoldingParts(config)))
+  return FoldingTransformation(init_fn, update_fn, FoldingParts(config))
 
 
 def _initial_moment(param: Any, dtype: Optional[jnp.dtype],
@@ -347,10 +340,11 @@ def _initial_moment(param: Any, dtype: Optional[jnp.dtype],
   return jnp.zeros_like(param, dtype)
 
 
-def _initial_state(params: optax.Params, config: AdamAConfig, dtypes: tuple,
-                   quantization: Optional[BlockQuantization],
-                   floors: bool) -> ScaleByAdamAState:
-  """The state before the first micro-batch: zero counters and moments."""
+def _initial_state(params: optax.Params, num_micro_batches: int,
+                   dtypes: tuple[Optional[jnp.dtype], Optional[jnp.dtype]],
+                   quantization: Optional[BlockQuantization]) -> ScaleByAdamAState:
+  """The state before the first micro-batch: zero counters and moments, the
+  default estimator (:mod:`optax_adama.contrib` makes it another)."""
   mu_dtype, nu_dtype = dtypes
   # One buffer per counter: a shared one could not be donated twice.
   zero = lambda: jnp.zeros([], jnp.int32)
@@ -359,12 +353,11 @@ def _initial_state(params: optax.Params, config: AdamAConfig, dtypes: tuple,
       micro_step=zero(),
       mu=jax.tree.map(lambda p: _initial_moment(p, mu_dtype, quantization), params),
       nu=jax.tree.map(lambda p: _initial_moment(p, nu_dtype, quantization), params),
-      nu_floor=(jax.tree.map(lambda p: zero_floor(jnp.shape(p)), params)
-                if floors else ()),
+      nu_floor=(),
       mini_batch_accepted=zero(),
       num_dropped=zero(),
-      num_micro_batches=config.num_micro_batches,
-      nu_estimator=config.nu_estimator,
+      num_micro_batches=num_micro_batches,
+      nu_estimator=_estimators.DEFAULT_NU_ESTIMATOR,
   )
 
 
@@ -393,14 +386,15 @@ def find_adama_state(state: Any) -> Optional[ScaleByAdamAState]:
   return None
 
 
-def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict:
+def direction_args(state: ScaleByAdamAState, config: AdamAConfig) -> dict[str, Any]:
   """The keyword arguments of :func:`_direction` for ``state``'s step."""
   return dict(corrections=_fold.bias_corrections(state.count, config.b1, config.b2),
               eps=config.eps, eps_root=config.eps_root,
               floor_nu=_estimators.takes_halves(state))
 
 
-def emitted_direction(state: ScaleByAdamAState, params, config: AdamAConfig):
+def emitted_direction(state: ScaleByAdamAState, params: optax.Params,
+                      config: AdamAConfig) -> optax.Updates:
   """AdamA's direction for every leaf of ``params`` (zeros unless ``state`` emits)."""
   emit = emitted(state)
   direction = direction_args(state, config)

@@ -19,7 +19,6 @@ import optax
 
 from optax_adama import _adama
 from optax_adama import _checks
-from optax_adama._quantize import BlockQuantization
 
 
 class MiniBatchChainState(NamedTuple):
@@ -100,7 +99,7 @@ def mini_batch_chain(
   if head_parts is not None and head_parts.inner is not None:
     return _extended(head, head_parts, inner)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> MiniBatchChainState:
     adama_state = head.init(params)
     if not isinstance(adama_state, _adama.ScaleByAdamAState):
       raise TypeError(
@@ -108,7 +107,9 @@ def mini_batch_chain(
           f"got state {type(adama_state).__name__}.")
     return MiniBatchChainState(adama=adama_state, inner=inner.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: MiniBatchChainState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, MiniBatchChainState]:
     # Extra arguments go to the head (the "split" estimator's half_difference)
     # and to the transforms (optax.contrib.reduce_on_plateau's value), whose
     # state keeps the completing call's.
@@ -120,8 +121,8 @@ def mini_batch_chain(
 
   if head_parts is None:  # e.g. optax.scale_by_adam: refused by init_fn.
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  return optax.GradientTransformationExtraArgs(
-      init_fn, _adama.folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
+  return _adama.FoldingTransformation(
+      init_fn, update_fn, dataclasses.replace(head_parts, inner=inner))
 
 
 def _extended(head: optax.GradientTransformation, head_parts: _adama.FoldingParts,
@@ -134,14 +135,16 @@ def _extended(head: optax.GradientTransformation, head_parts: _adama.FoldingPart
         "mini_batch_chain takes AdamA's chain before offload_moments: write "
         "offload_moments(mini_batch_chain(adamaw(...), ...)).")
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> MiniBatchChainState:
     head_state = head.init(params)
     return MiniBatchChainState(adama=head_state.adama,
                                inner=(head_state.inner, tail.init(params)))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: MiniBatchChainState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, MiniBatchChainState]:
     head_inner, tail_state = state.inner
-    # An AdamA chain takes extra arguments already (folding_update's own).
+    # An AdamA chain takes extra arguments already (a FoldingTransformation).
     updates, head_state = head.update(
         updates, MiniBatchChainState(adama=state.adama, inner=head_inner), params,
         **extra_args)
@@ -151,8 +154,8 @@ def _extended(head: optax.GradientTransformation, head_parts: _adama.FoldingPart
                                         inner=(head_state.inner, tail_state))
 
   inner = optax.chain(head_parts.inner, tail)
-  return optax.GradientTransformationExtraArgs(
-      init_fn, _adama.folding_update(update_fn, dataclasses.replace(head_parts, inner=inner)))
+  return _adama.FoldingTransformation(
+      init_fn, update_fn, dataclasses.replace(head_parts, inner=inner))
 
 
 def _taking_its_extra_args(
@@ -177,15 +180,20 @@ def _taking_its_extra_args(
            if p.kind is inspect.Parameter.KEYWORD_ONLY
            or (i >= 3 and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)}
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: optax.OptState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, optax.OptState]:
     taken = {k: v for k, v in extra_args.items() if k in names}
     return tx.update(updates, state, params, **taken)
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
-def per_mini_batch_update(inner, direction, adama_state, inner_state, params,
-                          **extra_args):
+def per_mini_batch_update(
+    inner: optax.GradientTransformation, direction: optax.Updates,
+    adama_state: _adama.ScaleByAdamAState, inner_state: optax.OptState,
+    params: Optional[optax.Params], **extra_args: Any,
+) -> tuple[optax.Updates, optax.OptState]:
   """``inner`` on AdamA's direction, advanced once per completed mini-batch.
 
   ``extra_args`` (e.g. ``value=`` the loss) are passed on to ``inner``.
@@ -203,20 +211,9 @@ def per_mini_batch_update(inner, direction, adama_state, inner_state, params,
 
 
 @_checks.refuses_contrib_arguments
-def adama(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    *,
-    num_micro_batches: int,
-    nesterov: bool = False,
-    nu_dtype: Optional[jax.typing.DTypeLike] = None,
-    quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: bool = True,
-) -> optax.GradientTransformation:
+@_checks.takes_arguments_of(_adama.scale_by_adama, without=("rounding_seed",))
+def adama(learning_rate: optax.ScalarOrSchedule,
+          **head_arguments: Any) -> optax.GradientTransformation:
   r"""Adam Accumulation: Adam fed one micro-batch gradient per ``update`` call.
 
   Drop-in for ``optax.MultiSteps(optax.adam(lr), every_k_schedule=N)`` without
@@ -232,6 +229,9 @@ def adama(
   build the optimizer with :func:`optax_adama.inject_hyperparams` (the
   ``optax.inject_hyperparams`` of AdamA, whose schedules count mini-batches):
   ``state.hyperparams["learning_rate"]``.
+
+  The arguments after ``learning_rate`` are :func:`scale_by_adama`'s (but
+  ``rounding_seed``), passed on to it as given.
 
   Args:
     learning_rate: a float or an optax schedule of the mini-batch count.
@@ -279,38 +279,17 @@ def adama(
     Activations and Gradients for Large-scale DNN Training
     <https://arxiv.org/abs/2305.19982>`_, 2023.
   """
-  return adama_chain(
-      _adama.scale_by_adama(
-          b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
-          nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding),
-      learning_rate)
-
-
-def adama_chain(head: optax.GradientTransformation,
-                learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-  """:func:`adama` of an AdamA ``head``: its direction scaled by ``-learning_rate``."""
   return mini_batch_chain(
-      head, optax.scale_by_learning_rate(_checks.real_hyperparam(learning_rate)))
+      _adama.scale_by_adama(**head_arguments),
+      optax.scale_by_learning_rate(_checks.real_hyperparam(learning_rate)))
 
 
 @_checks.refuses_contrib_arguments
-def adamaw(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    weight_decay: float = 1e-4,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    *,
-    num_micro_batches: int,
-    nesterov: bool = False,
-    nu_dtype: Optional[jax.typing.DTypeLike] = None,
-    quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: bool = True,
-) -> optax.GradientTransformation:
+@_checks.takes_arguments_of(_adama.scale_by_adama, positional_after=("weight_decay", "mask"),
+                            without=("rounding_seed",))
+def adamaw(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 1e-4,
+           mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+           **head_arguments: Any) -> optax.GradientTransformation:
   r"""AdamA with decoupled weight decay, applied once per mini-batch.
 
   .. math::
@@ -323,34 +302,19 @@ def adamaw(
   :func:`adama` for reading the learning rate during training.
 
   Args:
-    learning_rate: a float or an optax schedule of the mini-batch count.
-    b1: Decay rate of the first moment.
-    b2: Decay rate of the second moment.
-    eps: Term added to the denominator for numerical stability.
-    eps_root: Term added inside the square root of the denominator.
-    mu_dtype: dtype of the first moment; ``None`` means the dtype of params.
+    learning_rate, b1, b2, eps, eps_root, mu_dtype, num_micro_batches, nesterov,
+      nu_dtype, quantization, stochastic_rounding: as in :func:`adama`
+      (:func:`scale_by_adama`'s arguments but ``rounding_seed``, in
+      ``optax.adamw``'s order).
     weight_decay: :math:`\lambda`, the decoupled weight decay rate.
     mask: as in :func:`optax.adamw`: a tree of booleans or a callable
       returning one; ``True`` leaves are decayed.
-    num_micro_batches: ``N``, the number of ``update`` calls per mini-batch.
-    nesterov: only ``False``; see :func:`scale_by_adama`.
-    nu_dtype: dtype of the second moment; ``None`` means the dtype of params.
-    quantization: 8-bit block-wise moments, see :func:`scale_by_adama`.
-    stochastic_rounding: see :func:`scale_by_adama`.
 
   Returns:
     A :class:`optax.GradientTransformation`; ``update`` needs ``params``.
 
   Raises:
-    TypeError: if ``num_micro_batches`` is not an integer, or (at ``init``)
-      if a param leaf is not a float (or is complex where 8-bit moments
-      would take it); for ``nu_estimator`` or ``split_floor``, which live in
-      :mod:`optax_adama.contrib`.
-    ValueError: if ``num_micro_batches < 1`` or is a JAX array (as
-      ``optax.inject_hyperparams`` passes it: use
-      :func:`optax_adama.inject_hyperparams`), if ``b1`` or ``b2`` is outside
-      ``[0, 1)`` or ``eps`` / ``eps_root`` is negative, if ``nesterov`` is
-      true.
+    As :func:`adama` raises.
 
   Examples:
     >>> import jax.numpy as jnp, optax_adama
@@ -362,19 +326,8 @@ def adamaw(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
-  return adamaw_chain(
-      _adama.scale_by_adama(
-          b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
-          nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
-          stochastic_rounding=stochastic_rounding),
-      learning_rate, weight_decay, mask)
-
-
-def adamaw_chain(head: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule,
-                 weight_decay: Any, mask: Any) -> optax.GradientTransformation:
-  """:func:`adamaw` of an AdamA ``head``: decoupled weight decay, then the rate."""
   return mini_batch_chain(
-      head,
+      _adama.scale_by_adama(**head_arguments),
       _add_decayed_weights(_checks.real_hyperparam(weight_decay), mask),
       optax.scale_by_learning_rate(_checks.real_hyperparam(learning_rate)))
 
@@ -389,7 +342,8 @@ def _add_decayed_weights(weight_decay: Any, mask: Any) -> optax.GradientTransfor
   """
   decay = optax.add_decayed_weights(weight_decay, mask)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: optax.Updates, state: optax.OptState,
+                params: Optional[optax.Params] = None) -> tuple[optax.Updates, optax.OptState]:
     if params is not None:
       params = jax.tree.map(
           lambda u, p: None if u is None else jnp.asarray(p).astype(u.dtype),

@@ -7,10 +7,13 @@ param leaf) and what to pass instead.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 from typing import Optional
+from typing import TypeVar
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -164,8 +167,11 @@ def dtype_of(leaf: Any) -> jnp.dtype:
 # The research estimators' arguments, which live in optax_adama.contrib.
 _CONTRIB_ARGUMENTS = ("nu_estimator", "split_floor")
 
+Factory = TypeVar("Factory", bound=Callable[..., Any])
+Made = TypeVar("Made")
 
-def refuses_contrib_arguments(factory: Callable) -> Callable:
+
+def refuses_contrib_arguments(factory: Factory) -> Factory:
   """``factory``, refusing the arguments of :mod:`optax_adama.contrib` by name.
 
   A plain ``TypeError`` ("unexpected keyword argument") would not say where
@@ -174,7 +180,7 @@ def refuses_contrib_arguments(factory: Callable) -> Callable:
   """
 
   @functools.wraps(factory)
-  def wrapper(*args: Any, **kwargs: Any) -> Any:
+  def refusing(*args: Any, **kwargs: Any) -> Any:
     moved = [name for name in _CONTRIB_ARGUMENTS if name in kwargs]
     if moved:
       raise TypeError(
@@ -185,4 +191,50 @@ def refuses_contrib_arguments(factory: Callable) -> Callable:
           f"{', '.join(f'{name}=...' for name in moved)}).")
     return factory(*args, **kwargs)
 
-  return wrapper
+  return cast(Factory, refusing)
+
+
+def takes_arguments_of(
+    base: Callable[..., Any], *, positional_after: tuple[str, ...] = (),
+    without: tuple[str, ...] = (),
+) -> Callable[[Callable[..., Made]], Callable[..., Made]]:
+  """A factory that takes ``base``'s arguments besides its own, written once, in ``base``.
+
+  The decorated factory declares its own parameters and a ``**`` catch-all
+  for ``base``'s (less ``without``), which it passes on. Its signature, as
+  ``inspect`` (``optax.inject_hyperparams``, docs/api.md's test) and callers
+  see it: its own positional parameters, ``base``'s, its own named in
+  ``positional_after``; then, keyword-only, ``base``'s required ones, its
+  own and ``base``'s others. ``adamaw(learning_rate, b1, ..., mu_dtype,
+  weight_decay, mask, *, num_micro_batches, ...)`` is
+  ``takes_arguments_of(scale_by_adama, positional_after=("weight_decay",
+  "mask"), without=("rounding_seed",))`` over ``adamaw(learning_rate,
+  weight_decay=1e-4, mask=None, **head_arguments)``. A call is bound to that
+  signature (positional arguments land where it puts them, a wrong one
+  raises the usual ``TypeError``) and reaches the factory by keyword.
+  """
+  kept = [p for p in inspect.signature(base).parameters.values() if p.name not in without]
+
+  def extend(factory: Callable[..., Made]) -> Callable[..., Made]:
+    signature = inspect.signature(factory)
+    own = [p for p in signature.parameters.values()
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = lambda params, after: [
+        p for p in params
+        if p.kind is p.POSITIONAL_OR_KEYWORD and (p.name in positional_after) == after]
+    keyword = lambda params, required: [
+        p for p in params if p.kind is p.KEYWORD_ONLY and (p.default is p.empty) == required]
+    extended_signature = signature.replace(parameters=(
+        positional(own, False) + positional(kept, False) + positional(own, True)
+        + keyword(kept, True) + keyword(own, True) + keyword(own, False)
+        + keyword(kept, False)))
+
+    @functools.wraps(factory)
+    def extended(*args: Any, **kwargs: Any) -> Made:
+      return factory(**extended_signature.bind(*args, **kwargs).arguments)
+
+    # What inspect.signature reads first (before following __wrapped__).
+    extended.__signature__ = extended_signature  # type: ignore[attr-defined]
+    return extended
+
+  return extend

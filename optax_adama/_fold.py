@@ -304,7 +304,7 @@ def fold_leaf(grad: jax.typing.ArrayLike, mu: Moment, nu: Moment, state: ScaleBy
   splits 8-bit blocks, ``whole_block_absmax`` puts each block's parts
   together: see :func:`_fold_moment`).
   """
-  b1, b2, nu_estimator = config.b1, config.b2, config.nu_estimator
+  b1, b2, nu_estimator = config.b1, config.b2, state.nu_estimator
   # The guard is elementwise so it fuses into the fold. Gating the fold on a
   # reduction over the leaf (all-finite) makes XLA keep gradients alive
   # longer: 0.44 P of temp instead of 0.16 P on an 8-layer MLP.

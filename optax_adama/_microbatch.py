@@ -9,7 +9,6 @@ write by hand (a gradient-sum carry, one `update` on the mean), the baseline.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -37,6 +36,8 @@ __all__ = ["microbatch_step"]
 
 Batch = Any
 Metrics = dict[str, Any]
+# Per micro-batch, stacked by the scan: (loss, aux, dropped).
+MicroBatchOutputs = tuple[jax.Array, Any, jax.Array]
 
 
 def updates_every_micro_batch(opt_state: optax.OptState) -> bool:
@@ -47,7 +48,8 @@ def updates_every_micro_batch(opt_state: optax.OptState) -> bool:
   return _updates_every_micro_batch(opt_state, find_adama_state(opt_state))
 
 
-def _updates_every_micro_batch(opt_state, adama_state) -> bool:
+def _updates_every_micro_batch(opt_state: optax.OptState,
+                               adama_state: Optional[ScaleByAdamAState]) -> bool:
   is_multi_steps = lambda x: isinstance(x, optax.MultiStepsState)
   return adama_state is not None or any(
       map(is_multi_steps, jax.tree.leaves(opt_state, is_leaf=is_multi_steps)))
@@ -215,16 +217,18 @@ def microbatch_step(
   jitted = jax.jit(
       step, donate_argnums=(0, 1),
       in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  def expected_shardings(params, opt_state):
+  def expected_shardings(params: optax.Params, opt_state: optax.OptState) -> tuple[Any, Any]:
     shardings = placement.shardings(params, opt_state)
+    assert shardings is not None  # a mesh's placement has shardings
     return shardings.params, shardings.opt_state
 
   return _steps.with_distinct_buffers(
       jitted, placement.num_devices, data_axis, num_micro_batches, expected_shardings)
 
 
-def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_aux,
-               accumulation_dtype):
+def _scan_step(tx: optax.GradientTransformation, placement: _placements.Placement,
+               num_micro_batches: Optional[int], update_every_micro_batch: Optional[bool],
+               has_aux: bool, accumulation_dtype: Optional[jax.typing.DTypeLike]) -> _steps.Step:
   """The step as a function of (params, opt_state, batch), before jit.
 
   Which path a step takes is decided here, once: when the step is built for
@@ -237,7 +241,8 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
   """
   parts = _adama.folding_parts(tx)
 
-  def step(params, opt_state, batch):
+  def step(params: optax.Params, opt_state: optax.OptState,
+           batch: Batch) -> tuple[optax.Params, optax.OptState, Metrics]:
     shardings = placement.shardings(params, opt_state)
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
@@ -248,6 +253,7 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
     micro_batches = placement.place_micro_batches(_steps.split_micro_batches(batch, n))
     per_micro = (_updates_every_micro_batch(opt_state, adama_state)
                  if update_every_micro_batch is None else update_every_micro_batch)
+    run: Callable[..., tuple[optax.Params, optax.OptState, MicroBatchOutputs]]
     if per_micro and parts is not None:
       run = functools.partial(_fold_then_update, parts)
     elif per_micro:
@@ -257,8 +263,9 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
           _accumulated_gradient_update, tx, accumulation_dtype=accumulation_dtype)
     params, opt_state, (losses, aux, dropped) = run(
         placement, params, opt_state, micro_batches)
-    if adama_state is not None:  # AdamA counted them in its state.
-      dropped = find_adama_state(opt_state).num_dropped - adama_state.num_dropped
+    new_adama_state = find_adama_state(opt_state)
+    if adama_state is not None and new_adama_state is not None:  # AdamA counted them.
+      dropped = new_adama_state.num_dropped - adama_state.num_dropped
     metrics = _steps.step_metrics(losses, dropped, aux if has_aux else None)
     if shardings is not None:
       params, opt_state = jax.lax.with_sharding_constraint(
@@ -268,19 +275,25 @@ def _scan_step(tx, placement, num_micro_batches, update_every_micro_batch, has_a
   return step
 
 
-def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micro_batches):
+def _per_micro_batch_updates(
+    tx: optax.GradientTransformation, adama_state: Optional[ScaleByAdamAState],
+    placement: _placements.Placement, params: optax.Params, opt_state: optax.OptState,
+    micro_batches: Batch,
+) -> tuple[optax.Params, optax.OptState, MicroBatchOutputs]:
   """One ``tx.update`` per micro-batch (AdamA inside other transforms, MultiSteps).
 
   ``adama_state``: the AdamA state inside ``opt_state``, or ``None``.
   """
   adama = adama_state is not None
   # The state's own update resolves "auto" from whether it gets a half difference.
-  split = adama and _steps.resolve_halves(
+  split = adama_state is not None and _steps.resolve_halves(
       adama_state, micro_batches, placement.num_devices)[1]
   update = optax.with_extra_args_support(tx).update
 
-  def body(carry, micro_batch):
+  def body(carry: tuple[optax.Params, optax.OptState],
+           micro_batch: Batch) -> tuple[tuple[optax.Params, optax.OptState], MicroBatchOutputs]:
     params, opt_state = carry
+    extra_args: dict[str, Any]
     if adama:  # AdamA drops (and counts) non-finite gradients itself.
       loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
       dropped = jnp.array(False)
@@ -288,7 +301,8 @@ def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micr
       loss, aux, grads = placement.loss_and_grads(params, micro_batch)
       (grads, dropped), extra_args = _zero_nonfinite(loss, grads), {}
     updates, opt_state = update(grads, opt_state, params, **extra_args)
-    emitted = _adama.emitted(find_adama_state(opt_state)) if adama else None
+    new_adama_state = find_adama_state(opt_state)
+    emitted = None if new_adama_state is None else _adama.emitted(new_adama_state)
     params = placement.apply_updates(params, updates, emitted)
     return (params, opt_state), (loss, aux, dropped)
 
@@ -296,7 +310,10 @@ def _per_micro_batch_updates(tx, adama_state, placement, params, opt_state, micr
   return params, opt_state, outputs
 
 
-def _fold_then_update(parts, placement, params, opt_state, micro_batches):
+def _fold_then_update(
+    parts: _adama.FoldingParts, placement: _placements.Placement, params: optax.Params,
+    opt_state: optax.OptState, micro_batches: Batch,
+) -> tuple[optax.Params, optax.OptState, MicroBatchOutputs]:
   """A bare AdamA: the scan only folds, then one update (``_per_micro_batch_updates``'s).
 
   The results of one ``tx.update`` per micro-batch, but params are a
@@ -316,12 +333,13 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   # "momentum" folds as "sum" and adds its m_hat**2 term once, after the scan.
   # (Offloaded moments are all on the device for the update below anyway.)
   momentum_after = _estimators.adds_momentum_after_fold(state, per_layer_offload=False)
-  fold_config = (dataclasses.replace(parts.config, nu_estimator="sum") if momentum_after
-                 else parts.config)
+  if momentum_after:
+    state = _estimators.with_estimator(state, "sum")
 
-  def body(state, micro_batch):
+  def body(state: ScaleByAdamAState,
+           micro_batch: Batch) -> tuple[ScaleByAdamAState, MicroBatchOutputs]:
     loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
-    state = _adama.fold_micro_batch(grads, to_device(state), fold_config, **extra_args)
+    state = _adama.fold_micro_batch(grads, to_device(state), parts.config, **extra_args)
     return to_host(state), (loss, aux, jnp.array(False))
 
   state, outputs = jax.lax.scan(body, state, micro_batches)
@@ -340,7 +358,9 @@ def _fold_then_update(parts, placement, params, opt_state, micro_batches):
   return params, to_host(opt_state), outputs
 
 
-def _adama_gradient(placement, params, micro_batch, split: bool):
+def _adama_gradient(
+    placement: _placements.Placement, params: optax.Params, micro_batch: Batch, split: bool,
+) -> tuple[jax.Array, Any, optax.Updates, dict[str, optax.Updates]]:
   """``(loss, aux, grads, extra_args)`` of a micro-batch, as AdamA takes them.
 
   A non-finite loss poisons the gradient (AdamA then drops the micro-batch);
@@ -357,10 +377,14 @@ def _adama_gradient(placement, params, micro_batch, split: bool):
 
 
 def _accumulated_gradient_update(
-    tx, placement, params, opt_state, micro_batches, *, accumulation_dtype=None):
+    tx: optax.GradientTransformation, placement: _placements.Placement, params: optax.Params,
+    opt_state: optax.OptState, micro_batches: Batch, *,
+    accumulation_dtype: Optional[jax.typing.DTypeLike] = None,
+) -> tuple[optax.Params, optax.OptState, MicroBatchOutputs]:
   """A gradient-sum carry over the micro-batches, one ``tx.update`` on the mean."""
 
-  def body(grad_sum, micro_batch):
+  def body(grad_sum: optax.Updates,
+           micro_batch: Batch) -> tuple[optax.Updates, MicroBatchOutputs]:
     loss, aux, grads = placement.loss_and_grads(params, micro_batch)
     grads, dropped = _zero_nonfinite(loss, grads)
     return jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads), (loss, aux, dropped)
@@ -401,7 +425,7 @@ def _resolve_num_micro_batches(given: Optional[int],
   return adama_state.num_micro_batches
 
 
-def _zero_nonfinite(loss, grads):
+def _zero_nonfinite(loss: jax.Array, grads: optax.Updates) -> tuple[optax.Updates, jax.Array]:
   """(grads with non-finite entries and non-finite-loss micro-batches zeroed, dropped)."""
   loss_finite = jnp.isfinite(loss)
   leaves, treedef = jax.tree.flatten(grads)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 from typing import Optional
 
@@ -45,7 +46,7 @@ def offloaded_leaves(tree: Any, min_size: Optional[int]) -> Any:
 def host_leaves(tree: Any) -> Any:
   """Per leaf of ``tree``: whether it is in host memory (arrays,
   ``jax.ShapeDtypeStruct`` with a sharding, or tracers of either)."""
-  def in_host(leaf):
+  def in_host(leaf: Any) -> bool:
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None:
       return getattr(sharding, "memory_kind", None) == HOST_MEMORY_KIND
@@ -97,7 +98,7 @@ def to_host(tree: Any, offloaded: Any) -> Any:
   return _move(tree, offloaded, jax.memory.Space.Host)
 
 
-def moves(min_size: Optional[int]):
+def moves(min_size: Optional[int]) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
   """``(to_device, to_host)`` of ``offload_moments``' state leaves; identities
   without (``min_size`` ``None``: nothing offloaded)."""
   if min_size is None:
@@ -149,10 +150,12 @@ def offload_moments(
     2023.
   """
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> optax.OptState:
     return put(inner.init(params), jax.memory.Space.Host, min_size)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: optax.OptState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, optax.OptState]:
     # Extra arguments (AdamA's half_difference) go on to inner.
     on_device = put(state, jax.memory.Space.Device, min_size)
     new_updates, new_state = optax.with_extra_args_support(inner).update(
@@ -164,8 +167,8 @@ def offload_moments(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
   # The fused steps fold themselves and bring each leaf (under release_step,
   # each layer's slice) to the device around its own fold.
-  return optax.GradientTransformationExtraArgs(init_fn, _adama.folding_update(
-      update_fn, dataclasses.replace(parts, offload_min_size=min_size)))
+  return _adama.FoldingTransformation(
+      init_fn, update_fn, dataclasses.replace(parts, offload_min_size=min_size))
 
 
 def offloaded_state_shapes(

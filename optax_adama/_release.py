@@ -17,15 +17,16 @@ The pieces: :mod:`optax_adama._staged` (the loss's form),
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 from typing import NamedTuple
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
 from optax_adama import _adama
@@ -41,6 +42,7 @@ from optax_adama import _staged
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
 from optax_adama._chain import MiniBatchChainState
+from optax_adama._sharding import StepShardings
 
 __all__ = ["release_step"]
 
@@ -169,10 +171,12 @@ def release_step(
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
 
-  def step(params, opt_state, batch):
+  def step(params: optax.Params, opt_state: optax.OptState,
+           batch: _staged.Batch) -> tuple[optax.Params, optax.OptState, _staged.Metrics]:
     staged.check_stack(params)
     _check_is_state_of_tx(opt_state, parts.inner)
-    shardings = slices = None
+    shardings: Optional[StepShardings] = None
+    slices: Any = None
     if mesh is not None:
       shardings = _step_shardings(staged, parts, params, opt_state, mesh, shard_states,
                                   data_axis)
@@ -185,12 +189,10 @@ def release_step(
         state, micro_batches, 1 if mesh is None else _sharding.num_devices(mesh, data_axis))
     momentum_after = _estimators.adds_momentum_after_fold(
         resolved, per_layer_offload=parts.offload_min_size is not None)
-    fold_parts = parts
     if momentum_after:  # fold as "sum"; the m_hat**2 term follows the scan
-      fold_parts = dataclasses.replace(
-          parts, config=dataclasses.replace(parts.config, nu_estimator="sum"))
+      resolved = _estimators.with_estimator(resolved, "sum")
     offloaded = _release_fold.offloaded_state(state, parts)
-    fold = _scan_body(staged, fold_parts, has_aux, params, mesh, shard_states,
+    fold = _scan_body(staged, parts, has_aux, params, mesh, shard_states,
                       data_axis, shardings, slices, offloaded)
     folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
     if momentum_after:
@@ -199,7 +201,7 @@ def release_step(
         staged, parts, params, folded, _chain.inner_of(opt_state),
         _steps.mean_finite_loss(losses),
         _sharded_update(staged, slices, shard_states, mesh, data_axis), offloaded,
-        None if mesh is None else _split_by_layer(
+        None if mesh is None or shardings is None else _split_by_layer(
             staged, slices, _release_mesh.partition_specs(_chain.adama_of(shardings.opt_state)),
             mesh, data_axis))
     opt_state = _chain.with_adama(
@@ -216,7 +218,8 @@ def release_step(
     return _steps.with_distinct_buffers(jax.jit(step, donate_argnums=(0, 1)))
   jitted = jax.jit(step, donate_argnums=(0, 1),
                    in_shardings=(None, None, _sharding.batch_sharding(mesh, data_axis)))
-  def expected_shardings(params, opt_state):
+  def expected_shardings(params: optax.Params, opt_state: optax.OptState) -> tuple[Any, Any]:
+    assert mesh is not None  # only a step on a mesh checks shardings
     shardings = _step_shardings(staged, parts, params, opt_state, mesh, shard_states,
                                 data_axis)
     return shardings.params, shardings.opt_state
@@ -226,7 +229,9 @@ def release_step(
       expected_shardings=expected_shardings)
 
 
-def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_axis):
+def _step_shardings(staged: _staged.StagedLoss, parts: _adama.FoldingParts,
+                    params: optax.Params, opt_state: optax.OptState, mesh: Mesh,
+                    shard_states: Optional[str], data_axis: _sharding.AxisName) -> StepShardings:
   """:func:`release_shardings` as the step keeps them: under
   :func:`offload_moments` the state leaves it offloads in host memory (decided
   by each whole leaf's size, as ``init`` places them, not by where they are)."""
@@ -236,7 +241,8 @@ def _step_shardings(staged, parts, params, opt_state, mesh, shard_states, data_a
   return _offload.keep_offloaded(shardings, opt_state, parts.offload_min_size)
 
 
-def _check_is_state_of_tx(opt_state, inner) -> None:
+def _check_is_state_of_tx(opt_state: optax.OptState,
+                          inner: Optional[optax.GradientTransformation]) -> None:
   chained = isinstance(opt_state, MiniBatchChainState)
   is_adama = isinstance(_chain.adama_of(opt_state), ScaleByAdamAState)
   if not is_adama or chained != (inner is not None):
@@ -245,23 +251,29 @@ def _check_is_state_of_tx(opt_state, inner) -> None:
         "pass tx.init(params).")
 
 
-def _constrained(params_and_state, shardings):
+def _constrained(params_and_state: tuple[optax.Params, optax.OptState],
+                 shardings: StepShardings) -> tuple[optax.Params, optax.OptState]:
   return jax.lax.with_sharding_constraint(
       params_and_state, (shardings.params, shardings.opt_state))
 
 
-def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
-               shardings, slices, offloaded):
+def _scan_body(
+    staged: _staged.StagedLoss, parts: _adama.FoldingParts, has_aux: bool,
+    params: optax.Params, mesh: Optional[Mesh], shard_states: Optional[str],
+    data_axis: _sharding.AxisName, shardings: Optional[StepShardings], slices: Any,
+    offloaded: tuple[Any, Any, Any],
+) -> Callable[[ScaleByAdamAState, _staged.Batch], tuple[ScaleByAdamAState, tuple[jax.Array, Any]]]:
   """The scan body ``(state, micro_batch) -> (state, (loss, aux))``.
 
   ``offloaded``: :func:`_release_fold.offloaded_state` of the whole state.
   """
-  def fold(state, micro_batch):
+  def fold(state: ScaleByAdamAState,
+           micro_batch: _staged.Batch) -> tuple[ScaleByAdamAState, tuple[jax.Array, Any]]:
     if _estimators.takes_halves(state):
       # Halved before the devices take their rows: each device then holds
       # rows of both halves, and the halves are the micro-batch's own.
       micro_batch = _steps.halves(micro_batch)
-    if mesh is None:
+    if mesh is None or shardings is None:
       state, loss, aux = _release_fold.release_micro_batch(
           staged, parts, has_aux, params, state, micro_batch, offloaded)
     else:
@@ -276,19 +288,23 @@ def _scan_body(staged, parts, has_aux, params, mesh, shard_states, data_axis,
   return fold
 
 
-def _sharded_update(staged, slices, shard_states, mesh, data_axis):
+def _sharded_update(
+    staged: _staged.StagedLoss, slices: Any, shard_states: Optional[str], mesh: Optional[Mesh],
+    data_axis: _sharding.AxisName,
+) -> Optional[Callable[[optax.Params, optax.Updates], optax.Params]]:
   """``(params, updates) -> params`` for updates split like ZeRO's moments
   (``slices``: :func:`_release_mesh.moment_slices`).
 
   ``None`` where params and updates are whole on every device.
   """
-  if shard_states in (None, "fsdp"):  # FSDP: params split as the update is
+  if shard_states in (None, "fsdp") or mesh is None:  # FSDP: params split as the update is
     return None
   return lambda params, updates: _release_mesh.apply_sharded_updates(
       staged, params, updates, slices, mesh, data_axis)
 
 
-def _micro_batches(state, batch, mesh, data_axis):
+def _micro_batches(state: ScaleByAdamAState, batch: _staged.Batch, mesh: Optional[Mesh],
+                   data_axis: _sharding.AxisName) -> _staged.Batch:
   """The state's ``N`` micro-batches of ``batch``, placed."""
   micro_batches = _steps.split_micro_batches(batch, state.num_micro_batches)
   if mesh is None:
@@ -296,8 +312,13 @@ def _micro_batches(state, batch, mesh, data_axis):
   return _sharding.place_micro_batch_rows(micro_batches, mesh, data_axis)
 
 
-def _apply_emitted(staged, parts, params, state, inner_state, loss, sharded_update,
-                   offloaded=None, split=None):
+def _apply_emitted(
+    staged: _staged.StagedLoss, parts: _adama.FoldingParts, params: optax.Params,
+    state: ScaleByAdamAState, inner_state: optax.OptState, loss: jax.Array,
+    sharded_update: Optional[Callable[[optax.Params, optax.Updates], optax.Params]],
+    offloaded: Optional[tuple[Any, Any, Any]] = None,
+    split: Optional[Callable[..., tuple[optax.Params, optax.OptState]]] = None,
+) -> tuple[optax.Params, optax.OptState]:
   """``(params, inner_state)`` after the mini-batch's update (zero unless it emits).
 
   The transforms after AdamA get ``value=loss``, the mini-batch's loss.
@@ -336,7 +357,10 @@ class _Split(NamedTuple):
 _WHOLE = _Split(*[_release_fold.identity] * 4)
 
 
-def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
+def _split_by_layer(
+    staged: _staged.StagedLoss, slices: Any, state_specs: Any, mesh: Mesh,
+    data_axis: _sharding.AxisName,
+) -> Callable[..., tuple[optax.Params, optax.OptState]]:
   """``(apply_by_layer, params, state, inner_state, loss) -> (params, inner_state)``
   for offloaded moments under ZeRO-1/2: :func:`_apply_by_layer` in
   ``shard_map``, each device on its slice of each layer's moments (brought
@@ -346,11 +370,11 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
   outer_specs, stacked_specs = (jax.tree.leaves(tree, is_leaf=_is_spec)
                                 for tree in staged.split(_release_mesh.partition_specs(slices)))
 
-  def local(leaves, specs):
+  def local(leaves: list[Any], specs: list[Any]) -> list[Any]:
     return [_release_mesh.local_slice(x, spec, data_axis, num_devices)
             for x, spec in zip(leaves, specs)]
 
-  def whole(leaves, specs):
+  def whole(leaves: list[Any], specs: list[Any]) -> list[Any]:
     gather = lambda x, dim: jax.lax.all_gather(x, data_axis, axis=dim, tiled=True)
     return [x if _sharding.split_dim(spec) is None else gather(x, _sharding.split_dim(spec))
             for x, spec in zip(leaves, specs)]
@@ -360,7 +384,9 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
                  layer=lambda leaves: local(leaves, stacked_specs),
                  layer_whole=lambda leaves: whole(leaves, stacked_specs))
 
-  def run(apply_by_layer, params, state, inner_state, loss):
+  def run(apply_by_layer: Callable[..., tuple[optax.Params, optax.OptState]],
+          params: optax.Params, state: ScaleByAdamAState, inner_state: optax.OptState,
+          loss: jax.Array) -> tuple[optax.Params, optax.OptState]:
     replicated = jax.tree.map(lambda _: PartitionSpec(), inner_state)
     specs = _estimators.with_estimator(state_specs, state.nu_estimator)
     # Gathered leaves are the same on every device (see _release_mesh.apply_sharded_updates).
@@ -376,8 +402,11 @@ def _split_by_layer(staged, slices, state_specs, mesh, data_axis):
 _is_spec = lambda x: isinstance(x, PartitionSpec)
 
 
-def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=None,
-                    split: _Split = _WHOLE):
+def _apply_by_layer(
+    staged: _staged.StagedLoss, parts: _adama.FoldingParts, params: optax.Params,
+    state: ScaleByAdamAState, inner_state: optax.OptState, loss: jax.Array,
+    offloaded: Optional[tuple[Any, Any, Any]] = None, split: _Split = _WHOLE,
+) -> tuple[optax.Params, optax.OptState]:
   """``(params, inner_state)`` after the emitted update, a layer at a time.
 
   For offloaded moments: the direction of a whole stacked leaf would bring
@@ -404,11 +433,14 @@ def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=N
   emit = _adama.emitted(state)
   direction = _adama.direction_args(state, parts.config)
 
-  def leaf_direction(m, v, p, floor, m_offloaded, v_offloaded):
+  def leaf_direction(m: _fold.Moment, v: _fold.Moment, p: jax.Array,
+                     floor: Optional[jax.Array], m_offloaded: bool,
+                     v_offloaded: bool) -> jax.Array:
     m, v = _offload.to_device(m, m_offloaded), _offload.to_device(v, v_offloaded)
     return _fold.gated_direction_of_leaf(m, v, p, emit, direction, floor)
 
-  def chained(outer, stacked, outer_params, stacked_params):
+  def chained(outer: Any, stacked: Any, outer_params: Any,
+              stacked_params: Any) -> tuple[optax.Updates, optax.OptState]:
     """``inner`` on the tree of ``outer`` and ``stacked`` updates."""
     updates = _staged.like(params, staged.merge(outer, stacked))
     if inner is None:
@@ -447,7 +479,7 @@ def _apply_by_layer(staged, parts, params, state, inner_state, loss, offloaded=N
                    stacked_def.flatten_up_to(nu_off_stacked)))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
-  def update_layer(stacked, layer):
+  def update_layer(stacked: Any, layer: jax.Array) -> tuple[Any, None]:
     # [1, ...] slices: the chained transforms see each leaf at its rank.
     layer_params = stacked_def.unflatten(split.layer([
         jax.lax.dynamic_slice_in_dim(p, layer, 1, 0) for p in jax.tree.leaves(stacked)]))

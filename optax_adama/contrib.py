@@ -48,41 +48,54 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-from typing import Optional
-from typing import Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_adama import _adama
 from optax_adama import _chain
+from optax_adama import _checks
+from optax_adama import _estimators
 from optax_adama._estimators import NU_ESTIMATORS
+from optax_adama._floor import zero_floor
 from optax_adama._param_rounding import RoundParamsStochasticallyState
 from optax_adama._param_rounding import round_params_stochastically
-from optax_adama._quantize import BlockQuantization
 
 __all__ = ("NU_ESTIMATORS", "adama", "adamaw", "scale_by_adama", "round_params_stochastically",
            "RoundParamsStochasticallyState")
 
 
-def scale_by_adama(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    *,
-    num_micro_batches: int,
-    nu_estimator: str,
-    split_floor: bool = True,
-    nesterov: bool = False,
-    nu_dtype: Optional[jax.typing.DTypeLike] = None,
-    quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: bool = True,
-    rounding_seed: int = 0,
-) -> optax.GradientTransformation:
+def _with_estimator(tx: optax.GradientTransformation, nu_estimator: str,
+             split_floor: bool) -> optax.GradientTransformation:
+  """``tx``, made by a main factory, with ``init`` making a state that folds
+  ``nu_estimator``.
+
+  The estimator is the state's static configuration (with ``"split"``'s
+  floor, a leaf of it): ``update`` and the fused steps read it from there,
+  so ``tx``'s ``update`` and what the fused steps fold by
+  (:class:`_adama.FoldingParts`) serve every estimator unchanged.
+  """
+  _estimators.check_estimator(nu_estimator, split_floor)
+
+  def init_fn(params: optax.Params) -> optax.OptState:
+    state = tx.init(params)
+    _estimators.check_real_for_halves(params, nu_estimator)
+    adama_state = _chain.adama_of(state)
+    floors = (split_floor and nu_estimator in ("auto", "split")
+              and adama_state.num_micro_batches > 1)
+    adama_state = adama_state._replace(
+        nu_estimator=nu_estimator,
+        nu_floor=jax.tree.map(lambda p: zero_floor(jnp.shape(p)), params) if floors else ())
+    return _chain.with_adama(state, adama_state, _chain.inner_of(state))
+
+  return _adama.FoldingTransformation(init_fn, tx.update, _adama.folding_parts(tx))
+
+
+@_checks.takes_arguments_of(_adama.scale_by_adama)
+def scale_by_adama(*, nu_estimator: str, split_floor: bool = True,
+                   **main_arguments: Any) -> optax.GradientTransformation:
   """:func:`optax_adama.scale_by_adama` with a research estimator of v.
 
   Args:
@@ -115,29 +128,12 @@ def scale_by_adama(
     >>> tx.init({"w": jnp.ones(3)}).nu_estimator
     'sum'
   """
-  return _adama.make_scale_by_adama(
-      b1, b2, eps, eps_root, mu_dtype, num_micro_batches=num_micro_batches,
-      nesterov=nesterov, nu_dtype=nu_dtype, quantization=quantization,
-      stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed,
-      nu_estimator=nu_estimator, split_floor=split_floor)
+  return _with_estimator(_adama.scale_by_adama(**main_arguments), nu_estimator, split_floor)
 
 
-def adama(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    *,
-    num_micro_batches: int,
-    nu_estimator: str,
-    split_floor: bool = True,
-    nesterov: bool = False,
-    nu_dtype: Optional[jax.typing.DTypeLike] = None,
-    quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: bool = True,
-) -> optax.GradientTransformation:
+@_checks.takes_arguments_of(_chain.adama)
+def adama(*, nu_estimator: str, split_floor: bool = True,
+          **main_arguments: Any) -> optax.GradientTransformation:
   """:func:`optax_adama.adama` with a research estimator of v.
 
   Args:
@@ -154,63 +150,42 @@ def adama(
     As :func:`scale_by_adama` and :func:`optax_adama.adama` raise.
 
   Examples:
-    >>> import jax.numpy as jnp, optax_adama
+    >>> import jax.numpy as jnp
     >>> from optax_adama import contrib
-    >>> tx = contrib.adama(1e-3, num_micro_batches=4, nu_estimator="momentum")
-    >>> optax_adama.find_adama_state(tx.init({"w": jnp.ones(2)})).nu_estimator
-    'momentum'
+    >>> tx = contrib.adama(1e-3, num_micro_batches=2, nu_estimator="sum")
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> for _ in range(2):  # one mini-batch of equal gradients: v_hat = g**2 / N
+    ...   u, state = tx.update({"w": jnp.ones(2)}, state)
+    >>> print(u["w"].round(6))  # -1e-3 * 1 / sqrt(1 / 2)
+    [-0.001414 -0.001414]
   """
-  head = scale_by_adama(b1, b2, eps, eps_root, mu_dtype,
-                        num_micro_batches=num_micro_batches, nu_estimator=nu_estimator,
-                        split_floor=split_floor, nesterov=nesterov, nu_dtype=nu_dtype,
-                        quantization=quantization,
-                        stochastic_rounding=stochastic_rounding)
-  return _chain.adama_chain(head, learning_rate)
+  return _with_estimator(_chain.adama(**main_arguments), nu_estimator, split_floor)
 
 
-def adamaw(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    weight_decay: float = 1e-4,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    *,
-    num_micro_batches: int,
-    nu_estimator: str,
-    split_floor: bool = True,
-    nesterov: bool = False,
-    nu_dtype: Optional[jax.typing.DTypeLike] = None,
-    quantization: Optional[BlockQuantization] = None,
-    stochastic_rounding: bool = True,
-) -> optax.GradientTransformation:
+@_checks.takes_arguments_of(_chain.adamaw)
+def adamaw(*, nu_estimator: str, split_floor: bool = True,
+           **main_arguments: Any) -> optax.GradientTransformation:
   """:func:`optax_adama.adamaw` with a research estimator of v.
 
   Args:
-    learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-      num_micro_batches, nesterov, nu_dtype, quantization, stochastic_rounding:
-      as in :func:`optax_adama.adamaw`.
-    nu_estimator, split_floor: as in :func:`scale_by_adama`.
+    nu_estimator, split_floor: as in :func:`scale_by_adama`; the other
+      arguments (``learning_rate`` to ``mask``, ``num_micro_batches`` and
+      the rest) as in :func:`optax_adama.adamaw`, in its order.
 
   Returns:
-    A :class:`optax.GradientTransformation` with state
-    :class:`optax_adama.MiniBatchChainState`.
+    :func:`optax_adama.adamaw`'s transformation, whose ``init`` makes a
+    :class:`optax_adama.MiniBatchChainState` folding ``nu_estimator`` (with
+    ``"split"``'s floor where it keeps one).
 
   Raises:
-    As :func:`scale_by_adama` and :func:`optax_adama.adamaw` raise.
+    As :func:`optax_adama.adamaw` and :func:`scale_by_adama` raise.
 
   Examples:
-    >>> import jax.numpy as jnp, optax_adama
+    >>> import jax.numpy as jnp
     >>> from optax_adama import contrib
-    >>> tx = contrib.adamaw(1e-3, num_micro_batches=4, nu_estimator="momentum")
-    >>> optax_adama.find_adama_state(tx.init({"w": jnp.ones(2)})).nu_estimator
-    'momentum'
+    >>> tx = contrib.adamaw(1e-3, weight_decay=0.1, num_micro_batches=4, nu_estimator="split")
+    >>> state = tx.init({"w": jnp.ones((4, 4))})
+    >>> state.adama.nu_estimator, type(state.adama.nu_floor["w"]).__name__
+    ('split', 'FactoredSquares')
   """
-  head = scale_by_adama(b1, b2, eps, eps_root, mu_dtype,
-                        num_micro_batches=num_micro_batches, nu_estimator=nu_estimator,
-                        split_floor=split_floor, nesterov=nesterov, nu_dtype=nu_dtype,
-                        quantization=quantization,
-                        stochastic_rounding=stochastic_rounding)
-  return _chain.adamaw_chain(head, learning_rate, weight_decay, mask)
+  return _with_estimator(_chain.adamaw(**main_arguments), nu_estimator, split_floor)

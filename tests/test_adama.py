@@ -1,6 +1,8 @@
 """AdamA as a plain Optax transformation: one ``update`` call per micro-batch."""
 
+import copy
 import inspect
+import pickle
 import re
 
 import chex
@@ -509,11 +511,34 @@ def test_integer_like_num_micro_batches_are_accepted(integer):
   assert type(optax_adama.find_adama_state(state).num_micro_batches) is int
 
 
-def test_update_with_a_state_of_another_num_micro_batches_raises():
-  params = {"w": jnp.ones(2)}
-  state = optax_adama.scale_by_adama(num_micro_batches=4).init(params)
-  with pytest.raises(ValueError, match="num_micro_batches=2 but the state"):
-    optax_adama.scale_by_adama(num_micro_batches=2).update(params, state)
+def test_update_reads_num_micro_batches_and_the_estimator_from_the_state():
+  # N and the estimator have one home, the state's static fields: an update
+  # folds as the state was made, whatever N its transformation was built with.
+  params = {"w": jnp.array([1.0, -2.0, 0.5])}
+  made = optax_adama.contrib.scale_by_adama(num_micro_batches=4, nu_estimator="momentum")
+  other = optax_adama.scale_by_adama(num_micro_batches=2)
+  states = [made.init(params)] * 2
+  for call in range(8):
+    grads = {"w": jnp.array([0.5, -0.25, 1.0]) * (call + 1)}
+    outs = [tx.update(grads, st) for tx, st in zip((made, other), states)]
+    np.testing.assert_array_equal(outs[0][0]["w"], outs[1][0]["w"])
+    states = [o[1] for o in outs]
+  assert int(states[1].count) == 2 and states[1].nu_estimator == "momentum"
+
+
+def test_the_static_fields_are_tree_structure_and_survive_copies():
+  state = optax_adama.contrib.scale_by_adama(num_micro_batches=3, nu_estimator="sum").init(
+      {"w": jnp.ones(2)})
+  assert state._fields == ("count", "micro_step", "mu", "nu", "nu_floor",
+                           "mini_batch_accepted", "num_dropped")
+  assert len(jax.tree.leaves(state)) == 6  # nu_floor is ()
+  with pytest.raises(AttributeError, match="immutable"):
+    state.num_micro_batches = 2
+  for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state)),
+                 jax.tree.map(jnp.copy, state), state._replace(count=state.count + 1)):
+    assert (copied.num_micro_batches, copied.nu_estimator) == (3, "sum")
+    assert jax.tree.structure(copied) == jax.tree.structure(state)
+  assert "num_micro_batches=3, nu_estimator='sum')" in repr(state)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8])
