@@ -2,7 +2,7 @@
 
     python -m models.validate                     # the committed experiment
     python -m models.validate --models vit --seeds 0 --steps 50   # a quick look
-    python -m models.validate study ...   # estimators x micro-batch size (models/study.py)
+    python -m models.validate study ...   # estimators x micro-batch size (models.harness.study)
     python -m models.validate rho ...     # v / v_adam along Adam's path
     python -m models.validate curves ...  # Adam and the default, training curves per cell
 
@@ -19,8 +19,9 @@ difference to Adam), ``convergence.png`` (training curves) and the raw runs as
 JSON. Target: AdamA within 1% of Adam's held-out loss for every model and N.
 
 The experiment is this command's own; the training run is
-`models.harness.train`, and `study` and `rho` are `models.study`'s (a library
-below this command).
+`models.harness.train`, and what `study`, `rho` and `curves` run is
+`models.harness.study`'s (their figures `models.harness.study_plots`'); their
+command line is here (`study_main`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+import optax_adama
 from models import harness
-from models import study
+from models.harness import study
+from models.harness import study_plots
 
 # Per-model settings: enough steps for the curves to flatten on two CPU cores.
 # BERT (post-LN) needs the lower learning rate to leave the unigram plateau.
@@ -195,8 +198,8 @@ def plot(runs: Sequence[dict[str, Any]], path: Path, *, smooth: int = 20) -> Non
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv[:1] in (["study"], ["rho"], ["curves"]):  # the estimator study (models/study.py)
-    return study.main(argv)
+  if argv[:1] in (["study"], ["rho"], ["curves"]):  # the estimator study
+    return study_main(argv)
   parser = argparse.ArgumentParser(prog="python -m models.validate",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
@@ -225,6 +228,110 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   print(text)
   return rows
 
+
+
+def parse_cell(text: str) -> tuple[str, int, int] | tuple[str, int, int, int]:
+  """``"gpt:4:32"`` -> (model, N, examples per micro-batch), checked;
+  ``"vit_mnist:4:64:100"`` adds the run length the cell is drawn at."""
+  try:
+    model, *numbers = text.split(":")
+    if len(numbers) not in (2, 3):
+      raise ValueError(text)
+    cell = (model, *map(int, numbers))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        "a cell is MODEL:N:EXAMPLES_PER_MICRO_BATCH[:STEPS] (e.g. gpt:4:32, "
+        f"vit_mnist:4:64:100), got {text!r}") from None
+  if model not in study.STUDY_MODELS:
+    raise argparse.ArgumentTypeError(f"model {model!r} is not one of {study.STUDY_MODELS}")
+  return cell
+
+
+def _study_parser() -> argparse.ArgumentParser:
+  """The command line of `study`, `rho` and `curves` (`models.harness.study`)."""
+  parser = argparse.ArgumentParser(prog="python -m models.validate study|rho",
+                                   description=study.__doc__.split("\n\n")[0])
+  parser.add_argument("command", choices=("study", "rho", "curves"))
+  parser.add_argument("--models", nargs="+", choices=study.STUDY_MODELS, default=["gpt"])
+  parser.add_argument("--arms", nargs="+", choices=study.ARMS, default=list(study.ARMS))
+  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
+  parser.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[4],
+                      help="examples per micro-batch")
+  parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0],
+                      help="study: seeds of every run; rho: the first is its seed")
+  parser.add_argument("--follow", choices=("adam",) + optax_adama.contrib.NU_ESTIMATORS,
+                      default="adam", help="rho: whose path to follow (default: Adam's)")
+  parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
+                      help="extra seeds, run at each arm's best rate only")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--results", type=Path, default=Path("benchmarks/raw/study.jsonl"))
+  parser.add_argument("--rows", type=Path, default=None,
+                      help="rho: measure every model x N x micro-batch size cell, add "
+                      "one JSON row per cell to this file (cells already there are "
+                      "skipped) and write <out-dir>/<its stem>.md, their table against "
+                      "the tail targets, instead of rho.png and raw/rho.json")
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--cells", nargs="+", type=parse_cell, default=[],
+                      metavar="MODEL:N:SIZE[:STEPS]",
+                      help="curves: the cells to draw from --results, e.g. gpt:4:32 "
+                           "vit_mnist:4:64:100 (without STEPS, --steps)")
+  parser.add_argument("--no-progress", action="store_true")
+  return parser
+
+
+def study_main(argv: Sequence[str]) -> None:
+  """`study`, `rho` and `curves`: the estimator study, the tails of v and their curves."""
+  parser = _study_parser()
+  args = parser.parse_args(argv)
+  command = "python -m models.validate " + " ".join(argv)
+  if args.command == "curves":
+    if not args.cells:
+      parser.error("curves needs --cells MODEL:N:SIZE ...")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    study_plots.plot_curves(study.load_results(args.results), args.cells,
+                            args.out_dir / "study_curves.png", steps=args.steps)
+    return
+  if args.command == "rho" and args.rows is not None:
+    table = args.out_dir / f"{args.rows.stem}.md"
+    study.run_rho_rows(args.models, args.num_micro_batches, args.micro_batch_sizes, args.steps,
+                 args.seeds[0], args.follow, args.rows, table, command=command)
+    print(table.read_text())
+    return
+  if args.command == "rho":
+    diagnoses = {}
+    for kind in args.models:
+      for size in args.micro_batch_sizes:
+        for n in args.num_micro_batches:
+          d = study.measure_rho(kind, n, size, args.steps, args.seeds[0], args.follow)
+          path = "" if args.follow == "adam" else f", {args.follow!r}'s path"
+          # One size keeps the names the plots and raw files always had.
+          per = "" if len(args.micro_batch_sizes) == 1 else f", {size} per micro-batch"
+          diagnoses[f"{kind} N={n}{per}{path}"] = d
+          print(f"{kind}, N={n}{per}:\n{d.summary()}\n")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    study_plots.plot_rho(diagnoses, args.out_dir / "rho.png")
+    (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "raw" / "rho.json").write_text(json.dumps({
+        "command": command,
+        **{name: {e: q.tolist() for e, q in d.rho.items()} for name, d in diagnoses.items()},
+    }))
+    return
+  runs = study.grid(args.models, args.arms, args.num_micro_batches, args.micro_batch_sizes,
+              args.lr_factors, args.seeds, args.steps)
+  study.run_grid(runs, args.results, command=command, progress=not args.no_progress)
+  if args.best_seeds:
+    extra = study.best_seed_runs(runs, study.best_rows(study.load_results(args.results)),
+                                 args.best_seeds)
+    study.run_grid(extra, args.results, command=command, progress=not args.no_progress)
+  results = study.load_results(args.results)
+  rows = study.best_rows(results)
+  text = study.markdown(rows, list(dict.fromkeys(
+      r.get("command", "") for r in results.values() if r.get("command"))))
+  args.out_dir.mkdir(parents=True, exist_ok=True)
+  (args.out_dir / "study.md").write_text(text)
+  study_plots.plot_gaps(rows, args.out_dir / "study.png")
+  print(text)
 
 if __name__ == "__main__":
   main()

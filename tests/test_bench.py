@@ -10,8 +10,8 @@ from conftest import xla_flags
 import models
 import optax_adama
 from models import bench
-from models import capacity
 from models import harness
+from models.harness import capacity
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ from conftest import xla_flags
 from models import checkpoint as checkpointing
 from models import harness
 from models import train
+from models.harness import loop
 
 # One xdist worker runs this file (make test: --dist loadgroup), so the
 # module's uninterrupted runs are trained once, not once per worker.
@@ -366,9 +367,9 @@ def test_release_step_run_resumes_bitwise(tmp_path):
 
 def test_runs_without_checkpoints_leave_the_signal_handlers_alone():
   before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-  with harness._StopSignals(active=False):
+  with loop._StopSignals(active=False):
     assert {sig: signal.getsignal(sig) for sig in before} == before
-  with harness._StopSignals(active=True) as stop:
+  with loop._StopSignals(active=True) as stop:
     assert signal.getsignal(signal.SIGTERM) == stop._handle
     stop._handle(signal.SIGTERM, None)  # the first one is caught...
     assert stop.received == signal.SIGTERM

@@ -11,6 +11,8 @@ from conftest import REPO
 
 import models
 from models import gpu_bench
+from models.harness import gpu
+from models.harness import gpu_report
 
 GIB = 2**30
 
@@ -39,7 +41,7 @@ def make_argv(command, module):
 # 100-140 s on 2 cores) run with the slow tests.
 @pytest.mark.parametrize("layout, all_methods, methods", [
     ("unrolled", [], gpu_bench.LEAN_METHODS),
-    pytest.param("scanned", ["gpt_test"], gpu_bench.METHODS + ("adama_release",),
+    pytest.param("scanned", ["gpt_test"], gpu.METHODS + ("adama_release",),
                  marks=pytest.mark.slow),
 ], ids=["lean_unrolled", "every_method_scanned"])
 def test_dry_run_measures_every_method_in_its_own_process(tmp_path, layout, all_methods,
@@ -64,7 +66,7 @@ def test_dry_run_measures_every_method_in_its_own_process(tmp_path, layout, all_
   saved = (by_method["scan_accumulation"]["compiled_total_bytes"]
            - by_method["adama"]["compiled_total_bytes"])
   assert saved > 0.5 * by_method["adama"]["param_bytes"]
-  slug = gpu_bench.device_slug()
+  slug = gpu.device_slug()
   saved_json = json.loads((tmp_path / "raw" / f"gpu_{slug}.json").read_text())
   # As JSON has them: a lean row group's method tuple is a list there.
   assert saved_json["rows"] == json.loads(json.dumps(rows))
@@ -85,7 +87,7 @@ def test_default_cases_fill_the_device_and_add_reference_rows():
   small = [c for c in cases if c.preset == "gpt2_small"]
   assert [(c.scan_layers, c.remat) for c in small] == [
       (False, "full"), (True, "full"), (False, "none")]
-  assert small[1].methods == gpu_bench.METHODS + ("adama_release",)
+  assert small[1].methods == gpu.METHODS + ("adama_release",)
   assert small[2].methods == gpu_bench.REFERENCE_METHODS
   medium_scanned = [c for c in cases if c.preset == "gpt2_medium" and c.scan_layers][0]
   assert "multisteps" not in medium_scanned.methods
@@ -105,14 +107,14 @@ def test_a_failed_method_is_recorded_not_fatal(tmp_path):
   # An unknown preset fails inside the worker process, as an out-of-memory would.
   case = {"preset": "no_such_preset", "num_micro_batches": 2, "scan_layers": False}
   task = {"kind": "memory", "case": case, "method": "adama"}
-  result = gpu_bench.run_in_process(task, gpu_bench.worker_env(str(tmp_path)))
+  result = gpu.run_in_process(task, gpu.worker_env(str(tmp_path)))
   assert "no_such_preset" in result["error"]
   log = tmp_path / "tasks.jsonl"
-  gpu_bench.log_result(log, task, result)
+  gpu.log_result(log, task, result)
   assert json.loads(log.read_text())["result"] == result
-  row = {"case": "x", "method": "adama", **gpu_bench.MISSING_MEMORY, **result,
+  row = {"case": "x", "method": "adama", **gpu.MISSING_MEMORY, **result,
          "floor_bytes": None, "median_step_s": None}
-  assert "| failed: " in gpu_bench.table([row])
+  assert "| failed: " in gpu_report.table([row])
 
 
 def test_a_task_crowded_out_of_the_device_runs_again_alone(monkeypatch):
@@ -132,20 +134,20 @@ def test_a_task_crowded_out_of_the_device_runs_again_alone(monkeypatch):
     return {"compiled_total_bytes": 11, "param_bytes": 4, "peak_bytes_in_use": 12,
             "compile_s": 1.0, "loss": 2.0}
 
-  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
-  case = gpu_bench.Case("gpt_test", 2, False, method_names=("adama",))
-  [row] = gpu_bench.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
+  monkeypatch.setattr(gpu, "run_in_process", fake_run)
+  case = gpu.Case("gpt_test", 2, False, method_names=("adama",))
+  [row] = gpu.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
                         progress=False)
   assert [c["kind"] for c in calls].count("memory") == 2
   assert row["retried_alone"] and "error" not in row and row["peak_bytes_in_use"] == 12
 
 
 def test_a_failed_row_shows_the_exception_not_the_traceback_footer():
-  row = {"case": "x", "method": "adama", **gpu_bench.MISSING_MEMORY, "param_bytes": None,
+  row = {"case": "x", "method": "adama", **gpu.MISSING_MEMORY, "param_bytes": None,
          "floor_bytes": None, "median_step_s": None,
          "error": "Traceback\njax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory\n"
                   "----\nFor simplicity, JAX has removed its internal frames"}
-  assert "| failed: jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED" in gpu_bench.table([row])
+  assert "| failed: jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED" in gpu_report.table([row])
 
 
 def test_capacity_trains_the_compiled_answer_and_steps_down_when_it_does_not_fit(monkeypatch):
@@ -156,41 +158,41 @@ def test_capacity_trains_the_compiled_answer_and_steps_down_when_it_does_not_fit
     return {"scale": task["scale"], "param_count": 400 if task["method"] != "scan_accumulation"
             else 100, "peak_bytes_in_use": 9, "losses": [5.0, 4.9, 4.8]}
 
-  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
-  monkeypatch.setattr(gpu_bench, "search_capacity",
+  monkeypatch.setattr(gpu, "run_in_process", fake_run)
+  monkeypatch.setattr(gpu, "search_capacity",
                       lambda case, method, env: {"scale": 5, "total_bytes": 10})
-  case = gpu_bench.CapacityCase(budget_gb=1.0)
-  rows = gpu_bench.run_capacity(case, ("scan_accumulation", "adama_release_8bit_offload"),
+  case = gpu.CapacityCase(budget_gb=1.0)
+  rows = gpu.run_capacity(case, ("scan_accumulation", "adama_release_8bit_offload"),
                                 cache_dir="", tries=3)
   assert [r["trained_scale"] for r in rows] == [4, 4]
   assert [a["scale"] for a in rows[0]["attempts"]] == [5, 4]
-  text = gpu_bench.capacity_table(rows)
+  text = gpu_report.capacity_table(rows)
   assert "| 5 layers | 4 layers |" in text and "| 4.00x |" in text and "5 fails, 4 trains" in text
 
 
 def test_capacity_search_is_models_bench_capacity_with_the_case_s_settings(tmp_path):
-  case = gpu_bench.CapacityCase(budget_gb=2.5, num_micro_batches=2, seq_len=16,
+  case = gpu.CapacityCase(budget_gb=2.5, num_micro_batches=2, seq_len=16,
                                 dtype="bfloat16", max_scale=3, vocab_size=128)
-  command = gpu_bench.search_command(case, "scan_accumulation", tmp_path / "c.json")
+  command = gpu.search_command(case, "scan_accumulation", tmp_path / "c.json")
   assert command[1:4] == ["-m", "models.bench", "capacity"] and "--scan-layers" in command
   flags = dict(zip(command[4::1], command[5::1]))
   assert flags["--budgets-gb"] == "2.5" and flags["--dtype"] == "bfloat16"
   assert flags["--max-scale"] == "3" and flags["--vocab-size"] == "128"
   from models import bench
   for method in gpu_bench.CAPACITY_METHODS:  # each one a method models.bench takes
-    args = bench._parse_args(gpu_bench.search_command(case, method, tmp_path / "c.json")[3:])
+    args = bench._parse_args(gpu.search_command(case, method, tmp_path / "c.json")[3:])
     assert args.methods == [method] and args.dtype == "bfloat16"
 
 
 def test_capacity_records_a_method_that_fits_nowhere(monkeypatch):
-  monkeypatch.setattr(gpu_bench, "search_capacity",
+  monkeypatch.setattr(gpu, "search_capacity",
                       lambda case, method, env: {"scale": 2, "total_bytes": 1})
-  monkeypatch.setattr(gpu_bench, "run_in_process",
+  monkeypatch.setattr(gpu, "run_in_process",
                       lambda task, env: {"error": "RESOURCE_EXHAUSTED"})
-  [row] = gpu_bench.run_capacity(gpu_bench.CapacityCase(budget_gb=1.0), ("scan_accumulation",),
+  [row] = gpu.run_capacity(gpu.CapacityCase(budget_gb=1.0), ("scan_accumulation",),
                                  cache_dir="", tries=3)
   assert row["trained_scale"] is None and [a["scale"] for a in row["attempts"]] == [2, 1]
-  assert "| none layers |" in gpu_bench.capacity_table([row])
+  assert "| none layers |" in gpu_report.capacity_table([row])
 
 
 @pytest.mark.parametrize("method", [
@@ -204,9 +206,9 @@ def test_capacity_worker_trains_a_small_family_member(method):
 
 
 def _train_small_family_member(method):
-  case = gpu_bench.CapacityCase(budget_gb=1.0, num_micro_batches=2, seq_len=16,
+  case = gpu.CapacityCase(budget_gb=1.0, num_micro_batches=2, seq_len=16,
                                 dtype="float32", vocab_size=128)
-  result = gpu_bench.train_at_scale(case, method, scale=1, steps=2)
+  result = gpu.train_at_scale(case, method, scale=1, steps=2)
   assert result["scale"] == 1 and result["param_count"] > 0
   assert all(np.isfinite(result["losses"])) and result["losses"][1] != result["losses"][0]
 
@@ -302,7 +304,7 @@ def test_dry_run_of_the_llama_command_on_llama_test(tmp_path, monkeypatch, layou
   assert saved > 0.5 * by_method["adama"]["param_bytes"]
   # Two timing processes for the scanned case, scan accumulation in each; a
   # method's reference is its own process's scan accumulation.
-  stem = f"gpu_{gpu_bench.device_slug()}_llama_test"
+  stem = f"gpu_{gpu.device_slug()}_llama_test"
   log = [json.loads(line)
          for line in (tmp_path / "raw" / f"{stem}_tasks.jsonl").read_text().splitlines()]
   timed = [e for e in log if e["task"]["kind"] == "time" and e["task"]["case"]["scan_layers"]]
@@ -338,12 +340,12 @@ def test_each_method_is_against_the_scan_accumulation_of_its_own_timing_process(
     return {"compiled_total_bytes": 11, "param_bytes": 4, "peak_bytes_in_use": 12,
             "compile_s": 1.0, "loss": 2.0}
 
-  monkeypatch.setattr(gpu_bench, "run_in_process", fake_run)
+  monkeypatch.setattr(gpu, "run_in_process", fake_run)
   monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-  case = gpu_bench.Case("llama_test", 2, True, method_names=gpu_bench.LEAN_METHODS
+  case = gpu.Case("llama_test", 2, True, method_names=gpu_bench.LEAN_METHODS
                         + ("adama_release",), timed_together=3, memory_fraction=0.95)
-  rows = gpu_bench.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
+  rows = gpu.run([case], workers=2, rounds=1, steps_per_round=1, cache_dir="",
                        progress=False)
   assert [t["methods"] for t, _ in calls if t["kind"] == "time"] == [
       list(gpu_bench.LEAN_METHODS), ["scan_accumulation", "adama_release"]]
@@ -354,19 +356,19 @@ def test_each_method_is_against_the_scan_accumulation_of_its_own_timing_process(
   assert by_method["adama_release"]["reference_step_s"] == 2.0
   # +10% each against its own process's scan accumulation, not the release's
   # 2.2 against the first process's 1.0.
-  table = gpu_bench.table(rows)
+  table = gpu_report.table(rows)
   assert table.count("| +10.0% |") == 3 and "+120.0%" not in table
-  assert "| llama_test, N=2 | n/a; 1.100x |" in gpu_bench.summary(rows)
+  assert "| llama_test, N=2 | n/a; 1.100x |" in gpu_report.summary(rows)
 
 
 def test_a_share_of_the_device_the_user_set_is_left_alone(monkeypatch):
-  for name in gpu_bench.MEMORY_FRACTION_VARIABLES:
+  for name in gpu.MEMORY_FRACTION_VARIABLES:
     monkeypatch.delenv(name, raising=False)
-  assert "XLA_CLIENT_MEM_FRACTION" not in gpu_bench.worker_env("/cache")
-  assert gpu_bench.worker_env("/cache", 0.95)["XLA_CLIENT_MEM_FRACTION"] == "0.95"
+  assert "XLA_CLIENT_MEM_FRACTION" not in gpu.worker_env("/cache")
+  assert gpu.worker_env("/cache", 0.95)["XLA_CLIENT_MEM_FRACTION"] == "0.95"
   # JAX refuses both names at once: the user's older one stands alone.
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-  env = gpu_bench.worker_env("/cache", 0.95)
+  env = gpu.worker_env("/cache", 0.95)
   assert "XLA_CLIENT_MEM_FRACTION" not in env and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
 
 

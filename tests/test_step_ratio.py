@@ -154,7 +154,7 @@ def test_quantiles_without_a_sort_match_nanquantile(kind):
 
 
 def test_rho_rows_are_written_once_per_cell_and_judged_against_the_targets(tmp_path, monkeypatch):
-  from models import study
+  from models.harness import study
 
   calls = []
 

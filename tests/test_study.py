@@ -1,11 +1,14 @@
 """The estimator study's bookkeeping: keys, resumable runs, best rate against best."""
 
+import argparse
 import json
 import math
 
 import pytest
 
-from models import study
+from models import validate
+from models.harness import study
+from models.harness import study_plots
 
 
 def _record(arm, lr, loss, *, n=4, size=8, seed=0):
@@ -51,7 +54,7 @@ def test_run_grid_appends_and_skips_finished_runs(tmp_path, monkeypatch):
     return {"eval_loss": 1.0 + config.learning_rate, "final_train_loss": 1.0,
             "train_loss": [1.0] * 10, "median_step_s": 0.1, "machine": {}}
 
-  monkeypatch.setattr(study.harness, "train", fake_train)
+  monkeypatch.setattr(study.loop, "train", fake_train)
   results = tmp_path / "study.jsonl"
   # N = 2 and 4 at 4 examples per micro-batch: batches of 8 and 16.
   runs = study.grid(["gpt"], ["adam", "mean"], [2, 4], [4], [1.0], [0], 5)
@@ -128,8 +131,8 @@ def test_gap_plot_takes_the_median_of_three_seeds_and_one_seed_as_is(tmp_path):
   split = next(r for r in rows if r["arm"] == "split")
   assert math.isnan(next(r for r in rows if r["arm"] == "mean")["gap_to_adam"])
   # What the README quotes: the median (-1%, +1%, +30%: +1%), the range around it.
-  assert study._plotted_gap(split) == pytest.approx((1.0, -1.0, 30.0))
-  study.plot_gaps(rows, tmp_path / "gaps.png")
+  assert study_plots._plotted_gap(split) == pytest.approx((1.0, -1.0, 30.0))
+  study_plots.plot_gaps(rows, tmp_path / "gaps.png")
   assert (tmp_path / "gaps.png").stat().st_size > 10_000
 
 
@@ -155,25 +158,25 @@ def test_curves_draw_each_arm_at_its_best_rate_and_refuse_a_malformed_cell(tmp_p
   for r in records:
     r["train_loss"] = [5.0 - 0.01 * i for i in range(60)]
   drawn = []
-  real_median = study.np.median
+  real_median = study_plots.np.median
 
   def spy_median(values, axis=None):
     if axis == 0:  # the curves' median over seeds
       drawn.append(values.shape)
     return real_median(values, axis=axis)
 
-  monkeypatch.setattr(study.np, "median", spy_median)
-  study.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8)], tmp_path / "c.png")
+  monkeypatch.setattr(study_plots.np, "median", spy_median)
+  study_plots.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8)], tmp_path / "c.png")
   # Adam at 1e-3 (its best, two seeds), the default at 2e-3 (two seeds): 60 points each.
   assert (2, 60) in drawn and drawn.count((2, 60)) == 2
   assert (tmp_path / "c.png").stat().st_size > 10_000
   # A cell drawn at its own run length: these runs are 300 steps, so 100 has none.
   drawn.clear()
-  study.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8, 300), ("gpt", 4, 8, 100)],
+  study_plots.plot_curves({r["key"]: r for r in records}, [("gpt", 4, 8, 300), ("gpt", 4, 8, 100)],
                     tmp_path / "c.png", steps=100)
   assert drawn == [(2, 60), (2, 60)]
-  assert study.parse_cell("vit_mnist:4:64") == ("vit_mnist", 4, 64)
-  assert study.parse_cell("vit_mnist:4:64:100") == ("vit_mnist", 4, 64, 100)
+  assert validate.parse_cell("vit_mnist:4:64") == ("vit_mnist", 4, 64)
+  assert validate.parse_cell("vit_mnist:4:64:100") == ("vit_mnist", 4, 64, 100)
   for bad in ("gpt:4", "gpt:x:8", "resnet:4:8", "gpt:4:8:100:1"):
-    with pytest.raises(study.argparse.ArgumentTypeError):
-      study.parse_cell(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+      validate.parse_cell(bad)

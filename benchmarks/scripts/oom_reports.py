@@ -420,7 +420,7 @@ def capacity(args):
   import jax
 
   import optax_adama
-  from models import capacity as capacity_search
+  from models.harness import capacity as capacity_search
   from models import harness
 
   mesh = _mesh(args)

@@ -23,15 +23,14 @@ table of them against the tail targets (TAIL_TARGETS) beside `--out-dir`:
     python -m models.validate rho --models gpt bert vit --num-micro-batches 2 4 8 \
         --micro-batch-sizes 4 64 --steps 300 --rows benchmarks/raw/tails.json
 
-Both are subcommands of `python -m models.validate`, which hands them to
-`main` here; this module is a library below that command (it imports
-models.harness, the zoo and optax_adama, never a command), so it has no
-`__main__` of its own.
+Both are subcommands of `python -m models.validate`, which parses their
+arguments; this module is what they run (the grid, its results file and best
+rows, rho's cells and their table), below that command, and
+`models.harness.study_plots` draws them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -48,7 +47,10 @@ from tqdm import tqdm
 
 import models
 import optax_adama
-from models import harness
+from models.harness import loop
+from models.harness.settings import DEFAULT_NU_ESTIMATOR
+from models.harness.settings import MODEL_KINDS
+from models.harness.settings import TrainConfig
 
 # Each model's base learning rate and run length (models.validate's settings).
 BASE: dict[str, dict[str, Any]] = {
@@ -96,16 +98,16 @@ class Run:
   def batch_size(self) -> int:
     return self.num_micro_batches * self.micro_batch_size
 
-  def config(self) -> harness.TrainConfig:
+  def config(self) -> TrainConfig:
     settings = {k: v for k, v in BASE[self.model].items() if k != "learning_rate"}
     model = settings.pop("model", self.model)
     adam = self.arm in ADAM_ARMS
-    return harness.TrainConfig(
+    return TrainConfig(
         model=model, optimizer="adam" if adam else "adama",
         num_micro_batches=1 if self.arm == "adam" else self.num_micro_batches,
         batch_size=self.batch_size, steps=self.steps,
         learning_rate=self.learning_rate, seed=self.seed,
-        nu_estimator=harness.DEFAULT_NU_ESTIMATOR if adam else self.arm,
+        nu_estimator=DEFAULT_NU_ESTIMATOR if adam else self.arm,
         accumulation_dtype="bfloat16" if self.arm == "adam_bf16acc" else None,
         **settings)
 
@@ -144,10 +146,10 @@ def run_grid(runs: Sequence[Run], results_path: Path, *, command: str = "",
   todo = [r for r in runs if r.key not in done]
   results_path.parent.mkdir(parents=True, exist_ok=True)
   for run in tqdm(todo, desc="study", disable=not progress, file=sys.stderr):
-    result = harness.train(run.config(), progress=False)
+    result = loop.train(run.config(), progress=False)
     record = {
         "key": run.key, **dataclasses.asdict(run), "command": command,
-        "tokens_per_micro_batch": run.micro_batch_size * _tokens_per_example(run.model),
+        "tokens_per_micro_batch": run.micro_batch_size * positions_per_example(run.model),
         "eval_loss": result["eval_loss"],
         "final_train_loss": result["final_train_loss"],
         "train_loss": result["train_loss"][::5],
@@ -158,7 +160,8 @@ def run_grid(runs: Sequence[Run], results_path: Path, *, command: str = "",
       f.write(json.dumps(record) + "\n")
 
 
-def _tokens_per_example(model: str) -> int:
+def positions_per_example(model: str) -> int:
+  """Positions a study model reads per example: its tokens, or its patches and CLS."""
   if model.startswith("vit"):
     return models.get_config(BASE[model].get("preset", "vit_tiny")).num_patches + 1
   return BASE[model]["seq_len"]  # positions (a GPT batch's extra token is a target)
@@ -217,7 +220,7 @@ def best_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     losses = list(seed_losses.values())
     rows.append({
         "model": model, "num_micro_batches": n, "micro_batch_size": size,
-        "tokens_per_micro_batch": _tokens_per_example(model) * size, "steps": steps,
+        "tokens_per_micro_batch": positions_per_example(model) * size, "steps": steps,
         "arm": arm, "best_lr": best_lr,
         "best_on_edge": len(rates) > 1 and best_lr in (rates[0], rates[-1]),
         "rates": rates, "seeds": len(losses),
@@ -290,171 +293,6 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
-ARM_COLORS = {"adam_accumulation": "tab:brown", "adam_bf16acc": "tab:purple",
-              "auto": "tab:red", "mean": "tab:blue", "sum": "tab:gray",
-              "momentum": "tab:orange", "split": "tab:green"}
-N_MARKERS = {2: "s", 4: "o", 8: "^"}
-GAP_PLOT_TICKS = (-20, -10, -5, -2, -1, 0, 1, 2, 5, 10, 20, 50, 100)
-
-
-def _plotted_gap(row: dict[str, Any]) -> tuple[float, float, float]:
-  """``(gap, low, high)`` in percent: the median paired gap and its range over
-  seeds from three seeds on (what docs/estimators.md quotes), else the gap itself."""
-  paired = [100 * g for g in row["paired_gaps"]]
-  if len(paired) > 2:
-    return 100 * row["paired_gap_median"], min(paired), max(paired)
-  gap = 100 * row["gap_to_adam"]
-  return gap, gap, gap
-
-
-def plot_gaps(rows: Sequence[dict[str, Any]], path: Path) -> None:
-  """Gap to Adam (best lr vs best) against tokens per micro-batch, per model.
-
-  Colour: the arm; marker: N; filled: median of three or more seeds, with
-  the seeds' range as a bar; hollow: fewer seeds. The band is the 1% target.
-  The y axis is linear within ±2% and logarithmic beyond, so the band and
-  the misses of tens of percent both read.
-  """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  rows = [r for r in rows if r["arm"] != "adam" and not np.isnan(r["gap_to_adam"])]
-  # A panel per model and run length: gaps after 100 and 300 steps of the
-  # same cell are different measurements and would overlay at one x.
-  kinds = list(dict.fromkeys((r["model"], r["steps"]) for r in sorted(
-      rows, key=lambda r: (r["model"], r["steps"]))))
-  lengths = {model: sum(m == model for m, _ in kinds) for model, _ in kinds}
-  columns = min(3, len(kinds))
-  rows_of_panels = -(-len(kinds) // columns)
-  fig, axes = plt.subplots(rows_of_panels, columns,
-                           figsize=(5 * columns + 1.7, 4.2 * rows_of_panels), squeeze=False)
-  for ax in axes.flat[len(kinds):]:
-    ax.set_visible(False)
-  tokens = [r["tokens_per_micro_batch"] for r in rows] or [256]
-  # Powers of two spanning every model's cells, so the panels share one axis.
-  ticks = [2 ** k for k in range(int(np.floor(np.log2(min(tokens)))),
-                                 int(np.ceil(np.log2(max(tokens)))) + 1)]
-  for ax, (kind, steps) in zip(axes.flat, kinds):
-    ax.axhspan(-1, 1, color="tab:green", alpha=0.08, linewidth=0)
-    ax.axhline(0.0, color="black", linewidth=0.8)
-    for row in rows:
-      if (row["model"], row["steps"]) == (kind, steps):
-        _draw_gap(ax, row)
-    _gap_axis(ax, ticks)
-    length = f", {steps} steps" if lengths[kind] > 1 else ""
-    ax.set_title(f"{kind}{length}: held-out loss vs Adam, best lr vs best", fontsize=10)
-  fig.legend(handles=_gap_legend(rows), loc="center right", fontsize=8, frameon=False)
-  harness.save_figure(fig, path, rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
-
-
-def _draw_gap(ax: Any, row: dict[str, Any]) -> None:
-  gap, low, high = _plotted_gap(row)
-  n = row["num_micro_batches"]
-  # N spreads the points a little sideways so equal cells do not hide.
-  x = row["tokens_per_micro_batch"] * 2 ** (0.06 * (np.log2(n) - 2))
-  color = ARM_COLORS.get(row["arm"], "black")
-  ax.errorbar([x], [gap], yerr=[[gap - low], [high - gap]], color=color,
-              marker=N_MARKERS.get(n, "D"), markersize=7, capsize=2, linewidth=1,
-              markerfacecolor=color if len(row["paired_gaps"]) > 2 else "none")
-
-
-def _gap_axis(ax: Any, ticks: Sequence[int]) -> None:
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
-  ax.set_xticks([], minor=True)
-  ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
-  ax.set_yscale("symlog", linthresh=2)
-  ax.set_yticks(GAP_PLOT_TICKS, [f"{t:+g}" if t else "0" for t in GAP_PLOT_TICKS])
-  ax.set_yticks([], minor=True)
-  ax.set_ylim(GAP_PLOT_TICKS[0] * 1.3, GAP_PLOT_TICKS[-1] * 1.3)
-  ax.set_xlabel("tokens (or image patches) per micro-batch")
-  ax.set_ylabel("gap to Adam (%)")
-  ax.grid(alpha=0.3)
-
-
-def _gap_legend(rows: Sequence[dict[str, Any]]) -> list[Any]:
-  from matplotlib.lines import Line2D
-
-  arms = {r["arm"] for r in rows}
-  ns = sorted({r["num_micro_batches"] for r in rows})
-  handle = lambda label, **kw: Line2D([], [], label=label, **{"color": "black", **kw})
-  return ([handle(a, color=ARM_COLORS.get(a, "black"), marker="o", linestyle="")
-           for a in ARM_COLORS if a in arms]
-          + [handle(f"N = {n}", marker=N_MARKERS.get(n, "D"), linestyle="",
-                    markerfacecolor="none") for n in ns]
-          + [handle("median of 3+ seeds,\nbar: their range", marker="o"),
-             handle("1-2 seeds", marker="o", linestyle="", markerfacecolor="none"),
-             handle("within 1%", color="tab:green", alpha=0.3, linewidth=6)])
-
-
-def parse_cell(text: str) -> tuple[str, int, int] | tuple[str, int, int, int]:
-  """``"gpt:4:32"`` -> (model, N, examples per micro-batch), checked;
-  ``"vit_mnist:4:64:100"`` adds the run length the cell is drawn at."""
-  try:
-    model, *numbers = text.split(":")
-    if len(numbers) not in (2, 3):
-      raise ValueError(text)
-    cell = (model, *map(int, numbers))
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        "a cell is MODEL:N:EXAMPLES_PER_MICRO_BATCH[:STEPS] (e.g. gpt:4:32, "
-        f"vit_mnist:4:64:100), got {text!r}") from None
-  if model not in STUDY_MODELS:
-    raise argparse.ArgumentTypeError(f"model {model!r} is not one of {STUDY_MODELS}")
-  return cell
-
-
-def plot_curves(results: dict[str, dict[str, Any]], cells: Sequence[tuple[int | str, ...]],
-                path: Path, *, steps: int = 300,
-                arms: Sequence[str] = ("adam", harness.DEFAULT_NU_ESTIMATOR)) -> None:
-  """Training loss of Adam and the default, side by side, one panel per cell.
-
-  Each arm at its best rate in the cell; every seed it has there drawn thin,
-  the median over seeds drawn thick, the held-out loss of each seed in the
-  legend. Adam is its whole-batch run (the same math as Adam + accumulation).
-  A cell is ``(model, N, examples per micro-batch)``, drawn from its runs of
-  ``steps`` steps, or ``(model, N, examples, steps)`` with its own.
-  """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  best = {(r["model"], r["num_micro_batches"], r["micro_batch_size"], r["steps"], r["arm"]): r
-          for r in best_rows(results)}
-  fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
-  for ax, (model, n, size, *cell_steps) in zip(axes[0], cells):
-    length = cell_steps[0] if cell_steps else steps
-    for arm, color in zip(arms, ("tab:gray", "tab:blue")):
-      key = ((model, 1, n * size, length, arm) if arm == "adam"
-             else (model, n, size, length, arm))
-      row = best.get(key)
-      if row is None:
-        continue
-      runs = [r for r in results.values()
-              if r["model"] == model and r["arm"] == arm and r["steps"] == length
-              and r["learning_rate"] == row["best_lr"]
-              and r["num_micro_batches"] * r["micro_batch_size"] == n * size
-              and (arm == "adam" or r["num_micro_batches"] == n)]
-      curves = np.array([r["train_loss"] for r in runs])
-      x = np.arange(curves.shape[1]) * (length / curves.shape[1])
-      ax.plot(x, curves.T, color=color, alpha=0.25, linewidth=0.8)
-      held_out = " / ".join(f"{r['eval_loss']:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
-      label = "Adam" if arm == "adam" else f"AdamA default ({arm!r})"
-      ax.plot(x, np.median(curves, axis=0), color=color, linewidth=2,
-              label=f"{label}, lr {row['best_lr']:g}\nheld-out {held_out}")
-    ax.set_title(f"{model}, N = {n} x {size} ({n * size * _tokens_per_example(model):,} "
-                 f"tokens per mini-batch), {length} steps", fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (median over seeds thick)")
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=7)
-    else:
-      ax.text(0.5, 0.5, f"no runs of {length} steps in this cell", ha="center",
-              transform=ax.transAxes)
-  harness.save_figure(fig, path)
-
-
 def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
                 steps: int, seed: int = 0,
                 follow: str = "adam") -> optax_adama.diagnostics.SecondMomentDiagnosis:
@@ -464,7 +302,7 @@ def measure_rho(model_kind: str, num_micro_batches: int, micro_batch_size: int,
   model_config = models.get_config(config.preset_name)
   loss_fn, params = models.split_loss_fn(
       models.create(model_config, rngs=nnx.Rngs(seed)), has_aux=True)
-  stream, _ = harness.make_data(config, model_config)
+  stream, _ = loop.make_data(config, model_config)
   batches: Iterator[Any] = (next(stream) for _ in range(steps))
   with jax.numpy_dtype_promotion("standard"):
     return optax_adama.diagnostics.diagnose_second_moment(
@@ -511,7 +349,7 @@ def rho_row(model_kind: str, micro_batch_size: int, steps: int, seed: int, follo
       "model": model_kind, "preset": Run(model_kind, "adam", n, micro_batch_size,
                                          1.0, seed, steps).config().preset_name,
       "num_micro_batches": n, "micro_batch_size": micro_batch_size,
-      "tokens_per_micro_batch": micro_batch_size * _tokens_per_example(model_kind),
+      "tokens_per_micro_batch": micro_batch_size * positions_per_example(model_kind),
       "steps": steps, "seed": seed, "follow": follow, "seconds": seconds,
       "command": command,
       "median_rho": {name: diagnosis.median(name) for name in diagnosis.rho},
@@ -585,8 +423,8 @@ def tails_markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> s
       "| " + " | ".join(header) + " |",
       "|" + "---|" * len(header),
   ]
-  order = lambda r: (harness.MODEL_KINDS.index(r["model"]) if r["model"] in harness.MODEL_KINDS
-                     else len(harness.MODEL_KINDS), r["micro_batch_size"],
+  order = lambda r: (MODEL_KINDS.index(r["model"]) if r["model"] in MODEL_KINDS
+                     else len(MODEL_KINDS), r["micro_batch_size"],
                      r["num_micro_batches"], r["steps"])
   for r in sorted(rows, key=order):
     cells = [r["preset"], str(r["num_micro_batches"]), str(r["micro_batch_size"]),
@@ -629,110 +467,3 @@ def run_rho_rows(model_kinds: Sequence[str], num_micro_batches: Sequence[int],
         results["rows"].append(row)
         save_rho_rows(rows_path, results)
         table_path.write_text(tails_markdown(results["rows"], results["commands"]))
-
-
-def plot_rho(diagnoses: dict[str, optax_adama.diagnostics.SecondMomentDiagnosis],
-             path: Path) -> None:
-  """Median rho, its interquartile band and its 5th percentile (the coordinates whose
-  steps most exceed Adam's) over training, per model and estimator."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, len(diagnoses), figsize=(5 * len(diagnoses), 4),
-                           squeeze=False)
-  for ax, (name, diagnosis) in zip(axes[0], diagnoses.items()):
-    for estimator, quantiles in diagnosis.rho.items():
-      x = np.arange(1, len(quantiles) + 1)
-      column = lambda q: quantiles[:, diagnosis.QUANTILES.index(q)]
-      line, = ax.plot(x, column(0.5), label=estimator)
-      ax.fill_between(x, column(0.25), column(0.75), alpha=0.15, color=line.get_color())
-      ax.plot(x, column(diagnosis.QUANTILES[0]), color=line.get_color(),
-              linestyle=":", linewidth=0.8)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_title(f"{name}: rho = v / v_adam (N={diagnosis.num_micro_batches})")
-    ax.set_xlabel("mini-batch step")
-    ax.set_ylabel("rho: median, quartiles, 5th percentile (dotted)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  harness.save_figure(fig, path)
-
-
-def main(argv: Sequence[str]) -> None:
-  parser = argparse.ArgumentParser(prog="python -m models.validate study|rho",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("command", choices=("study", "rho", "curves"))
-  parser.add_argument("--models", nargs="+", choices=STUDY_MODELS, default=["gpt"])
-  parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-  parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[4, 8])
-  parser.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[4],
-                      help="examples per micro-batch")
-  parser.add_argument("--lr-factors", nargs="+", type=float, default=[0.5, 1.0, 2.0])
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0],
-                      help="study: seeds of every run; rho: the first is its seed")
-  parser.add_argument("--follow", choices=("adam",) + optax_adama.contrib.NU_ESTIMATORS,
-                      default="adam", help="rho: whose path to follow (default: Adam's)")
-  parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
-                      help="extra seeds, run at each arm's best rate only")
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--results", type=Path, default=Path("benchmarks/raw/study.jsonl"))
-  parser.add_argument("--rows", type=Path, default=None,
-                      help="rho: measure every model x N x micro-batch size cell, add "
-                      "one JSON row per cell to this file (cells already there are "
-                      "skipped) and write <out-dir>/<its stem>.md, their table against "
-                      "the tail targets, instead of rho.png and raw/rho.json")
-  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
-  parser.add_argument("--cells", nargs="+", type=parse_cell, default=[],
-                      metavar="MODEL:N:SIZE[:STEPS]",
-                      help="curves: the cells to draw from --results, e.g. gpt:4:32 "
-                           "vit_mnist:4:64:100 (without STEPS, --steps)")
-  parser.add_argument("--no-progress", action="store_true")
-  args = parser.parse_args(argv)
-  command = "python -m models.validate " + " ".join(argv)
-  if args.command == "curves":
-    if not args.cells:
-      parser.error("curves needs --cells MODEL:N:SIZE ...")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot_curves(load_results(args.results), args.cells, args.out_dir / "study_curves.png",
-                steps=args.steps)
-    return
-  if args.command == "rho" and args.rows is not None:
-    table = args.out_dir / f"{args.rows.stem}.md"
-    run_rho_rows(args.models, args.num_micro_batches, args.micro_batch_sizes, args.steps,
-                 args.seeds[0], args.follow, args.rows, table, command=command)
-    print(table.read_text())
-    return
-  if args.command == "rho":
-    diagnoses = {}
-    for kind in args.models:
-      for size in args.micro_batch_sizes:
-        for n in args.num_micro_batches:
-          d = measure_rho(kind, n, size, args.steps, args.seeds[0], args.follow)
-          path = "" if args.follow == "adam" else f", {args.follow!r}'s path"
-          # One size keeps the names the plots and raw files always had.
-          per = "" if len(args.micro_batch_sizes) == 1 else f", {size} per micro-batch"
-          diagnoses[f"{kind} N={n}{per}{path}"] = d
-          print(f"{kind}, N={n}{per}:\n{d.summary()}\n")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot_rho(diagnoses, args.out_dir / "rho.png")
-    (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "raw" / "rho.json").write_text(json.dumps({
-        "command": command,
-        **{name: {e: q.tolist() for e, q in d.rho.items()} for name, d in diagnoses.items()},
-    }))
-    return
-  runs = grid(args.models, args.arms, args.num_micro_batches, args.micro_batch_sizes,
-              args.lr_factors, args.seeds, args.steps)
-  run_grid(runs, args.results, command=command, progress=not args.no_progress)
-  if args.best_seeds:
-    extra = best_seed_runs(runs, best_rows(load_results(args.results)), args.best_seeds)
-    run_grid(extra, args.results, command=command, progress=not args.no_progress)
-  results = load_results(args.results)
-  rows = best_rows(results)
-  text = markdown(rows, list(dict.fromkeys(
-      r.get("command", "") for r in results.values() if r.get("command"))))
-  args.out_dir.mkdir(parents=True, exist_ok=True)
-  (args.out_dir / "study.md").write_text(text)
-  plot_gaps(rows, args.out_dir / "study.png")
-  print(text)

@@ -3,12 +3,14 @@
 Compile-only: each method's step is compiled for abstract inputs at a family member's
 scale (layers, and width with it), its bytes read as ``memory_report`` reads them,
 and the largest scale under the budget found by a gallop and a bisection
-(``largest_fitting``). ``python -m models.bench capacity`` prints and plots it;
-``models.gpu_bench`` and ``benchmarks/oom_reports.py`` reuse the search.
+(``largest_fitting``), over the family ``gpt_family``. ``python -m models.bench capacity``
+prints and plots it; ``models.gpu_bench`` and ``benchmarks/scripts/oom_reports.py`` reuse
+the search.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -17,12 +19,34 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 import models
 import optax_adama
-from models import harness
-from models.harness import gpt_family  # the capacity family, shared with models.gpu_bench
+from models.harness import baselines
+from models.harness import batches
+from models.harness import reporting
+
+
+def gpt_family(scale: int, *, remat: str = "none", vocab_size: int = 50257,
+               hidden: int | None = None, scan_layers: bool = False,
+               dtype: Any = None) -> models.GPTConfig:
+  """A GPT-2-shaped model grown in depth and width together.
+
+  ``scale`` = number of layers; width = 64 * scale rounded to a multiple of
+  128 (GPT-2 small is scale 12: 12 layers, width 768; scale 24 gives 24 layers
+  of width 1536), or ``hidden`` (a multiple of 64: heads of 64) when given.
+  ``dtype``: the compute dtype (``None``: the config's default, float32);
+  params stay float32.
+  """
+  if hidden is None:
+    hidden = max(128, int(round(64 * scale / 128)) * 128)
+  elif hidden % 64:
+    raise ValueError(f"hidden={hidden} must be a multiple of 64 (heads of width 64).")
+  config = models.GPTConfig(num_layers=scale, hidden=hidden, num_heads=hidden // 64,
+                            remat=remat, vocab_size=vocab_size, scan_layers=scan_layers)
+  return config if dtype is None else dataclasses.replace(config, dtype=jnp.dtype(dtype))
 
 
 def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_batch_size: int,
@@ -38,20 +62,20 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
                       scan_layers=scan_layers, dtype=dtype)
-  loss_fn, params = harness.split_model(config)
-  step, tx = harness.make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
+  loss_fn, params = baselines.split_model(config)
+  step, tx = baselines.make_step(method, loss_fn, num_micro_batches=num_micro_batches, mesh=mesh,
                        rank=config.hidden // 4)
   devices = 1 if mesh is None else mesh.size
-  batch = harness.abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
+  batch = batches.abstract_batch(config, micro_batch_size * num_micro_batches * devices, seq_len)
   state = jax.eval_shape(tx.init, params)
-  if method in harness.FSDP_METHODS:  # each device's slices, as the step keeps them
-    shardings = harness.fsdp_shardings(method, loss_fn, params, state, mesh)
+  if method in baselines.FSDP_METHODS:  # each device's slices, as the step keeps them
+    shardings = baselines.fsdp_shardings(method, loss_fn, params, state, mesh)
     place = lambda tree, sh: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
     params, state = place(params, shardings.params), place(state, shardings.opt_state)
   offloaded = method.endswith("_offload")
   total = device_bytes(step, params, state, batch, offloaded=offloaded)
-  if offloaded and method in harness.RELEASE_METHODS:
+  if offloaded and method in baselines.RELEASE_METHODS:
     total += release_in_flight_bytes(loss_fn, state)
   return total, models.param_count(config)
 
@@ -71,7 +95,7 @@ def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> i
   return outer + optax_adama.moments.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
 
 
-def device_bytes(step: harness.Step, params: Any, opt_state: Any, batch: Any, *,
+def device_bytes(step: baselines.Step, params: Any, opt_state: Any, batch: Any, *,
                  offloaded: bool = False) -> int:
   """Compiled device bytes of a step (compile only).
 
@@ -281,4 +305,4 @@ def plot_capacity(results: Sequence[dict[str, Any]], path: Path) -> None:
                fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  harness.save_figure(fig, path)
+  reporting.save_figure(fig, path)
