@@ -12,32 +12,34 @@ or a config; `param_count` counts parameters without allocating them; and
 
 Data loaders live in `models.data`.
 
-This package is two layers. The model zoo is this front and `gpt`, `bert`,
-`vit`, `llama`, `layers`, `savers` and `data`; it imports `optax_adama` and nothing of
-the harness. Everything here is how a user builds a model and turns it into
+This package is two layers, and its layout says which module is which
+(tests/test_imports.py reads it). The model zoo is this front, the models
+(`gpt`, `bert`, `vit`, `llama`, with the loss path they share, `stages`, and
+their building blocks, `layers`), `savers` and the I/O (`data`, `checkpoint`,
+`llama_checkpoint` with `llama_hf_config`); it imports `optax_adama` and nothing
+of the tools.
+Everything here is how a user builds a model and turns it into
 `loss_fn(params, batch)`: the presets and configs, the model classes,
 `create`/`create_abstract`/`get_config`/`param_count`, and the loss builders
-(`make_loss_fn`, `split_loss_fn`, and `staged_loss`, the stages
-`optax_adama.release_step` takes). The harness (the commands `python -m
-models.train`, `bench`, `plan`, `validate`, `demo`, `gpu_bench` and
-`models.harness`, `models.planner` and `models.study` below them) trains,
-measures and plots; none of it is imported here. A built wheel ships
-`optax_adama` and `models` (with the `[models]` extra for the zoo's dependencies).
+of `models.stages` (`make_loss_fn`, `split_loss_fn`, and `staged_loss`, the
+stages `optax_adama.release_step` takes). The tools are the commands (`python
+-m models.train`, `bench`, `plan`, `validate`, `demo`, `gpu_bench`: each
+module with a `__main__` block) and the harness below them (`models.harness`,
+and `models.planner`); they train, measure and plot, and none of it is
+imported here. A built wheel ships `optax_adama` and `models` (with the
+`[models]` extra for the zoo's dependencies).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 from typing import Union
 
 import jax
 from flax import nnx
 
-import optax_adama
-from models import layers
 from models.bert import BERT
 from models.bert import BERTConfig
 from models.gpt import GPT
@@ -46,6 +48,9 @@ from models.layers import COMPUTE_DTYPES
 from models.layers import REMAT_POLICIES
 from models.llama import Llama
 from models.llama import LlamaConfig
+from models.stages import make_loss_fn
+from models.stages import split_loss_fn
+from models.stages import staged_loss
 from models.vit import ViT
 from models.vit import ViTConfig
 
@@ -144,76 +149,6 @@ def param_count(model_or_config: nnx.Module | str | Config) -> int:
     model = create_abstract(model_or_config)
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   return sum(math.prod(leaf.shape) for leaf in leaves)
-
-
-def make_loss_fn(
-    graphdef: nnx.GraphDef, *rest: nnx.State, has_aux: bool = False
-) -> Callable[..., Any]:
-  """The pure loss of a split model, for `jax.grad` and `lax.scan`.
-
-  Args:
-    graphdef: from `graphdef, params, *rest = nnx.split(model, nnx.Param, ...)`.
-    *rest: the non-parameter states from the same split (our models have
-      none, but passing them keeps this correct for any NNX model).
-    has_aux: also return the model's metrics dict (e.g. "accuracy").
-
-  Returns:
-    `loss_fn(params, batch) -> loss`, or `-> (loss, metrics)` if `has_aux`,
-    where loss is the float32 mean loss of the batch. The batch formats are
-    documented on `GPT.loss`, `BERT.loss` and `ViT.loss`.
-  """
-
-  def loss_fn(params: nnx.State, batch: Batch) -> Any:
-    model = nnx.merge(graphdef, params, *rest)
-    loss, metrics = model.loss(batch)
-    return (loss, metrics) if has_aux else loss
-
-  return loss_fn
-
-
-def split_loss_fn(
-    model: nnx.Module, *, has_aux: bool = False
-) -> tuple[Callable[..., Any], nnx.State]:
-  """Splits `model` and returns `(loss_fn, params)`; see `make_loss_fn`.
-
-  After training, write the parameters back with `nnx.update(model, params)`.
-  """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  return make_loss_fn(graphdef, rest, has_aux=has_aux), params
-
-
-def staged_loss(model: nnx.Module) -> tuple[optax_adama.StagedLoss, nnx.State]:
-  """Splits a `scan_layers` model into `(staged loss, params)` for `release_step`.
-
-  The stages are the model's own `stage_embed`, one block (under the model's
-  remat policy) and `stage_head`; the stacked block params are
-  `params["blocks"]`. Called as `staged(params, batch)` it is the model's mean
-  loss, so `optax_adama.microbatch_step(staged, tx)` runs the same model.
-
-      staged, params = models.staged_loss(models.create(config, rngs=rngs))
-      step = optax_adama.release_step(staged, optax_adama.adama(lr, num_micro_batches=4))
-  """
-  if not model.config.scan_layers:
-    raise ValueError("staged_loss needs a model built with scan_layers=True.")
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  block_graphdef, _ = nnx.split(model.blocks)
-  # embed and head never read the blocks: shapes stand in for them.
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  template = nnx.merge(graphdef, shapes, rest)
-
-  def merged(outer: nnx.State) -> nnx.Module:
-    return nnx.merge(graphdef, nnx.State({**outer, "blocks": shapes["blocks"]}), rest)
-
-  def block(layer_params: nnx.State, x: jax.Array, batch: Batch) -> jax.Array:
-    mask = template.stage_mask(x, batch)
-    return layers.apply_layer(block_graphdef, layer_params, x, mask, remat=model.config.remat)
-
-  staged = optax_adama.StagedLoss(
-      embed=lambda outer, batch: merged(outer).stage_embed(batch),
-      block=block,
-      head=lambda outer, x, batch: merged(outer).stage_head(x, batch)[0],
-      layers="blocks")
-  return staged, params
 
 
 __all__ = [

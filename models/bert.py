@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import stages
 
 Array = jax.Array
 
@@ -74,8 +75,12 @@ class BERTConfig(layers.TransformerConfig):
     })
 
 
-class BERT(nnx.Module):
-  """BERT encoder with pooler and tied masked-LM head."""
+class BERT(stages.StagedModel):
+  """BERT encoder with pooler and tied masked-LM head.
+
+  `loss` (`models.stages.StagedModel`'s) is the masked-LM cross-entropy averaged
+  over the positions with mask_weights > 0, with the accuracy there.
+  """
 
   def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs):
     """Initialises the parameters.
@@ -93,17 +98,9 @@ class BERT(nnx.Module):
         epsilon=config.layer_norm_eps, dtype=config.dtype,
         param_dtype=config.param_dtype, rngs=rngs,
     )
-    self.token_embed = nnx.Embed(
-        config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
-        dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-    )
-    self.position_embed = nnx.Param(
-        layers.DEFAULT_INIT(rngs.params(), (config.max_len, config.hidden), config.param_dtype)
-    )
-    self.type_embed = nnx.Embed(
-        config.type_vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
-        dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-    )
+    self.token_embed = layers.embedding(config.vocab_size, config, rngs=rngs)
+    self.position_embed = layers.learned_positions(config.max_len, config, rngs=rngs)
+    self.type_embed = layers.embedding(config.type_vocab_size, config, rngs=rngs)
     self.embed_norm = layers.LayerNorm(config.hidden, **norm)
     self.blocks = layers.make_blocks(
         lambda: layers.Block(
@@ -138,7 +135,7 @@ class BERT(nnx.Module):
     """
     x = self.embed(tokens, token_types)
     mask = None if attention_mask is None else attention_mask[:, None, None, :]
-    return layers.apply_blocks(self.blocks, x, mask, remat=self.config.remat)
+    return self.run_blocks(x, mask)
 
   def embed(self, tokens: Array, token_types: Array | None = None) -> Array:
     """The normalised embeddings [batch, length, hidden]: the blocks' input."""
@@ -170,21 +167,7 @@ class BERT(nnx.Module):
     """Masked-LM logits [batch, length, vocab_size]; arguments as in `encode`."""
     return self.mlm_logits(self.encode(tokens, token_types, attention_mask))
 
-  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    """Masked-LM cross-entropy averaged over the positions with mask_weights > 0.
-
-    Args:
-      batch: {"tokens", "targets", "mask_weights"} and optionally
-        "token_types", "attention_mask"; see the module docstring.
-
-    Returns:
-      (loss, {"accuracy": accuracy at the masked positions}), float32 scalars.
-    """
-    x = self.stage_embed(batch)
-    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
-    return self.stage_head(x, batch)
-
-  # The loss in three stages (see `models.staged_loss`), from a batch.
+  # The loss in three stages (`models.stages.StagedModel`), from a batch.
 
   def stage_embed(self, batch: dict[str, Array]) -> Array:
     return self.embed(batch["tokens"], batch.get("token_types"))

@@ -12,15 +12,13 @@ reads tokens[:, :-1] and predicts tokens[:, 1:].
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
-from models import savers
+from models import stages
 
 Array = jax.Array
 
@@ -87,27 +85,19 @@ class GPTConfig(layers.TransformerConfig):
     })
 
 
-class GPT(nnx.Module):
-  """GPT-2 style decoder LM; `__call__` maps tokens to next-token logits."""
+class GPT(stages.CausalLM):
+  """GPT-2 style decoder LM; `__call__` maps tokens to next-token logits.
+
+  A `models.stages.CausalLM` (its loss, whole or in stages) with learned
+  positions and an LM head tied to the token embedding.
+  """
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-    """Initialises the parameters.
-
-    Args:
-      config: the model's hyper-parameters.
-      rngs: random streams for initialisation (the `params` stream is used).
-    """
+    """Initialises the parameters from `rngs`' `params` stream, N(0, 0.02)."""
     self.config = config
-    self.token_embed = nnx.Embed(
-        config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
-        dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-    )
-    self.position_embed = nnx.Param(
-        layers.DEFAULT_INIT(rngs.params(), (config.max_len, config.hidden), config.param_dtype)
-    )
-    # GPT-2 scales the init of the projections that write into the residual
-    # stream by 1/sqrt(2 * num_layers), so its variance stays O(1) with depth.
-    out_init = nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * config.num_layers))
+    self.token_embed = layers.embedding(config.vocab_size, config, rngs=rngs)
+    self.position_embed = layers.learned_positions(config.max_len, config, rngs=rngs)
+    out_init = layers.residual_init(config.num_layers)
     self.blocks = layers.make_blocks(
         lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
@@ -124,19 +114,6 @@ class GPT(nnx.Module):
         param_dtype=config.param_dtype, rngs=rngs,
     )
 
-  def __call__(self, tokens: Array) -> Array:
-    """Computes next-token logits.
-
-    Args:
-      tokens: int[batch, length] token ids, length <= config.max_len.
-
-    Returns:
-      [batch, length, vocab_size] logits in the compute dtype.
-    """
-    x = self.embed(tokens)
-    x = layers.apply_blocks(self.blocks, x, self.attention_mask(x), remat=self.config.remat)
-    return self.logits(x)
-
   def embed(self, tokens: Array) -> Array:
     """Token plus position embeddings [batch, length, hidden]: the blocks' input."""
     length = tokens.shape[1]
@@ -145,44 +122,11 @@ class GPT(nnx.Module):
     positions = self.position_embed[...][:length].astype(self.config.dtype)
     return self.token_embed(tokens) + positions[None, :, :]
 
-  def attention_mask(self, x: Array) -> Array:
-    """The causal mask of the blocks' input `x` ([batch, length, hidden])."""
-    length = x.shape[1]
-    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
-
   def logits(self, x: Array) -> Array:
     """Next-token logits from the last block's output."""
     # Tied head: logits are inner products with the token embedding.
     return self.token_embed.attend(self.final_norm(x))
 
-  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    """Mean next-token cross-entropy of a batch.
-
-    Args:
-      batch: {"tokens": int32[batch, seq_len + 1]}.
-
-    Returns:
-      (loss, {"accuracy": next-token accuracy}), float32 scalars.
-    """
-    x = self.stage_embed(batch)
-    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
-    return self.stage_head(x, batch)
-
-  # The loss in three stages (see `models.staged_loss`), from a batch.
-
-  def stage_embed(self, batch: dict[str, Array]) -> Array:
-    return self.embed(batch["tokens"][:, :-1])
-
-  def stage_mask(self, x: Array, batch: dict[str, Array]) -> Array:
-    del batch
-    return self.attention_mask(x)
-
-  def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    labels = batch["tokens"][:, 1:]
-    if self.config.loss_chunks == 1:
-      loss, accuracy = layers.cross_entropy(self.logits(x), labels)
-    else:
-      loss, accuracy = savers.chunked_cross_entropy(
-          self.final_norm(x), self.token_embed.embedding[...], labels,
-          num_chunks=self.config.loss_chunks, dtype=self.token_embed.dtype)
-    return loss, {"accuracy": accuracy}
+  def head_table(self) -> Array:
+    """The LM head as a [vocab, hidden] table: the token embedding (tied)."""
+    return self.token_embed.embedding[...]

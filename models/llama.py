@@ -18,15 +18,13 @@ reads tokens[:, :-1] and predicts tokens[:, 1:] (the GPT's format).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
-from models import savers
+from models import stages
 
 Array = jax.Array
 
@@ -157,8 +155,13 @@ class LlamaConfig(layers.TransformerConfig):
     })
 
 
-class Llama(nnx.Module):
-  """Llama-family decoder LM; `__call__` maps tokens to next-token logits."""
+class Llama(stages.CausalLM):
+  """Llama-family decoder LM; `__call__` maps tokens to next-token logits.
+
+  A `models.stages.CausalLM` (its loss, whole or in stages) with rotary
+  positions in its attention and an LM head tied to the token embedding or its
+  own (`tie_embeddings`).
+  """
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     """Initialises the parameters (N(0, 0.02); residual writes scaled by depth).
@@ -168,13 +171,8 @@ class Llama(nnx.Module):
       rngs: random streams for initialisation (the `params` stream is used).
     """
     self.config = config
-    self.token_embed = nnx.Embed(
-        config.vocab_size, config.hidden, embedding_init=layers.DEFAULT_INIT,
-        dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
-    )
-    # As GPT-2: the projections that write into the residual stream start
-    # 1/sqrt(2 * num_layers) smaller, so its variance stays O(1) with depth.
-    out_init = nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * config.num_layers))
+    self.token_embed = layers.embedding(config.vocab_size, config, rngs=rngs)
+    out_init = layers.residual_init(config.num_layers)  # as GPT-2's
     self.blocks = layers.make_blocks(
         lambda: layers.LlamaBlock(
             config.hidden, config.num_heads, config.num_kv_heads, config.mlp_width,
@@ -196,19 +194,6 @@ class Llama(nnx.Module):
           dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
       )
 
-  def __call__(self, tokens: Array) -> Array:
-    """Computes next-token logits.
-
-    Args:
-      tokens: int[batch, length] token ids, length <= config.max_len.
-
-    Returns:
-      [batch, length, vocab_size] logits in the compute dtype.
-    """
-    x = self.embed(tokens)
-    x = layers.apply_blocks(self.blocks, x, self.attention_mask(x), remat=self.config.remat)
-    return self.logits(x)
-
   def embed(self, tokens: Array) -> Array:
     """Token embeddings [batch, length, hidden]: the blocks' input (positions are rotary)."""
     length = tokens.shape[1]
@@ -218,11 +203,6 @@ class Llama(nnx.Module):
           "preset was trained for; pass shorter sequences (seq_len) or build the config "
           f"with max_len={length} if you mean to extend it.")
     return self.token_embed(tokens)
-
-  def attention_mask(self, x: Array) -> Array:
-    """The causal mask of the blocks' input `x` ([batch, length, hidden])."""
-    length = x.shape[1]
-    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None, :, :]
 
   def head_table(self) -> Array:
     """The LM head as a [vocab, hidden] table (the embedding when tied)."""
@@ -236,35 +216,3 @@ class Llama(nnx.Module):
     if self.config.tie_embeddings:
       return self.token_embed.attend(x)
     return self.lm_head(x)
-
-  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    """Mean next-token cross-entropy of a batch.
-
-    Args:
-      batch: {"tokens": int32[batch, seq_len + 1]}.
-
-    Returns:
-      (loss, {"accuracy": next-token accuracy}), float32 scalars.
-    """
-    x = self.stage_embed(batch)
-    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
-    return self.stage_head(x, batch)
-
-  # The loss in three stages (see `models.staged_loss`), from a batch.
-
-  def stage_embed(self, batch: dict[str, Array]) -> Array:
-    return self.embed(batch["tokens"][:, :-1])
-
-  def stage_mask(self, x: Array, batch: dict[str, Array]) -> Array:
-    del batch
-    return self.attention_mask(x)
-
-  def stage_head(self, x: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    labels = batch["tokens"][:, 1:]
-    if self.config.loss_chunks == 1:
-      loss, accuracy = layers.cross_entropy(self.logits(x), labels)
-    else:
-      loss, accuracy = savers.chunked_cross_entropy(
-          self.final_norm(x), self.head_table(), labels,
-          num_chunks=self.config.loss_chunks, dtype=self.config.dtype)
-    return loss, {"accuracy": accuracy}

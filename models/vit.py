@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import stages
 
 Array = jax.Array
 
@@ -91,8 +92,12 @@ class ViTConfig(layers.TransformerConfig):
     })
 
 
-class ViT(nnx.Module):
-  """Vision Transformer classifier; `__call__` maps images to class logits."""
+class ViT(stages.StagedModel):
+  """Vision Transformer classifier; `__call__` maps images to class logits.
+
+  `loss` (`models.stages.StagedModel`'s) is the mean classification
+  cross-entropy, with the top-1 accuracy.
+  """
 
   def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
     """Initialises the parameters.
@@ -113,11 +118,7 @@ class ViT(nnx.Module):
     patch_dim = config.patch_size * config.patch_size * config.num_channels
     self.patch_embed = nnx.Linear(patch_dim, config.hidden, **dense)
     self.cls_token = nnx.Param(jnp.zeros((config.hidden,), config.param_dtype))
-    self.position_embed = nnx.Param(
-        layers.DEFAULT_INIT(
-            rngs.params(), (config.num_patches + 1, config.hidden), config.param_dtype
-        )
-    )
+    self.position_embed = layers.learned_positions(config.num_patches + 1, config, rngs=rngs)
     self.blocks = layers.make_blocks(
         lambda: layers.Block(
             config.hidden, config.num_heads, config.mlp_width, pre_norm=True,
@@ -162,7 +163,7 @@ class ViT(nnx.Module):
     Args:
       images: float[batch, H, W, C], or float[batch, H, W] for one channel.
     """
-    x = layers.apply_blocks(self.blocks, self.embed(images), None, remat=self.config.remat)
+    x = self.run_blocks(self.embed(images), None)
     return self.logits(x)
 
   def embed(self, images: Array) -> Array:
@@ -179,21 +180,7 @@ class ViT(nnx.Module):
     """Class logits from the last block's output (its CLS token)."""
     return self.head(self.final_norm(x[:, 0]))
 
-  def loss(self, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
-    """Mean classification cross-entropy.
-
-    Args:
-      batch: {"images": float32[batch, H, W, C] or [batch, H, W],
-        "labels": int32[batch]}.
-
-    Returns:
-      (loss, {"accuracy": top-1 accuracy}), float32 scalars.
-    """
-    x = self.stage_embed(batch)
-    x = layers.apply_blocks(self.blocks, x, self.stage_mask(x, batch), remat=self.config.remat)
-    return self.stage_head(x, batch)
-
-  # The loss in three stages (see `models.staged_loss`), from a batch.
+  # The loss in three stages (`models.stages.StagedModel`), from a batch.
 
   def stage_embed(self, batch: dict[str, Array]) -> Array:
     return self.embed(batch["images"])

@@ -22,6 +22,7 @@ from flax import nnx
 import models
 import optax_adama
 from models import layers
+from models import stages
 
 KINDS = ("gpt", "bert", "vit", "llama")
 # The Llama's training step and layouts are also checked in tests/test_llama.py
@@ -654,3 +655,17 @@ def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
         # differs between the two layouts.
         leaf, ref_leaf = (jnp.concatenate([x[:hidden], x[2 * hidden:]]) for x in (leaf, ref_leaf))
       np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=atol)
+
+
+def test_every_model_takes_the_one_staged_loss_path():
+  """embed -> blocks -> head -> loss is written once (models.stages): each model gives
+  its stages, none writes the composition again; the two decoders share their head."""
+  for model_class in (models.GPT, models.BERT, models.ViT, models.Llama):
+    assert issubclass(model_class, stages.StagedModel)
+    assert model_class.loss is stages.StagedModel.loss
+    assert model_class.run_blocks is stages.StagedModel.run_blocks
+    assert "stage_embed" in vars(model_class) or issubclass(model_class, stages.CausalLM)
+  for decoder in (models.GPT, models.Llama):
+    assert issubclass(decoder, stages.CausalLM)
+    for name in ("__call__", "stage_embed", "stage_mask", "stage_head", "attention_mask"):
+      assert getattr(decoder, name) is getattr(stages.CausalLM, name), name
