@@ -1,7 +1,7 @@
 """Memory, throughput and capacity of AdamA against every way JAX users accumulate.
 
     python -m models.bench memory --presets gpt2_small bert_base vit_base \
-        --num-micro-batches 1 2 4 8 16 --json benchmarks/memory.json
+        --num-micro-batches 1 2 4 8 16 --json benchmarks/results/memory/raw/memory_sweep.json
     python -m models.bench throughput --presets gpt_tiny bert_tiny vit_tiny
     python -m models.bench capacity --budgets-gb 16 24 40 80
 

@@ -7,7 +7,7 @@ AdamA earns its place when two things hold at once: the gradient buffer it
 removes is a visible share of the step (activations cut by rematerialization,
 so params, moments and gradients are most of the memory), and every
 micro-batch holds enough tokens that AdamA's second moment stays close to
-Adam's (the study in benchmarks/study.md: 2,048 tokens and up). The demo shows
+Adam's (the study in benchmarks/results/convergence/study.md: 2,048 tokens and up). The demo shows
 both halves:
 
 1. Training: the tiny GPT on the offline corpus, N = 4 micro-batches of 32

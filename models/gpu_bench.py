@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="memory processes at a time (each compiles on the host)")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps-per-round", type=int, default=3)
-  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/gpu"))
   parser.add_argument("--tag", default=None,
                       help="names the outputs gpu_<device>_<tag>.md (and .png, raw .json, "
                            "raw _tasks.jsonl), so a run of other presets leaves the table "

@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
   parser.add_argument("--num-micro-batches", nargs="+", type=int, default=[2, 4, 8])
   parser.add_argument("--steps", type=int, default=None,
                       help="override every model's step count (quick looks)")
-  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/convergence"))
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   with harness.command_errors(parser):  # every run checked before the first trains
@@ -265,13 +265,14 @@ def _study_parser() -> argparse.ArgumentParser:
   parser.add_argument("--best-seeds", nargs="*", type=int, default=[],
                       help="extra seeds, run at each arm's best rate only")
   parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--results", type=Path, default=Path("benchmarks/raw/study.jsonl"))
+  parser.add_argument("--results", type=Path,
+                      default=Path("benchmarks/results/convergence/raw/study.jsonl"))
   parser.add_argument("--rows", type=Path, default=None,
                       help="rho: measure every model x N x micro-batch size cell, add "
                       "one JSON row per cell to this file (cells already there are "
                       "skipped) and write <out-dir>/<its stem>.md, their table against "
                       "the tail targets, instead of rho.png and raw/rho.json")
-  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
+  parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/convergence"))
   parser.add_argument("--cells", nargs="+", type=parse_cell, default=[],
                       metavar="MODEL:N:SIZE[:STEPS]",
                       help="curves: the cells to draw from --results, e.g. gpt:4:32 "

@@ -420,8 +420,8 @@ def capacity(args):
   import jax
 
   import optax_adama
-  from models.harness import capacity as capacity_search
   from models import harness
+  from models.harness import capacity as capacity_search
 
   mesh = _mesh(args)
   n = (args.num_micro_batches or [4])[0]

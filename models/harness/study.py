@@ -21,7 +21,7 @@ values included) to that file, skipping cells already there, and writes a
 table of them against the tail targets (TAIL_TARGETS) beside `--out-dir`:
 
     python -m models.validate rho --models gpt bert vit --num-micro-batches 2 4 8 \
-        --micro-batch-sizes 4 64 --steps 300 --rows benchmarks/raw/tails.json
+        --micro-batch-sizes 4 64 --steps 300 --rows benchmarks/results/convergence/raw/tails.json
 
 Both are subcommands of `python -m models.validate`, which parses their
 arguments; this module is what they run (the grid, its results file and best
