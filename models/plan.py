@@ -42,31 +42,35 @@ from tqdm import tqdm
 import models
 from models import harness
 from models import planner
+from optax_adama.memory import Considered
+from optax_adama.memory import Machine
+from optax_adama.memory import Plan
+from optax_adama.memory import PlanSettings
 
 
 def survey_candidates(
     num_micro_batches: int, loss_chunks: Sequence[int] = (1, planner.LOSS_CHUNKS),
-) -> list[planner.Candidate]:
+) -> list[PlanSettings]:
   """What `survey` measures at one N, float32 moments: every activation setting of
   the planner, 2-bit GELU, the loss in each chunk count above 1 of `loss_chunks`
   (`planner.default_loss_chunks`: GPT's) under remat "full" and the release, and the
   sampled projection (keep ratio 0.5) with no remat."""
-  settings = [planner.Candidate(num_micro_batches, remat, bits)
+  settings = [planner.step_settings(num_micro_batches, remat, bits)
               for remat, bits in planner.ACTIVATION_SETTINGS]
-  settings.insert(2, planner.Candidate(num_micro_batches, "none", 2))
-  settings += [planner.Candidate(num_micro_batches, remat, loss_chunks=chunks)
+  settings.insert(2, planner.step_settings(num_micro_batches, "none", 2))
+  settings += [planner.step_settings(num_micro_batches, remat, loss_chunks=chunks)
                for chunks in loss_chunks if chunks > 1 for remat in ("full", planner.RELEASE)]
-  return settings + [planner.Candidate(num_micro_batches, "none", linear_keep_ratio=0.5)]
+  return settings + [planner.step_settings(num_micro_batches, "none", linear_keep_ratio=0.5)]
 
 
-def survey(preset: str, candidates: Sequence[planner.Candidate], *, batch_size: int,
-           seq_len: int | None = None,
-           machine: planner.Machine = planner.DEFAULT_MACHINE) -> list[planner.Considered]:
+def survey(preset: str, candidates: Sequence[PlanSettings], *, batch_size: int,
+           seq_len: int | None = None, machine: Machine | None = None) -> list[Considered]:
   """Each candidate compiled and measured, in order (fits: always True)."""
+  machine = Machine() if machine is None else machine
   rows = []
   for candidate in candidates:
     measurement = planner.measure(preset, candidate, batch_size=batch_size, seq_len=seq_len)
-    rows.append(planner.Considered(
+    rows.append(Considered(
         candidate, measurement, measurement.predicted_s(machine, candidate.num_micro_batches),
         True))
   return rows
@@ -74,7 +78,7 @@ def survey(preset: str, candidates: Sequence[planner.Candidate], *, batch_size: 
 
 def time_settings(
     preset: str,
-    candidates: Sequence[planner.Candidate],
+    candidates: Sequence[PlanSettings],
     *,
     batch_size: int,
     seq_len: int | None = None,
@@ -98,8 +102,8 @@ def time_settings(
     step = harness.make_train_step(run, model, loss_fn, tx)
     batch = harness.random_batch(config, harness.abstract_batch(config, batch_size, seq_len))
     state = tx.init(params)
-    runners[candidate.label()] = [step.lower(params, state, batch).compile(),
-                                  params, state, batch]
+    runners[planner.label(candidate)] = [step.lower(params, state, batch).compile(),
+                                         params, state, batch]
   times: dict[str, list[float]] = {label: [] for label in runners}
   for round_index in tqdm(range(rounds + 1), desc="timing rounds", file=sys.stderr):
     for label, (compiled, params, state, batch) in runners.items():  # round 0: warm-up
@@ -159,15 +163,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="mini-batch (sequences or images); N divides it")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="tokens per sequence; default: the preset's context")
-  parser.add_argument("--peak-tflops", type=float, default=planner.Machine.peak_flops / 1e12)
-  parser.add_argument("--bandwidth-gbs", type=float,
-                      default=planner.Machine.memory_bandwidth / 1e9)
-  parser.add_argument("--host-gbs", type=float, default=planner.Machine.host_bandwidth / 1e9)
+  parser.add_argument("--peak-tflops", type=float, default=Machine.peak_flops / 1e12)
+  parser.add_argument("--bandwidth-gbs", type=float, default=Machine.memory_bandwidth / 1e9)
+  parser.add_argument("--host-gbs", type=float, default=Machine.host_bandwidth / 1e9)
   parser.add_argument("--devices", type=int, default=1,
                       help="plan data parallel on a mesh of this many devices (ZeRO stages); "
                            "the budget is per device, --batch-size the whole mini-batch")
   parser.add_argument("--interconnect-gbs", type=float,
-                      default=planner.Machine.interconnect_bandwidth / 1e9,
+                      default=Machine.interconnect_bandwidth / 1e9,
                       help="GB/s a device sends in collectives (with --devices)")
   parser.add_argument("--survey", action="store_true",
                       help="instead: measure every activation setting at one N")
@@ -236,10 +239,10 @@ def _make_devices(devices: int) -> str | None:
           f"process, or with XLA_FLAGS={_DEVICE_COUNT_FLAG}={devices}")
 
 
-def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Considered]:
+def main(argv: Sequence[str] | None = None) -> Plan | list[Considered] | dict[str, Any]:
   parser = _parser()
   args = _parse_args(parser, argv)
-  machine = planner.Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
+  machine = Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
                             args.host_gbs * 1e9, args.interconnect_gbs * 1e9)
   if args.devices > 1:
     mesh = planner.device_mesh(args.devices)
@@ -263,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
               f"({r.measurement.device_bytes / p:.2f} P) | {r.measurement.host_bytes:,} B "
               f"| {r.predicted_s * 1e3:.1f} ms |" for r in rows]
     table, result = "\n".join(lines), rows
-    payload: Any = {"header": header, "rows": [dataclasses.asdict(r) for r in rows]}
+    payload: Any = {"header": header, "rows": [planner.considered_dict(r) for r in rows]}
   else:
     start = time.perf_counter()
     try:
@@ -276,11 +279,12 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
     # The search's wall time, recorded so that a page quoting it can be checked.
     seconds = time.perf_counter() - start
     searched_on = f"{harness.cpu_name()}, {os.cpu_count()} cores"
-    table = (f"{result.table()}\n\n{_chosen_lines(args, result, machine)}\n"
+    table = (f"{planner.table(result)}\n\n{_chosen_lines(args, result, machine)}\n"
              f"searched in {seconds:.0f} s on {searched_on}")
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
                "seconds": round(seconds, 1), "searched_on": searched_on,
-               "plan": result.to_dict()}
+               "plan": planner.plan_dict(result, preset=args.preset,
+                                         batch_size=args.batch_size, seq_len=args.seq_len)}
   print(header)
   print(table)
   if args.markdown:
@@ -292,12 +296,11 @@ def main(argv: Sequence[str] | None = None) -> planner.Plan | list[planner.Consi
   return result
 
 
-def _chosen_lines(args: argparse.Namespace, result: planner.Plan,
-                  machine: planner.Machine) -> str:
+def _chosen_lines(args: argparse.Namespace, result: Plan, machine: Machine) -> str:
   """The choice, its verified bytes and predicted time, and how to run it."""
-  c, choice = result.verified, result.choice
+  c, choice = result.measurement, result.settings
   seq = f" --seq-len {args.seq_len}" if args.seq_len else ""
-  if result.devices == 1:
+  if args.devices == 1:
     return (f"chosen: {choice.describe()}: verified "
             f"{c.device_bytes / 1e9:.2f} GB ({c.device_bytes / c.param_bytes:.2f} P) of "
             f"{args.budget_gb:g} GB, predicted {result.predicted_s * 1e3:.1f} ms a step\n"
@@ -305,16 +308,16 @@ def _chosen_lines(args: argparse.Namespace, result: planner.Plan,
             f"--batch-size {args.batch_size}{seq} --plan {args.budget_gb:g}")
   parts = c.predicted_parts(machine, choice.num_micro_batches)
   return (f"chosen: {choice.describe(on_mesh=True)}: verified {c.device_bytes / 1e9:.4g} GB a "
-          f"device ({c.device_bytes / (c.param_bytes / result.devices):.2f} "
-          f"P/{result.devices}) of {args.budget_gb:g} GB, predicted "
+          f"device ({c.device_bytes / (c.param_bytes / args.devices):.2f} "
+          f"P/{args.devices}) of {args.budget_gb:g} GB, predicted "
           f"{result.predicted_s * 1e3:.4g} ms a step ("
           + ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in parts.items()
                       if seconds) + ")\n"
           f"run with: harness.make_train_step(run, model, loss_fn, tx, mesh=mesh, "
-          f"shard_states={choice.shard_states!r}) on a {result.devices}-device 'data' mesh, "
+          f"shard_states={choice.shard_states!r}) on a {args.devices}-device 'data' mesh, "
           "params and state "
           f"placed by harness.train_step_shardings, run = planner.train_config("
-          f"{args.preset!r}, chosen.choice, batch_size={args.batch_size}, "
+          f"{args.preset!r}, chosen.settings, batch_size={args.batch_size}, "
           f"seq_len={args.seq_len}) (models.train runs one device)")
 
 
@@ -323,10 +326,11 @@ def _frontier(args: argparse.Namespace) -> dict[str, Any]:
   memory_p, candidates = {}, []
   for row in surveyed["rows"]:
     # Timed at this command's N; the memory is the survey's.
-    candidates.append(dataclasses.replace(planner.Candidate(**row["candidate"]),
+    candidates.append(dataclasses.replace(planner.step_settings(**row["candidate"]),
                                           num_micro_batches=args.num_micro_batches))
     measurement = row["measurement"]
-    memory_p[candidates[-1].label()] = measurement["device_bytes"] / measurement["param_bytes"]
+    memory_p[planner.label(candidates[-1])] = (measurement["device_bytes"]
+                                               / measurement["param_bytes"])
   step_s = time_settings(args.preset, candidates, batch_size=args.batch_size,
                          seq_len=args.seq_len, rounds=args.rounds)
   header = (f"memory: {surveyed['header']}; time: {args.preset}, batch {args.batch_size}, "

@@ -292,10 +292,10 @@ def _planned(config: harness.TrainConfig, budget_gb: float, *,
   """The TrainConfig fields `models.planner` chooses for `config` under `budget_gb`."""
   chosen = planner.plan(config.preset_name, budget_gb * 1e9, batch_size=config.batch_size,
                      seq_len=config.seq_len, progress=progress)
-  print(chosen.table())
-  print(f"plan: {chosen.choice.describe()}, verified "
-        f"{chosen.verified.device_bytes / 1e9:.3f} GB of {budget_gb:g} GB")
-  return chosen.choice.train_overrides()
+  print(planner.table(chosen))
+  print(f"plan: {chosen.settings.describe()}, verified "
+        f"{chosen.measurement.device_bytes / 1e9:.3f} GB of {budget_gb:g} GB")
+  return planner.train_overrides(chosen.settings)
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,14 +1,21 @@
-"""The search behind :func:`optax_adama.memory.plan`, and its time prediction.
+"""The search behind :func:`optax_adama.memory.plan`: its settings, and which to compile.
 
-Time is a roofline prediction, summed rather than overlapped (an upper bound
+A candidate is a :class:`PlanSettings`: N, the moments' storage, moments in
+host memory, the gradient release, the ZeRO stage and the caller's own model
+levers (:class:`optax_adama.memory.ModelLevers`: remat policies, savers, a loss
+in chunks; ``models.planner`` supplies the zoo's). Nothing here compiles:
+:func:`search` asks ``measure`` for each candidate it needs
+(:mod:`optax_adama._measure` compiles it) and ranks them by a roofline
+prediction of the step time, summed rather than overlapped (an upper bound
 where XLA hides one behind another):
 
 - compute: XLA's ``cost_analysis()`` flops over ``Machine.peak_flops``. XLA
   counts a loop body once, so the step's flops are taken per micro-batch and
-  multiplied by N, and a :class:`StagedLoss`'s layer scan is completed with
-  one more block's forward and backward, compiled alone (:func:`block_cost`),
-  per uncounted layer. A plain loss's own loops are counted once each: the
-  same for every candidate, so the ranking holds, the absolute time is low;
+  multiplied by N, and the loops inside the loss are completed per uncounted
+  trip (``ModelLevers.uncounted_cost``: a :class:`StagedLoss`'s layer scan by
+  one more block's forward and backward, compiled alone). A plain loss's own
+  loops are counted once each: the same for every candidate, so the ranking
+  holds, the absolute time is low;
 - folds: AdamA reads the gradient and m, v and writes m, v once per
   micro-batch, ``N * (P + 2 * state) / memory_bandwidth`` (a device's share
   under a ZeRO stage);
@@ -18,18 +25,20 @@ where XLA hides one behind another):
   counted) as one device sends them on a ring, over
   ``Machine.interconnect_bandwidth``.
 
-The search (:func:`search`, which ``models.planner`` runs for the zoo with its
-remat policies and savers as more activation settings): per ZeRO stage and
-activation setting, the smallest N that fits with the first memory lever, by
-bisection over the divisors (memory falls as N grows, time grows with N: each
-micro-batch pays the fold), then each further lever only where it lets a
-smaller N fit. Exact levers come first (float32 moments, then float32 moments
-in host memory), then narrower moments, which change the optimizer's numerics;
-a narrower storage is not compiled where the float32 step at that N, less the
-device bytes the narrower moments save, is still over the budget (a lower
-bound: the program differs only in the optimizer's arithmetic). Compiles are
-memoised by settings. The fastest predicted candidate wins and is
-compiled once more, uncached, to confirm that it fits.
+The search: per ZeRO stage and activation setting (the loss as given or the
+release; with model levers, each of their activations), the smallest N that
+fits with the first memory lever, by bisection over the divisors (memory falls
+as N grows, time grows with N: each micro-batch pays the fold), then each
+further lever only where it lets a smaller N fit. Exact levers come first
+(float32 moments with each of the model's exact levers, such as a loss in
+chunks, then float32 moments in host memory), then narrower moments, which
+change the optimizer's numerics; a narrower storage is not compiled where the
+float32 step at that N, less the device bytes the narrower moments save, is
+still over the budget (a lower bound: the program differs only in the
+optimizer's arithmetic). Compiles are memoised by settings. The fastest
+predicted candidate wins (ties: the most precise moments, on the device, with
+the fewest exact levers) and is compiled once more, uncached, to confirm that
+it fits.
 """
 
 from __future__ import annotations
@@ -37,30 +46,89 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
+import optax
 
-from optax_adama import _collectives
-from optax_adama import _memory
-from optax_adama import _targets
-from optax_adama._staged import StagedLoss
+from optax_adama import _chain
+from optax_adama import _offload
+from optax_adama import _quantize
 
-__all__ = ["Considered", "Machine", "Measurement", "Skipped", "block_cost",
-           "compile_for_measurement", "measure_compiled", "search"]
+__all__ = ["Considered", "Machine", "Measurement", "PlanSettings", "Skipped", "search"]
 
 # Moment storages, most precise first: the planner narrows them only to fit.
 MOMENT_STORAGES = ("float32", "bfloat16", "8bit")
 SHARD_STAGES: tuple[Optional[str], ...] = (None, "zero1", "zero2", "fsdp")
-# The library's activation settings: the loss as given, or the gradient release.
+# How a step without the release, and the release, read in a settings' name.
 PLAIN, RELEASE = "plain", "release"
 # offload_moments' default: smaller state leaves stay on the device.
 OFFLOAD_MIN_SIZE = 4096
-# Rates a candidate is measured with; the learning rate changes no buffer.
-_MEASURED_LEARNING_RATE = 1e-3
+# The learning rate a candidate is compiled with: it changes no buffer.
+MEASURED_LEARNING_RATE = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+  """One setting of the step: N, the moments, the release, the stage, the model's levers.
+
+  :func:`plan`'s example shows one (``plan.settings``).
+
+  Attributes:
+    num_micro_batches: N.
+    moments: AdamA's m and v storage: "float32", "bfloat16" or "8bit" (blocks).
+    offload_moments: m and v kept in host memory (:func:`offload_moments`).
+    release: :func:`release_step` (a :class:`StagedLoss`'s gradient release)
+      in place of :func:`microbatch_step`.
+    shard_states: on a mesh, the ZeRO stage: None (data parallel), "zero1",
+      "zero2" or "fsdp".
+    model: the variant of the model the step compiles, one value of the
+      caller's :class:`ModelLevers` (its ``str`` names it in tables); None:
+      the ``loss_fn`` as given.
+  """
+
+  num_micro_batches: int
+  moments: str = "float32"
+  offload_moments: bool = False
+  release: bool = False
+  shard_states: Optional[str] = None
+  model: Hashable = None
+
+  def describe(self, *, on_mesh: bool = False) -> str:
+    """"N=2 release moments=bfloat16", with the model's variant in place of
+    "plain", " offloaded" and " stage=fsdp" (" stage=dp" on a mesh) as they apply."""
+    if self.release:
+      activation = RELEASE if self.model is None else f"{RELEASE} {self.model}"
+    else:
+      activation = PLAIN if self.model is None else str(self.model)
+    stage = f" stage={self.shard_states or 'dp'}" if on_mesh or self.shard_states else ""
+    return (f"N={self.num_micro_batches} {activation} moments={self.moments}"
+            f"{' offloaded' if self.offload_moments else ''}{stage}")
+
+  def optimizer(self, learning_rate: optax.ScalarOrSchedule,
+                **adamaw_kwargs: Any) -> optax.GradientTransformation:
+    """:func:`adamaw` with these moments and N (under :func:`offload_moments` if offloaded).
+
+    Raises:
+      TypeError: for an ``adamaw_kwargs`` the settings choose (N, the moments).
+    """
+    chosen = {"num_micro_batches", "mu_dtype", "nu_dtype", "quantization"} & set(adamaw_kwargs)
+    if chosen:
+      raise TypeError(f"the plan chooses {sorted(chosen)}; pass the other adamaw arguments "
+                      "only (weight_decay, b1, b2, ...).")
+    narrow = jnp.bfloat16 if self.moments == "bfloat16" else None
+    # The default layout tiles each layer of a stacked leaf with its own blocks,
+    # as the release folds them, and any other leaf evenly.
+    quantization = _quantize.BlockQuantization() if self.moments == "8bit" else None
+    tx = _chain.adamaw(learning_rate, num_micro_batches=self.num_micro_batches,
+                       mu_dtype=narrow, nu_dtype=narrow, quantization=quantization,
+                       **adamaw_kwargs)
+    if self.offload_moments:
+      tx = _offload.offload_moments(tx, min_size=OFFLOAD_MIN_SIZE)
+    return tx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +217,7 @@ class Considered:
   search does not choose it.
   """
 
-  candidate: Any
+  candidate: PlanSettings
   measurement: Measurement
   predicted_s: float
   fits: bool
@@ -188,16 +256,18 @@ class Skipped:
 
 @dataclasses.dataclass(frozen=True)
 class Search:
-  """What :func:`search` compiled: the smallest fitting N per setting and lever
-  (``fitting``), every candidate (``considered``, in compile order), the
-  stages skipped without compiling, and the candidates not compiled because a
-  lower bound of their bytes was already over the budget (``bounded``:
-  (candidate, bound) pairs)."""
+  """What :func:`search` compiled: the fastest predicted fitting candidate
+  (``best``; None: nothing fits), the smallest fitting N per setting and lever
+  (``fitting``), every candidate (``considered``, in compile order), the stages
+  skipped without compiling, and the candidates not compiled because a lower
+  bound of their bytes was already over the budget (``bounded``: (candidate,
+  bound) pairs)."""
 
+  best: Optional[Considered]
   fitting: tuple[Considered, ...]
   considered: tuple[Considered, ...]
   skipped: tuple[Skipped, ...]
-  bounded: tuple[tuple[Any, int], ...] = ()
+  bounded: tuple[tuple[PlanSettings, int], ...] = ()
 
 
 def divisors(n: int) -> list[int]:
@@ -219,42 +289,58 @@ def smallest_fitting(fits: Callable[[int], bool], upper: int) -> Optional[int]:
   return high
 
 
+def memory_levers(storages: Sequence[str], exact: Sequence[Hashable], *,
+                  offload: bool) -> list[tuple[str, bool, Hashable]]:
+  """(moments, offloaded, model) in the order pulled: exact first (the most
+  precise moments with each of the model's exact levers, then those moments in
+  host memory), then narrower moments, then the narrowest in host memory; the
+  moments after the first take the last exact lever."""
+  first, narrower, most = storages[0], list(storages[1:]), exact[-1]
+  levers = [(first, False, model) for model in exact]
+  if offload:
+    levers.append((first, True, most))
+  levers += [(moments, False, most) for moments in narrower]
+  if offload:
+    levers += [(moments, True, most) for moments in narrower[-1:]]
+  return levers
+
+
 def search(
     *,
     budget_bytes: float,
     splits: Sequence[int],
     stages: Sequence[Optional[str]],
-    activations: Sequence[Any],
+    activations: Sequence[tuple[Hashable, bool]],
+    exact: Callable[[Hashable], Sequence[Hashable]],
     moment_storages: Sequence[str],
-    levers: Callable[[Sequence[str]], Sequence[Any]],
-    candidate_of: Callable[[int, Any, Any, Optional[str]], Any],
-    measure: Callable[[Any], Measurement],
+    offload: bool,
+    measure: Callable[[PlanSettings], Measurement],
     machine: Machine,
     replicated: Optional[Callable[[Optional[str], str], int]] = None,
-    measurable: Callable[[Any, Measurement], bool] = lambda candidate, measurement: True,
-    describe: Callable[[Any], str] = str,
-    lower_bound: Optional[Callable[[Any, dict[Any, Considered]], Optional[int]]] = None,
+    measurable: Callable[[PlanSettings, Measurement], bool] = lambda settings, measured: True,
+    on_mesh: bool = False,
+    lower_bound: Optional[Callable[[PlanSettings, dict[PlanSettings, Considered]],
+                                   Optional[int]]] = None,
     progress: bool = False,
 ) -> Search:
-  """The planner's search, over settings it only names (see the module docstring).
+  """The planner's search (see the module docstring).
 
   Args:
     budget_bytes: per device.
     splits: the N to try, increasing.
     stages: ZeRO stages (None: data parallel or one device).
-    activations: activation settings (opaque here: the library's plain loss
-      and release, the zoo's remat policies and savers).
+    activations: (model, release) pairs, each searched over every N: the
+      model's variant (``PlanSettings.model``) and whether the step is the
+      release.
+    exact: a variant's exact memory levers (:meth:`ModelLevers.exact`).
     moment_storages: storages to try, most precise first.
-    levers: the memory levers, in the order to pull them, from the storages
-      left after skipping those a stage cannot hold.
-    candidate_of: ``candidate_of(n, activation, lever, stage)``: hashable,
-      with a ``num_micro_batches`` attribute (n).
+    offload: try moments in host memory.
     measure: compiles and measures a candidate (called once per candidate).
     machine: the predictor's rates.
     replicated: ``replicated(stage, moments)``, bytes a stage keeps whole on
       every device; None: no stage is skipped.
     measurable: whether a measurement shows what its candidate saves.
-    describe: a candidate's one-line name, for ``progress``.
+    on_mesh: name each candidate's stage in ``progress``.
     lower_bound: ``lower_bound(candidate, considered)``, bytes the candidate
       takes at least, from what was compiled so far (or None): over the
       budget, it is not compiled.
@@ -263,20 +349,21 @@ def search(
   Returns:
     A :class:`Search`.
   """
-  considered: dict[Any, Considered] = {}
-  bounded: dict[Any, int] = {}
+  considered: dict[PlanSettings, Considered] = {}
+  bounded: dict[PlanSettings, int] = {}
+  precision = {moments: i for i, moments in enumerate(MOMENT_STORAGES)}
 
-  def fits(candidate: Any) -> bool:
+  def fits(candidate: PlanSettings) -> bool:
     bound = None if lower_bound is None else lower_bound(candidate, considered)
     if candidate not in considered and bound is not None and bound > budget_bytes:
       bounded[candidate] = bound
       if progress:
-        print(f"  {describe(candidate)}: at least {bound / 1e9:.2f} GB, not compiled",
-              file=sys.stderr)
+        print(f"  {candidate.describe(on_mesh=on_mesh)}: at least {bound / 1e9:.2f} GB, not "
+              "compiled", file=sys.stderr)
       return False
     return consider(candidate).fits
 
-  def consider(candidate: Any) -> Considered:
+  def consider(candidate: PlanSettings) -> Considered:
     if candidate not in considered:
       measurement = measure(candidate)
       considered[candidate] = Considered(
@@ -284,12 +371,13 @@ def search(
           measurement.predicted_s(machine, candidate.num_micro_batches),
           measurement.device_bytes <= budget_bytes, measurable(candidate, measurement))
       if progress:
-        print(f"  {describe(candidate)}: {measurement.device_bytes / 1e9:.2f} GB, "
+        print(f"  {candidate.describe(on_mesh=on_mesh)}: "
+              f"{measurement.device_bytes / 1e9:.2f} GB, "
               f"{considered[candidate].predicted_s * 1e3:.1f} ms, compiled in "
               f"{measurement.compile_s:.1f} s", file=sys.stderr)
     return considered[candidate]
 
-  fitting: list[Considered] = []
+  fitting: list[tuple[Considered, tuple[float, int, bool, int]]] = []
   skipped: list[Skipped] = []
   for stage in stages:
     storages = list(moment_storages)
@@ -307,108 +395,24 @@ def search(
               file=sys.stderr)
     if not storages:
       continue
-    for activation in activations:
+    for model, release in activations:
       upper = len(splits)  # each lever must beat the last one's N
-      for lever in levers(storages):
-        def candidate(i: int, lever=lever, activation=activation, stage=stage) -> Any:
-          return candidate_of(splits[i], activation, lever, stage)
+      variants = list(exact(model))
+      for moments, offloaded, variant in memory_levers(storages, variants, offload=offload):
+        def candidate(i: int, moments: str = moments, offloaded: bool = offloaded,
+                      variant: Hashable = variant, release: bool = release,
+                      stage: Optional[str] = stage) -> PlanSettings:
+          return PlanSettings(splits[i], moments, offloaded, release, stage, variant)
         index = smallest_fitting(lambda i: fits(candidate(i)), upper)
         if index is not None:
           found = considered[candidate(index)]
           if found.measurable:
-            fitting.append(found)
+            # Ties go to the most precise moments, on the device, fewest exact levers.
+            fitting.append((found, (found.predicted_s, precision[moments], offloaded,
+                                    variants.index(variant))))
           upper = index
         if upper == 0:
           break
-  return Search(tuple(fitting), tuple(considered.values()), tuple(skipped),
-                tuple(bounded.items()))
-
-
-def ring_factor(kind: str, devices: int) -> float:
-  """What one device sends, per byte of a collective's array, on a ring of D devices."""
-  if kind == "collective-permute":
-    return 1.0
-  share = (devices - 1) / devices
-  return 2 * share if kind == "all-reduce" else share
-
-
-# Compile only: on the CPU the machine code is never run, so XLA skips its costly
-# optimisation; the HLO, its memory and cost analyses and collectives are the same
-# (MLP steps at N = 4 and 16: equal temp, argument bytes and flops, 3.2 s to compile
-# instead of 6.3 s on 2 shared cores).
-_CHEAP_CPU_CODEGEN: dict[str, str | bool] = {"xla_backend_optimization_level": "0",
-                                              "xla_llvm_disable_expensive_passes": True}
-
-
-def compile_for_measurement(lowered: jax.stages.Lowered,
-                            platform: Optional[str] = None) -> jax.stages.Compiled:
-  """``lowered.compile()`` for the memory it reports: on the CPU with code generation
-  at its cheapest, on a TPU (a mesh of ``memory.target_mesh``'s compile-only devices)
-  so that a program over HBM still reports its bytes instead of failing.
-
-  ``platform``: where the program runs (its mesh's devices'); None: the default
-  backend's.
-  """
-  platform = platform or jax.default_backend()
-  if platform == "cpu":
-    return lowered.compile(compiler_options=_CHEAP_CPU_CODEGEN)
-  if platform == "tpu":
-    return lowered.compile(compiler_options=dict(_targets.TPU_OPTIONS))
-  return lowered.compile()
-
-
-def compiled_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
-  """(flops, bytes accessed) of XLA's cost analysis of a compiled program."""
-  analysis = compiled.cost_analysis() or {}
-  return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-
-
-def measure_compiled(
-    compiled: jax.stages.Compiled, *, params: Any, opt_state: Any, flops: float,
-    bytes_accessed: float, compile_s: float, devices: int = 1, state_shards: int = 1,
-) -> Measurement:
-  """A compiled step's :class:`Measurement`: bytes as :func:`memory_report`
-  counts them, collectives from its HLO; ``flops`` as the caller completed them."""
-  report = _memory.memory_report(compiled, param_bytes=_memory.tree_bytes(params))
-  memory: Any = compiled.memory_analysis()  # not None: memory_report read it
-  collectives = _collectives.collective_bytes(compiled).by_kind
-  return Measurement(
-      device_bytes=report.total_bytes,
-      host_bytes=int(memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
-                     + memory.host_temp_size_in_bytes - memory.host_alias_size_in_bytes),
-      param_bytes=report.param_bytes, state_bytes=_memory.tree_bytes(opt_state),
-      flops=flops, bytes_accessed=bytes_accessed, compile_s=compile_s,
-      collective_bytes=sum(collectives.values()),
-      link_bytes=sum(nbytes * ring_factor(kind, devices) for kind, nbytes in collectives.items()),
-      state_shards=state_shards)
-
-
-def block_cost(staged: StagedLoss, params: Any, micro_batch: Any, *,
-               policy: Optional[Callable[..., bool]] = None,
-               remat: bool = False) -> tuple[float, float]:
-  """(flops, bytes accessed) of one block's forward and backward, compiled alone.
-
-  What each layer of the stack beyond the first adds to a step whose layer scan
-  XLA counts once. The program returns the block's output as well as its
-  gradients, so the forward is kept (in the model it feeds the next block); with
-  ``remat`` (or a ``policy``) the block is under ``jax.checkpoint`` with
-  ``prevent_cse=True``, so XLA cannot merge the recomputation into that forward
-  (inside the model's scan it cannot either): the release's work, which
-  recomputes each layer.
-  """
-  outer, stacked = staged.split(params)
-  layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-  x = jax.eval_shape(staged.embed, outer, micro_batch)
-
-  def block(layer_params, x):
-    return staged.block(layer_params, x, micro_batch)
-
-  if remat or policy is not None:
-    block = jax.checkpoint(block, policy=policy, prevent_cse=True)
-
-  def forward_and_backward(layer_params, x):
-    out, vjp = jax.vjp(block, layer_params, x)
-    return out, vjp(jax.tree.map(jnp.ones_like, out))
-
-  return compiled_cost(compile_for_measurement(
-      jax.jit(forward_and_backward).lower(layer_params, x)))
+  best = min(fitting, key=lambda pair: pair[1])[0] if fitting else None
+  return Search(best, tuple(found for found, _ in fitting), tuple(considered.values()),
+                tuple(skipped), tuple(bounded.items()))

@@ -69,7 +69,7 @@ def _page_id(path: pathlib.Path) -> str:
 
 
 # The heaviest pages run with the slow tests; what their code calls keeps its
-# smoke in the default run (fit: tests/test_fit.py; the release step:
+# smoke in the default run (fit: tests/test_plan.py; the release step:
 # tests/test_release.py; 8 devices: tests/test_sharding.py, tests/test_examples.py;
 # nnx: tests/test_nnx_entry.py), as does this runner on the other pages.
 _SLOW_PAGES = ("docs/fit.md", "docs/release.md", "docs/scale_out.md", "docs/nnx.md")
