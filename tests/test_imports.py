@@ -233,6 +233,45 @@ def test_library_violations_are_found(tmp_path):
       "optax_adama._nnx imports models (line 3, lazy)"]
 
 
+def test_nothing_outside_the_library_imports_its_private_names():
+  """models/, benchmarks/, examples/ and the notebooks' code cells use the public
+  API: no `optax_adama._x` module and no `_name` from an `optax_adama` module
+  (`models.planner` imported `optax_adama._search` before the zoo's planner gave
+  its levers to `optax_adama.memory.plan`). tests/ are exempt: white-box tests of
+  private functions are allowed."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  def private(module: str) -> bool:
+    return module.split(".")[0] == "optax_adama" and any(
+        part.startswith("_") for part in module.split(".")[1:])
+
+  sources = [(path.relative_to(ROOT).as_posix(), path.read_text())
+             for folder in ("models", "benchmarks", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py"))]
+  for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    cells = [cell for cell in json.loads(path.read_text())["cells"]
+             if cell["cell_type"] == "code"]
+    for number, cell in enumerate(cells, 1):
+      # IPython's shell and magic lines are no Python: blank, so lines keep their numbers.
+      lines = "".join(cell["source"]).splitlines()
+      code = "\n".join("" if line.lstrip().startswith(("!", "%")) else line for line in lines)
+      sources.append((f"{path.relative_to(ROOT).as_posix()} (code cell {number})", code))
+  wrong = []
+  for name, code in sources:
+    for node in ast.walk(ast.parse(code, filename=name)):
+      if isinstance(node, ast.Import):
+        wrong += [f"{name}:{node.lineno}: import {alias.name}" for alias in node.names
+                  if private(alias.name)]
+      elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        if private(node.module):
+          wrong.append(f"{name}:{node.lineno}: from {node.module} import ...")
+        elif node.module.split(".")[0] == "optax_adama":
+          wrong += [f"{name}:{node.lineno}: from {node.module} import {alias.name}"
+                    for alias in node.names if alias.name.startswith("_")]
+  assert len(sources) > 20, sources  # the folders were read
+  assert not wrong, "private optax_adama names imported:\n" + "\n".join(wrong)
+
+
 def zoo_and_tools(root: Path = ROOT) -> tuple[set[str], set[str]]:
   """The `models` package read from its layout: (the zoo, the tools).
 
