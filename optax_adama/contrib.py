@@ -34,6 +34,10 @@ m and v but ``"split"``'s floor):
 * ``"auto"``: ``"split"`` where the step hands over a half difference (fused
   steps, micro-batches of an even number of rows), ``"mean"`` where none comes.
 
+:func:`clip_by_sketched_global_norm` clips the mini-batch gradient's global
+norm without a gradient buffer, from a 2^16-float sketch, one mini-batch late
+(benchmarks/results/convergence/clipping.md has the evidence, and what it misses).
+
 :func:`round_params_stochastically` keeps bfloat16 params training where
 round-to-nearest would drop small updates (half the params' bytes, for the
 devices' share of a model; evidence on the tiny GPT only, so here too).
@@ -58,13 +62,16 @@ from optax_adama import _adama
 from optax_adama import _chain
 from optax_adama import _checks
 from optax_adama import _estimators
+from optax_adama._clipping import SketchedClipState
+from optax_adama._clipping import clip_by_sketched_global_norm
 from optax_adama._estimators import NU_ESTIMATORS
 from optax_adama._floor import zero_floor
 from optax_adama._param_rounding import RoundParamsStochasticallyState
 from optax_adama._param_rounding import round_params_stochastically
 
 __all__ = ("NU_ESTIMATORS", "adama", "adamaw", "scale_by_adama", "round_params_stochastically",
-           "RoundParamsStochasticallyState")
+           "RoundParamsStochasticallyState", "clip_by_sketched_global_norm",
+           "SketchedClipState")
 
 
 def _with_estimator(tx: optax.GradientTransformation, nu_estimator: str,
