@@ -212,6 +212,11 @@ def _add_optimizer_args(group: Any, defaults: harness.TrainConfig) -> None:
                           "split_floor=False), adama only (default: off, with the floor)")
   group.add_argument("--accumulation-dtype", choices=harness.MOMENT_DTYPES, default=None,
                      help="gradient accumulator dtype, adam only (default: the params' dtype)")
+  group.add_argument("--clip-norm", type=float, default=None, metavar="X",
+                     help="clip the mini-batch gradient's global norm to X: adama without a "
+                          "gradient buffer (optax_adama.contrib.clip_by_sketched_global_norm, "
+                          "one mini-batch late), adam / multisteps with "
+                          "optax.clip_by_global_norm (default: off)")
 
 
 def _add_output_args(group: Any) -> None:
@@ -259,6 +264,8 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     parser.error(f"--learning-rate {args.learning_rate}: it must be a positive number.")
   if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
     parser.error(f"--weight-decay {args.weight_decay}: it must be 0 or a positive number.")
+  if args.clip_norm is not None and not (math.isfinite(args.clip_norm) and args.clip_norm > 0):
+    parser.error(f"--clip-norm {args.clip_norm}: it must be a positive number.")
   if args.plan is not None and not (math.isfinite(args.plan) and args.plan > 0):
     parser.error(f"--plan {args.plan}: the budget must be a positive number of GB.")
 

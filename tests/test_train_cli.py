@@ -9,10 +9,12 @@ import math
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from models import harness
 from models import train
+from models.harness.settings import warmup_cosine_schedule
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +102,37 @@ def test_rerunning_a_finished_run_says_so_and_prints_no_nan(tmp_path, capsys):
   written = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"wrote {c}"))
   assert written["tokens_per_s"] is None and written["median_step_s"] is None
   assert all(not (isinstance(v, float) and math.isnan(v)) for v in written.values())
+
+
+def test_clip_norm_clips_each_optimizer_its_own_way(capsys):
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import optax_adama  # pylint: disable=import-outside-toplevel
+
+  params = {"w": jax.numpy.ones((3, 2))}
+  argv = ["--preset", "gpt_test", "--clip-norm", "0.5", "--num-micro-batches", "2"]
+  adama = train.train_config([*argv, "--optimizer", "adama"])
+  assert adama.clip_norm == 0.5
+  clip_state, adama_state = harness.make_optimizer(adama).init(params)
+  assert isinstance(clip_state, optax_adama.contrib.SketchedClipState)
+  assert optax_adama.find_adama_state(adama_state).num_micro_batches == 2
+  # Gradient accumulation clips the mean gradient exactly: optax's clip first.
+  config = train.train_config([*argv, "--optimizer", "adam"])
+  schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
+
+  def second_update(tx):  # the second gradient is clipped, the first not
+    state = tx.init(params)
+    for scale in (0.1, 10.0):
+      updates, state = tx.update({"w": jax.numpy.full((3, 2), scale)}, state, params)
+    return updates["w"]
+
+  made = second_update(harness.make_optimizer(config))
+  adamw = lambda: optax.adamw(schedule, weight_decay=config.weight_decay)
+  np.testing.assert_allclose(
+      made, second_update(optax.chain(optax.clip_by_global_norm(0.5), adamw())), rtol=1e-6)
+  assert not np.allclose(made, second_update(adamw()))  # the clip changed the step
+  assert harness.TrainConfig().clip_norm is None
+  with pytest.raises(SystemExit) as exit_info:
+    train.main([*argv[:2], "--clip-norm", "0", "--steps", "1"])
+  assert exit_info.value.code == 2
+  assert "--clip-norm 0.0: it must be a positive number." in capsys.readouterr().err

@@ -76,6 +76,10 @@ class TrainConfig:
   nu_estimator: str = DEFAULT_NU_ESTIMATOR  # AdamA's second-moment estimator; adama only.
   split_floor: bool = True  # "split"'s floor (optax_adama.adama's split_floor); adama only.
   accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
+  # The mini-batch gradient's global norm clipped to this: adama by
+  # optax_adama.contrib.clip_by_sketched_global_norm (no gradient buffer, one
+  # mini-batch late), adam / multisteps by optax.clip_by_global_norm. None: off.
+  clip_norm: float | None = None
   # llama: fine-tune from a Hugging Face checkpoint directory (models.llama_checkpoint):
   # the model is its config.json's, with this run's remat, dtype and layout.
   init_from: str | None = None
@@ -130,6 +134,11 @@ class TrainConfig:
     if self.nu_estimator not in NU_ESTIMATOR_NAMES:
       raise ValueError(f"nu_estimator must be one of {NU_ESTIMATOR_NAMES}, "
                        f"got {self.nu_estimator!r}.")
+    if self.clip_norm is not None and not self.clip_norm > 0:
+      raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}.")
+    if self.clip_norm is not None and self.release:
+      raise ValueError("clip_norm with release: release_step takes AdamA bare, not chained "
+                       "after a clip; use release=False (the fused step) to clip.")
     if self.release and not (self.scan_layers and self.optimizer == "adama"):
       raise ValueError(
           "release (release=True, optax_adama.release_step) needs scan_layers=True and "
@@ -212,10 +221,16 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     tx = adama_transform("adamaw", schedule, nu_estimator=config.nu_estimator,
                          split_floor=config.split_floor, **options)
     rounding = param_rounding(config)
-    return tx if rounding is None else optax_adama.mini_batch_chain(tx, rounding)
+    tx = tx if rounding is None else optax_adama.mini_batch_chain(tx, rounding)
+    if config.clip_norm is None:
+      return tx
+    return optax.chain(optax_adama.contrib.clip_by_sketched_global_norm(
+        config.clip_norm, num_micro_batches=config.num_micro_batches), tx)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
   rounding = param_rounding(config)
   adamw = adamw if rounding is None else optax.chain(adamw, rounding)
+  if config.clip_norm is not None:
+    adamw = optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
   if config.optimizer == "multisteps":
     return optax.MultiSteps(adamw, every_k_schedule=config.num_micro_batches)
   return adamw  # microbatch_step accumulates the mean gradient for it.
