@@ -10,6 +10,12 @@ or a config; `param_count` counts parameters without allocating them; and
     loss_fn = models.make_loss_fn(graphdef, rest)
     loss = loss_fn(params, {"tokens": tokens})  # int32[batch, seq_len + 1]
 
+A decoder's batch may also carry the packed-row keys of `models.text`, each
+[batch, seq_len + 1]: "segment_ids" (attention within a document),
+"loss_mask" (loss_mask[:, 1:] marks the targets) and "positions" (restarting
+per document; the Llama's rotary positions read them, the GPT's learned
+table does not). `models.stages.CausalLM` documents them.
+
 Data loaders live in `models.data`.
 
 This package is two layers, and its layout says which module is which

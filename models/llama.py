@@ -12,7 +12,13 @@ embedding uses Hugging Face's "rotate half" layout, so its q and k projections
 load without a permutation.
 
 Batch format for `Llama.loss`: {"tokens": int32[batch, seq_len + 1]}; the model
-reads tokens[:, :-1] and predicts tokens[:, 1:] (the GPT's format).
+reads tokens[:, :-1] and predicts tokens[:, 1:] (the GPT's format). Packed rows
+(`models.text.text_batches`) add, each [batch, seq_len + 1]: "segment_ids"
+(0 padding, 1.. per document; attention stays within a document),
+"positions" (the rotary positions, restarting at 0 per document) and
+"loss_mask" (loss_mask[:, 1:] marks the targets: a prompt's tokens carry no
+loss); `models.stages.CausalLM` says how each is read. A packed row then gives
+every document the per-token losses it has alone.
 """
 
 from __future__ import annotations
@@ -203,6 +209,10 @@ class Llama(stages.CausalLM):
           "preset was trained for; pass shorter sequences (seq_len) or build the config "
           f"with max_len={length} if you mean to extend it.")
     return self.token_embed(tokens)
+
+  def stage_positions(self, batch: dict[str, Array]) -> Array | None:
+    """The rotary positions of the inputs, batch["positions"][:, :-1], if the batch has them."""
+    return batch["positions"][:, :-1] if "positions" in batch else None
 
   def head_table(self) -> Array:
     """The LM head as a [vocab, hidden] table (the embedding when tied)."""

@@ -363,7 +363,7 @@ def key_from_bits(x: Array) -> Array:
 
 def chunked_cross_entropy(
     features: Array, table: Array, labels: Array, *, num_chunks: int,
-    dtype: jnp.dtype | None = None,
+    dtype: jnp.dtype | None = None, weights: Array | None = None,
 ) -> tuple[Array, Array]:
   """Mean cross-entropy and accuracy of ``features @ table.T`` logits, by chunks.
 
@@ -385,6 +385,8 @@ def chunked_cross_entropy(
       their number.
     dtype: the logits' compute dtype (``features`` and ``table`` are cast
       to it, as ``nnx.Embed.attend`` does); ``None`` keeps ``features``'.
+    weights: optional ``[...]`` weights of the labels (a loss mask); the
+      results are then their weighted means, as ``layers.cross_entropy``'s.
 
   Returns:
     (mean loss, accuracy), float32 scalars.
@@ -398,6 +400,10 @@ def chunked_cross_entropy(
         f"{num_tokens}.")
   dtype = features.dtype if dtype is None else dtype
   features, table = features.astype(dtype), table.astype(dtype)
+
+  if weights is not None:
+    return _weighted_chunked_cross_entropy(features, table, labels, weights.reshape(-1),
+                                           num_chunks=num_chunks)
 
   @jax.checkpoint
   def chunk_sums(chunk_features, chunk_labels):
@@ -419,3 +425,29 @@ def chunked_cross_entropy(
   zero = jnp.zeros_like(features[0, 0], jnp.float32)
   (nll, correct), _ = jax.lax.scan(body, (zero, zero), chunks)
   return nll / num_tokens, correct / num_tokens
+
+
+def _weighted_chunked_cross_entropy(features: Array, table: Array, labels: Array,
+                                    weights: Array, *, num_chunks: int) -> tuple[Array, Array]:
+  """`chunked_cross_entropy` with flat `weights`: sum(loss * w) / max(sum(w), 1)."""
+  hidden = features.shape[-1]
+  weights = weights.astype(jnp.float32)
+
+  @jax.checkpoint
+  def chunk_sums(chunk_features, chunk_labels, chunk_weights):
+    logits = jnp.einsum("th,vh->tv", chunk_features, table).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, chunk_labels[:, None], axis=-1)[:, 0]
+    correct = (jnp.argmax(logits, axis=-1) == chunk_labels).astype(jnp.float32)
+    return jnp.sum(nll * chunk_weights), jnp.sum(correct * chunk_weights)
+
+  def body(totals, chunk):
+    return jax.tree.map(jnp.add, totals, chunk_sums(*chunk)), None
+
+  chunks = (features.reshape(num_chunks, -1, hidden), labels.reshape(num_chunks, -1),
+            weights.reshape(num_chunks, -1))
+  zero = jnp.zeros_like(features[0, 0], jnp.float32)
+  (nll, correct), _ = jax.lax.scan(body, (zero, zero), chunks)
+  # max(., 1) as layers.cross_entropy: a micro-batch without targets gives 0, not NaN.
+  total = jnp.maximum(jnp.sum(weights), 1.0)
+  return nll / total, correct / total

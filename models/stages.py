@@ -48,12 +48,18 @@ class StagedModel(nnx.Module):
       batch: the model's batch format (its module's docstring).
     """
     x = self.stage_embed(batch)
-    x = self.run_blocks(x, self.stage_mask(x, batch))
+    x = self.run_blocks(x, self.stage_mask(x, batch), self.stage_positions(batch))
     return self.stage_head(x, batch)
 
-  def run_blocks(self, x: Array, mask: Array | None) -> Array:
-    """The block stack on the blocks' input `x`, under the config's remat policy."""
-    return layers.apply_blocks(self.blocks, x, mask, remat=self.config.remat)
+  def run_blocks(self, x: Array, mask: Array | None, positions: Array | None = None) -> Array:
+    """The block stack on the blocks' input `x`, under the config's remat policy.
+
+    `positions` ([batch, length] ints) reach blocks with rotary attention; None
+    leaves each block at its default (0 .. length - 1), and blocks that take
+    no positions are called as they always were.
+    """
+    return layers.apply_blocks(self.blocks, x, mask, positions=positions,
+                               remat=self.config.remat)
 
   def stage_embed(self, batch: Batch) -> Array:
     """The blocks' input [batch, length, hidden] from a batch."""
@@ -62,6 +68,15 @@ class StagedModel(nnx.Module):
   def stage_mask(self, x: Array, batch: Batch) -> Array | None:
     """The attention mask every block sees (None: attend to everything)."""
     raise NotImplementedError
+
+  def stage_positions(self, batch: Batch) -> Array | None:
+    """The positions [batch, length] every block sees; None (the default): 0 .. length - 1.
+
+    Only a model whose blocks take positions (the Llama's rotary attention)
+    returns any; the others add theirs in `stage_embed` or have none.
+    """
+    del batch
+    return None
 
   def stage_head(self, x: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
     """The loss and metrics from the last block's output."""
@@ -72,7 +87,15 @@ class CausalLM(StagedModel):
   """A decoder-only LM: tokens to next-token logits, trained on next-token batches.
 
   Batch format of `loss`: {"tokens": int32[batch, seq_len + 1]}; the model
-  reads tokens[:, :-1] and predicts tokens[:, 1:]. A subclass defines `embed`
+  reads tokens[:, :-1] and predicts tokens[:, 1:]. Packed rows (`models.text`)
+  may add, each [batch, seq_len + 1]: "segment_ids" (int; 0 is padding, 1..
+  a document of the row): a token attends only to earlier tokens of its own
+  segment (padding to padding, so no row of the mask is empty);
+  "loss_mask" (bool): loss_mask[:, 1:] marks the targets, and the loss and
+  accuracy are their mean (a prompt's tokens carry no loss); "positions"
+  (int, restarting at 0 per document), read by models whose blocks take
+  positions (`stage_positions`: the Llama's rotary ones). Without these keys
+  the model computes exactly what it did before they existed. A subclass defines `embed`
   (tokens to the blocks' input), `final_norm`, `logits` (the last block's
   output to logits) and `head_table` (the LM head as a [vocab, hidden] table,
   for the loss by chunks); `config.loss_chunks` picks the loss.
@@ -112,18 +135,31 @@ class CausalLM(StagedModel):
     return self.embed(batch["tokens"][:, :-1])
 
   def stage_mask(self, x: Array, batch: Batch) -> Array:
-    del batch
-    return self.attention_mask(x)
+    """The causal mask, and with "segment_ids" each token's own segment only.
+
+    [1, 1, length, length] without segment ids; [batch, 1, length, length]
+    with them (the per-example mask costs only when rows are packed).
+    """
+    mask = self.attention_mask(x)
+    if "segment_ids" in batch:
+      segments = batch["segment_ids"][:, :-1]
+      # Padding (0) attends to padding: the diagonal keeps every row non-empty.
+      mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
+    return mask
 
   def stage_head(self, x: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
-    """Mean next-token cross-entropy and accuracy, over the whole logits or by chunks."""
+    """Mean next-token cross-entropy and accuracy, over the whole logits or by chunks.
+
+    With "loss_mask", the mean over the targets loss_mask[:, 1:] marks.
+    """
     labels = batch["tokens"][:, 1:]
+    weights = batch["loss_mask"][:, 1:] if "loss_mask" in batch else None
     if self.config.loss_chunks == 1:
-      loss, accuracy = layers.cross_entropy(self.logits(x), labels)
+      loss, accuracy = layers.cross_entropy(self.logits(x), labels, weights)
     else:
       loss, accuracy = savers.chunked_cross_entropy(
           self.final_norm(x), self.head_table(), labels,
-          num_chunks=self.config.loss_chunks, dtype=self.config.dtype)
+          num_chunks=self.config.loss_chunks, dtype=self.config.dtype, weights=weights)
     return loss, {"accuracy": accuracy}
 
 
@@ -186,8 +222,12 @@ def staged_loss(model: nnx.Module) -> tuple[optax_adama.StagedLoss, nnx.State]:
     return nnx.merge(graphdef, nnx.State({**outer, "blocks": shapes["blocks"]}), rest)
 
   def block(layer_params: nnx.State, x: jax.Array, batch: Batch) -> jax.Array:
+    # Each layer rebuilds the mask and positions from the micro-batch it is
+    # given (as the whole loss builds them once): nothing extra in the carry.
     mask = template.stage_mask(x, batch)
-    return layers.apply_layer(block_graphdef, layer_params, x, mask, remat=model.config.remat)
+    return layers.apply_layer(block_graphdef, layer_params, x, mask,
+                              positions=template.stage_positions(batch),
+                              remat=model.config.remat)
 
   staged = optax_adama.StagedLoss(
       embed=lambda outer, batch: merged(outer).stage_embed(batch),

@@ -143,11 +143,15 @@ def apply_rotary(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
   Args:
     x: queries or keys, [batch, length, heads, head_dim].
-    positions: [length] integer positions.
+    positions: [length] integer positions shared by the batch, or
+      [batch, length] per example (packed rows restart them per document).
     inv_freq: [head_dim / 2] frequencies (`rotary_inverse_frequencies`).
   """
-  angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  frequencies = jnp.asarray(inv_freq, jnp.float32).reshape((1,) * positions.ndim + (-1,))
+  angles = positions.astype(jnp.float32)[..., None] * frequencies
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  # [batch | 1, length, 1 (heads), head_dim]
+  angles = angles[None, :, None, :] if positions.ndim == 1 else angles[:, :, None, :]
   x32 = x.astype(jnp.float32)
   first, second = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-second, first], axis=-1)
@@ -212,13 +216,16 @@ class GroupedQueryAttention(nnx.Module):
     self.v = linear(hidden, num_kv_heads * head_dim, kernel_init=DEFAULT_INIT)
     self.out = linear(num_heads * head_dim, hidden, kernel_init=out_init)
 
-  def __call__(self, x: Array, mask: Array | None = None) -> Array:
-    """Attends over the sequence (positions 0 .. length - 1).
+  def __call__(self, x: Array, mask: Array | None = None,
+               positions: Array | None = None) -> Array:
+    """Attends over the sequence.
 
     Args:
       x: [batch, length, hidden] inputs.
       mask: optional bool mask of rank 4, broadcastable to
         [batch, heads, query, key]; True where attention is allowed.
+      positions: optional int [batch, length] rotary positions (packed rows
+        restart them per document); None: 0 .. length - 1.
 
     Returns:
       [batch, length, hidden] outputs.
@@ -230,7 +237,8 @@ class GroupedQueryAttention(nnx.Module):
     k = checkpoint_name(self.k(x), "qkv").reshape(batch, length, kv_heads, head_dim)
     v = checkpoint_name(self.v(x), "qkv").reshape(batch, length, kv_heads, head_dim)
     inv_freq = rotary_inverse_frequencies(head_dim, self.rope_theta, self.rope_scaling)
-    positions = jnp.arange(length)
+    if positions is None:
+      positions = jnp.arange(length)
     q = apply_rotary(q, positions, inv_freq) * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     k = apply_rotary(k, positions, inv_freq)
     # Query head h reads key/value head h // groups (Hugging Face's repeat_kv).

@@ -206,14 +206,20 @@ class LlamaBlock(nnx.Module):
     self.mlp = GatedMLP(hidden, mlp_dim, linear_keep_ratio=linear_keep_ratio, dtype=dtype,
                         param_dtype=param_dtype, out_init=out_init, rngs=rngs)
 
-  def __call__(self, x: Array, mask: Array | None = None) -> Array:
-    """Applies the block to [batch, length, hidden] inputs."""
-    x = x + self.attention(self.attention_norm(x), mask)
+  def __call__(self, x: Array, mask: Array | None = None,
+               positions: Array | None = None) -> Array:
+    """Applies the block to [batch, length, hidden] inputs at `positions` ([batch, length];
+    None: 0 .. length - 1)."""
+    x = x + self.attention(self.attention_norm(x), mask, positions)
     return x + self.mlp(self.mlp_norm(x))
 
 
 def _apply_block(block: nnx.Module, x: Array, mask: Array | None) -> Array:
   return block(x, mask)
+
+
+def _apply_block_at(block: nnx.Module, x: Array, mask: Array | None, positions: Array) -> Array:
+  return block(x, mask, positions)
 
 
 def make_blocks(
@@ -234,11 +240,16 @@ def make_blocks(
 
 def apply_layer(
     graphdef: nnx.GraphDef, layer_params: nnx.State, x: Array, mask: Array | None,
-    *, remat: str,
+    *, remat: str, positions: Array | None = None,
 ) -> Array:
-  """One layer of a stacked block: the pure function `jax.lax.scan` runs."""
+  """One layer of a stacked block: the pure function `jax.lax.scan` runs.
+
+  `positions` ([batch, length]) go to blocks that take them (`LlamaBlock`);
+  None calls the block with `(x, mask)` alone, as every block takes.
+  """
   def apply(layer_params, x):
-    return nnx.merge(graphdef, layer_params)(x, mask)
+    block = nnx.merge(graphdef, layer_params)
+    return block(x, mask) if positions is None else block(x, mask, positions)
 
   policy = REMAT_POLICIES[remat]
   if policy is not None:
@@ -248,7 +259,8 @@ def apply_layer(
 
 
 def apply_blocks(
-    blocks: nnx.Module, x: Array, mask: Array | None, *, remat: str
+    blocks: nnx.Module, x: Array, mask: Array | None, *, remat: str,
+    positions: Array | None = None,
 ) -> Array:
   """Runs `x` through `blocks` in order, each under the remat policy.
 
@@ -259,6 +271,8 @@ def apply_blocks(
     x: [batch, length, hidden] activations.
     mask: attention mask passed to every block, or None.
     remat: a key of `REMAT_POLICIES`.
+    positions: [batch, length] positions for blocks that take them (rotary
+      attention), or None: each block's default, 0 .. length - 1.
 
   Returns:
     The activations after the last block.
@@ -267,14 +281,17 @@ def apply_blocks(
     graphdef, stacked = nnx.split(blocks)
 
     def body(x, layer_params):
-      return apply_layer(graphdef, layer_params, x, mask, remat=remat), None
+      return apply_layer(graphdef, layer_params, x, mask, remat=remat,
+                         positions=positions), None
 
     return jax.lax.scan(body, x, stacked)[0]
   policy = REMAT_POLICIES[remat]
-  if policy is None:
-    apply = _apply_block
-  else:
-    apply = nnx.remat(_apply_block, policy=policy)
+  if positions is None:
+    apply = _apply_block if policy is None else nnx.remat(_apply_block, policy=policy)
+    for block in blocks:
+      x = apply(block, x, mask)
+    return x
+  apply_at = _apply_block_at if policy is None else nnx.remat(_apply_block_at, policy=policy)
   for block in blocks:
-    x = apply(block, x, mask)
+    x = apply_at(block, x, mask, positions)
   return x
