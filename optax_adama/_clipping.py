@@ -38,7 +38,9 @@ class SketchedClipState(NamedTuple):
   """
 
   micro_step: jax.Array  # int32 []: micro-batches of the current mini-batch sketched so far.
-  count: jax.Array  # int32 []: mini-batches completed; salts the signs of the next one.
+  # int32 []: mini-batches completed; salts the signs of the next one. (`count` as
+  # optax's states name it; it shadows tuple.count, which mypy flags.)
+  count: jax.Array  # type: ignore[assignment]
   # float32 [buckets of each leaf], one per leaf in tree order (about sketch_size
   # floats in all): the sum over this mini-batch's g_i of S(g_i).
   sketch: list[jax.Array]
