@@ -38,9 +38,7 @@ class SketchedClipState(NamedTuple):
   """
 
   micro_step: jax.Array  # int32 []: micro-batches of the current mini-batch sketched so far.
-  # int32 []: mini-batches completed; salts the signs of the next one. (`count` as
-  # optax's states name it; it shadows tuple.count, which mypy flags.)
-  count: jax.Array  # type: ignore[assignment]
+  mini_batch_count: jax.Array  # int32 []: mini-batches completed; salts the next one's signs.
   # float32 [buckets of each leaf], one per leaf in tree order (about sketch_size
   # floats in all): the sum over this mini-batch's g_i of S(g_i).
   sketch: list[jax.Array]
@@ -162,24 +160,33 @@ def clip_by_sketched_global_norm(
     \\qquad c_1 = 1.
 
   :math:`S` gives each entry a sign from an integer hash of its flat index (over
-  the leaves in tree order), the seed and :math:`t`, and the bucket ``index mod
-  sketch_size``: it is linear, so :math:`s_t/N = S(\\bar g_t)`, and
-  :math:`\\|S(x)\\|^2` is unbiased for :math:`\\|x\\|^2` with a relative standard
-  deviation near :math:`\\sqrt{2/\\text{sketch\\_size}}` (0.55% at 2^16; exact
-  for trees of at most ``sketch_size`` entries). Memory: ``sketch_size``
-  float32 (256 KiB at 2^16) and, per leaf, the same reads as the fold.
+  the leaves in tree order), the seed and :math:`t`, and a bucket of its leaf's
+  own share of the sketch (entry ``j`` in bucket ``j mod buckets``; shares in
+  proportion to the leaves' sizes, :func:`bucket_counts`): it is linear, so
+  :math:`s_t/N = S(\\bar g_t)`, and :math:`\\|S(x)\\|^2` is unbiased for
+  :math:`\\|x\\|^2` with a relative standard deviation near
+  :math:`\\sqrt{2/\\text{sketch\\_size}}` (the norm's half that, 0.28% at 2^16;
+  exact for trees of at most ``sketch_size`` entries). State: about
+  ``sketch_size`` float32 (256 KiB at 2^16); each gradient leaf is read once
+  more. The compiled step can hold more: on the CPU backend some gradient leaves
+  and their int8 signs stay alive until sketched (+0.25 P on a 4-layer Llama,
+  benchmarks/results/convergence/clipping.md). In the fused steps AdamA wrapped
+  in a chain is updated once per micro-batch (``microbatch_step``'s per-call
+  path); ``release_step`` refuses it.
 
   The factor lags one mini-batch behind ``optax.clip_by_global_norm``'s, which
   needs :math:`\\bar g_t` before any :math:`g_i` is folded. With ``N = 1`` and a
   tree of at most ``sketch_size`` entries, the factor applied at step
   :math:`t + 1` is exactly ``clip_by_global_norm``'s at step :math:`t`.
-  Non-finite entries are sketched as zero (AdamA folds them as zero); a
-  dropped micro-batch still counts towards ``N``, as in AdamA's mean.
+  A leaf with a non-finite entry adds nothing to the sketch (AdamA folds that
+  entry as zero); a dropped micro-batch still counts towards ``N``, as in
+  AdamA's mean.
 
   Args:
     max_norm: the largest global norm of the mini-batch mean gradient.
     num_micro_batches: ``N``, AdamA's ``num_micro_batches``: calls per mini-batch.
-    sketch_size: buckets of the sketch, a power of two.
+    sketch_size: buckets of the sketch (about; shared among the leaves), a power
+      of two.
     seed: salts the signs.
 
   Returns:
@@ -215,14 +222,14 @@ def clip_by_sketched_global_norm(
     sketch = [jnp.zeros((buckets,), jnp.float32)
               for buckets in bucket_counts(sizes, sketch_size)]
     return SketchedClipState(
-        micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
+        micro_step=jnp.zeros([], jnp.int32), mini_batch_count=jnp.zeros([], jnp.int32),
         sketch=sketch, scale=jnp.ones([], jnp.float32),
         norm_estimate=jnp.zeros([], jnp.float32))
 
   def update_fn(updates: optax.Updates, state: SketchedClipState,
                 params: optax.Params | None = None) -> tuple[optax.Updates, SketchedClipState]:
     del params
-    new_sketch = sketch_tree(updates, sketch_size, _salt(seed, state.count))
+    new_sketch = sketch_tree(updates, sketch_size, _salt(seed, state.mini_batch_count))
     sketch = [total + new for total, new in zip(state.sketch, new_sketch)]
     # Each leaf is scaled by a factor known before the mini-batch began. (Tying
     # each leaf's fold to its sketch, to order them, cost more memory on the CPU
@@ -234,7 +241,7 @@ def clip_by_sketched_global_norm(
     next_scale = jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
     new_state = SketchedClipState(
         micro_step=jnp.where(completed, 0, micro_step).astype(jnp.int32),
-        count=state.count + completed.astype(jnp.int32),
+        mini_batch_count=state.mini_batch_count + completed.astype(jnp.int32),
         sketch=[jnp.where(completed, jnp.zeros_like(s), s) for s in sketch],
         scale=jnp.where(completed, next_scale, state.scale).astype(jnp.float32),
         norm_estimate=jnp.where(completed, norm, state.norm_estimate).astype(jnp.float32))

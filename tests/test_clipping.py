@@ -39,7 +39,7 @@ def test_n1_exact_path_is_clip_by_global_norm_one_step_late():
     np.testing.assert_allclose(float(state.scale), previous_factor, rtol=1e-6)
     np.testing.assert_allclose(float(state.norm_estimate), float(optax.tree.norm(grads)),
                                rtol=1e-6)
-  assert int(state.count) == 4 and int(state.micro_step) == 0
+  assert int(state.mini_batch_count) == 4 and int(state.micro_step) == 0
 
 
 def test_lag1_semantics_over_micro_batches():
@@ -205,3 +205,15 @@ def test_bad_arguments_are_refused(kwargs, message):
   max_norm = arguments.pop("max_norm")
   with pytest.raises(ValueError, match=message):
     optax_adama.contrib.clip_by_sketched_global_norm(max_norm, **arguments)
+
+
+def test_the_study_counts_spikes_and_builds_every_arm():
+  from conftest import load_script  # pylint: disable=import-outside-toplevel
+  study = load_script("benchmarks/scripts/clipping_study.py")
+  losses = [3.0] * 10 + [3.5, 4.0, 3.0, float("nan")] + [3.0] * 6
+  assert study.count_spikes(losses, percent=25.0) == 2  # 4.0 (+33%) and the NaN, not 3.5
+  params = MODEL.params()
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction needs it
+    for arm in study.ARMS:
+      tx = study.make_tx(arm, optax.constant_schedule(1e-3))
+      tx.update(jax.grad(MODEL.loss)(params, MODEL.batch(0, 4)), tx.init(params), params)
