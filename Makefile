@@ -81,11 +81,11 @@ venv-gpu: $(STAMP_GPU)
 
 # The real compilers' smokes (CI runs them after `make test`): one AdamA step
 # compiled by libtpu for a TPU v3-8 and by XLA's GPU compiler for an H100, each
-# in its own environment (tests/test_targets.py; the 7B ones stay `slow`).
+# in its own environment (tests/library/test_targets.py; the 7B ones stay `slow`).
 test-compilers: $(STAMP_TPU) $(STAMP_GPU)
-	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_TPU)/bin/python -m pytest tests/test_targets.py \
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_TPU)/bin/python -m pytest tests/library/test_targets.py \
 	    -m slow -k tpu -n 0
-	$(VENV_GPU)/bin/python -m pytest tests/test_targets.py -m slow -k h100 -n 0
+	$(VENV_GPU)/bin/python -m pytest tests/library/test_targets.py -m slow -k h100 -n 0
 
 validate: $(STAMP)
 	$(BIN)/python -m models.validate

@@ -19,7 +19,7 @@ table does not). `models.stages.CausalLM` documents them.
 Data loaders live in `models.data`.
 
 This package is two layers, and its layout says which module is which
-(tests/test_imports.py reads it). The model zoo is this front, the models
+(tests/project/test_imports.py reads it). The model zoo is this front, the models
 (`gpt`, `bert`, `vit`, `llama`, with the loss path they share, `stages`, and
 their building blocks, `layers`), `savers` and the I/O (`data`, `checkpoint`,
 `llama_checkpoint` with `llama_hf_config`); it imports `optax_adama` and nothing

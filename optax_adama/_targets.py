@@ -217,7 +217,7 @@ def target_devices(target: Target | str) -> list[Any]:
       CUDA plugin absent for a GPU (``make venv-gpu``).
 
   Examples:
-    Needs libtpu (``make venv-tpu``; tests/test_targets.py runs it there):
+    Needs libtpu (``make venv-tpu``; tests/library/test_targets.py runs it there):
 
     >>> from optax_adama.memory import target_devices
     >>> devices = target_devices("tpu:v3-8")  # doctest: +SKIP
@@ -244,7 +244,7 @@ def target_mesh(target: Target | str, axis_shapes: Optional[Sequence[int]] = Non
     TargetUnavailableError: as :func:`target_devices`.
 
   Examples:
-    Needs libtpu (``make venv-tpu``; tests/test_targets.py runs it there):
+    Needs libtpu (``make venv-tpu``; tests/library/test_targets.py runs it there):
 
     >>> from optax_adama.memory import target_mesh
     >>> dict(target_mesh("tpu:v3-8").shape)  # doctest: +SKIP

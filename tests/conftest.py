@@ -126,12 +126,12 @@ def pytest_configure(config):
   """One persistent compilation cache for the whole run, in a fresh directory.
 
   Many tests build the same program again in a new closure or process: the
-  trainer of tests/test_checkpoint.py for each run and resume, and its
+  trainer of tests/zoo/test_checkpoint.py for each run and resume, and its
   stopped and resumed subprocesses. With the cache, XLA compiles each such
   program once and the others load the executable it wrote (its HLO text and
   memory analysis included), so every check sees what it saw; JAX caches
   compiles of a second or more (jax_persistent_cache_min_compile_time_secs).
-  Measured on tests/test_checkpoint.py (busy cores): 143 s of CPU time
+  Measured on tests/zoo/test_checkpoint.py (busy cores): 143 s of CPU time
   without it, 117 s with it.
   The directory is made here, before pytest-xdist starts its workers, and
   passed on in the environment, so the workers and every subprocess a test
@@ -161,7 +161,7 @@ def pytest_collection_modifyitems(config, items):
   pytest-xdist groups tests by a ``@<group>`` suffix that each worker appends
   to the node ids it reports; it writes ``item._nodeid``, which pytest 9 no
   longer reads (the id lives in ``item._id``), so the suffix never reached the
-  scheduler and tests/test_sharding.py ran on both workers: the second worker
+  scheduler and tests/library/test_sharding.py ran on both workers: the second worker
   sat on the ``eight_devices`` lock for the whole 8-device subprocess. This
   appends the suffix where xdist's rename did not take, and does nothing
   without loadgroup or where it did (pytest 8).

@@ -365,7 +365,7 @@ def llama_family(scale: int, param_dtype=None):
 
 def llama_param_count(config) -> int:
   """A Llama config's parameters in closed form (building 250 abstract models to
-  aim the capacity search took minutes; ``tests/test_llama.py`` checks the form)."""
+  aim the capacity search took minutes; ``tests/zoo/test_llama.py`` checks the form)."""
   d, head = config.hidden, config.head_size
   block = (2 * d * config.num_heads * head + 2 * d * config.num_kv_heads * head
            + 3 * d * config.mlp_dim + 2 * d)

@@ -23,7 +23,7 @@ This front names what the commands and scripts share
 (`from models import harness; harness.train(...)`); a tool of one command is
 imported as its module (`from models.harness import capacity`). The harness
 imports the zoo (`models`) and `optax_adama`, never a command, and the zoo
-never imports it (tests/test_imports.py holds both).
+never imports it (tests/project/test_imports.py holds both).
 """
 
 from models.harness.baselines import ESTIMATOR_METHODS

@@ -162,7 +162,7 @@ def test_unsupported_combinations_raise():
     optax_adama.release_step(staged, split_tx)(params, split_tx.init(params), make_batch(0))
   # The stacked bias [8, 64] in the flat layout is one block of 512, straddling
   # the layers: one device folds it through a float32 copy (on a mesh it is
-  # refused: tests/test_release_quantized.py); the default layout tiles layers.
+  # refused: tests/library/test_release_quantized.py); the default layout tiles layers.
   for layer_aligned in (False, None):
     tx = optax_adama.adama(1e-2, num_micro_batches=2, quantization=optax_adama.BlockQuantization(
         min_size=16, layer_aligned=layer_aligned))

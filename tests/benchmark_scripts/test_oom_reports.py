@@ -23,7 +23,7 @@ from conftest import xla_flags
 # One worker runs this file's subprocess once (conftest's --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("oom_reports")
 NUM_DEVICES = 8
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _worker() -> dict:

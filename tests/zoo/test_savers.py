@@ -303,7 +303,7 @@ def test_gpt_loss_chunks_cut_the_release_step_memory():
   release step, N = 2 micro-batches of 8 x 32 tokens: the [256, 4096] logits
   (4 MB a copy) are most of the step; 8 chunks keep 1/8 of them. Measured:
   29.5 MB whole, 17.5 MB in 8 chunks (params 2.9 MB). (That the chunked model
-  trains as the whole one: tests/test_train.py.)"""
+  trains as the whole one: tests/zoo/test_train.py.)"""
   batch = {"tokens": jax.ShapeDtypeStruct((16, 33), jnp.int32)}
   totals = {}
   for chunks in (1, 8):

@@ -59,7 +59,7 @@ def _step_fn(tx, objective, traces):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64])
 @pytest.mark.parametrize("target", [_parabola, _rosenbrock])
-# N = 1 is optax.adam itself (tests/test_adama.py checks it value for value).
+# N = 1 is optax.adam itself (tests/library/test_adama.py checks it value for value).
 @pytest.mark.parametrize("num_micro_batches", [pytest.param(1, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("name", sorted(_FACTORIES))
 def test_reaches_the_optimum_as_optax_adam_does(name, num_micro_batches, target, dtype):

@@ -1,7 +1,7 @@
 """``python -m models.train``'s command line: its help, the model a preset names,
 and what a rerun of a finished run prints.
 
-The refusals of bad settings (one line, status 2) are in tests/test_commands.py.
+The refusals of bad settings (one line, status 2) are in tests/zoo/test_commands.py.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Tests for the library's planner, `optax_adama.memory.plan`: will a model fit, and how?
 
-The zoo's layer (`models.planner`, `models.plan`) is tests/test_planner.py.
+The zoo's layer (`models.planner`, `models.plan`) is tests/zoo/test_plan_levers.py.
 
 Two models that are not the zoo's: a plain-JAX MLP and a small Flax NNX
 transformer (a StagedLoss, so the release is a candidate), each under a loose,

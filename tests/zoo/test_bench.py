@@ -98,7 +98,7 @@ def test_capacity_smoke_adama_fits_at_least_as_large(budget_gb, max_scale):
 
 
 # 16 s on 2 cores; the capacity search itself is smoke-tested above, the
-# release's memory in tests/test_release.py and tests/test_sharding.py.
+# release's memory in tests/library/test_release.py and tests/library/test_sharding.py.
 @pytest.mark.slow
 def test_capacity_smoke_scanned_release_holds_less():
   # Compile-only, one scanned byte-vocabulary model: the release step with
@@ -171,7 +171,7 @@ def test_capacity_on_eight_devices_zero2_fits_more(tmp_path):
        "zero2_scan_accumulation", "zero2_adama_8bit",
        "--num-micro-batches", "2", "--micro-batch-size", "1", "--seq-len", "32",
        "--max-scale", "5", "--vocab-size", "256", "--json", str(out), "--no-progress"],
-      check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+      check=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
   results = {r["method"]: r for r in json.loads(out.read_text())["capacity"]}
   assert results["zero2_adama_8bit"]["param_count"] > results["dp_scan_accumulation"]["param_count"]
   # A sharded accumulator already fits more than a replicated one; AdamA with
@@ -282,7 +282,7 @@ def test_unrolled_residuals_script_reads_the_peak_xla_reports(tmp_path):
   import subprocess
   import sys
   out = tmp_path / "residuals.json"
-  root = os.path.dirname(os.path.dirname(__file__))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   scratch = tmp_path / "tmp"  # the script's dump directory goes here
   scratch.mkdir()
   subprocess.run(
@@ -401,7 +401,7 @@ def test_fsdp_memory_script_measures_every_method_per_device(tmp_path):
   import sys
   from pathlib import Path
 
-  root = Path(__file__).resolve().parents[1]
+  root = Path(__file__).resolve().parents[2]
   out = tmp_path / "fsdp.json"
   result = subprocess.run(
       [sys.executable, str(root / "benchmarks" / "scripts" / "fsdp_memory.py"),

@@ -22,7 +22,7 @@ def _standard_promotion():
 
 # BERT's run checks the metrics file in the default suite. GPT goes through
 # this CLI in the tests below (its loss chunks, the release, 8-bit moments,
-# --compare) and ViT through models.harness in tests/test_validate.py; their
+# --compare) and ViT through models.harness in tests/zoo/test_validate.py; their
 # runs here are slow tests.
 @pytest.mark.parametrize("model", [
     pytest.param("gpt", marks=pytest.mark.slow), "bert",

@@ -1,7 +1,7 @@
 """The Llama-family decoder: its pieces against independent references, and training.
 
 Shapes, the loss against optax's cross-entropy, scanned against unrolled layers, remat
-and bf16 compute run for every model kind in tests/test_models.py; here is what only a
+and bf16 compute run for every model kind in tests/zoo/test_models.py; here is what only a
 Llama has: grouped-query attention (equal to multi-head attention over repeated key and
 value heads, and to a float64 NumPy reference), the rotary embedding's relative-position
 property and Llama 3's frequency rescaling, causality, the published sizes exactly, the
@@ -48,7 +48,7 @@ def test_presets_have_the_published_sizes_exactly(name):
 
 def test_counted_parameters_equal_the_closed_form():
   # Building llama2_7b/llama3_8b abstractly takes seconds: their counts are in
-  # tests/test_models.py's slow presets; the 1B and the small ones here.
+  # tests/zoo/test_models.py's slow presets; the 1B and the small ones here.
   for name in ("llama32_1b", "llama_small", "llama_tiny", "llama_test"):
     assert models.param_count(name) == closed_form(models.PRESETS[name]), name
   assert abs(models.param_count("llama_small") - 124e6) / 124e6 < 0.01  # GPT-2 small's size
@@ -216,7 +216,7 @@ def test_release_equals_the_unrolled_fused_step():
   stacked = params["blocks"]
   for layer in range(2):
     ours = jax.tree.map(lambda x: x[layer], stacked)
-    # The same 1e-4 x lr x steps floor as the GPT's release test (tests/test_models.py).
+    # The same 1e-4 x lr x steps floor as the GPT's release test (tests/zoo/test_models.py).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-7),
                  ours, ref_params["blocks"][layer])
 
@@ -235,9 +235,10 @@ def test_cli_trains_a_llama(tmp_path):
 
 @pytest.mark.slow
 def test_llama_tiny_learns_stdlib_bytes():
+  from test_models import train as train_steps
+  from test_models import unigram_entropy
+
   from models import data
-  from tests.test_models import train as train_steps
-  from tests.test_models import unigram_entropy
 
   text = data.load_stdlib_text(max_bytes=1_000_000)
   batches = data.lm_batches(text.train, batch_size=16, seq_len=64, seed=0)
@@ -249,11 +250,8 @@ def test_llama_tiny_learns_stdlib_bytes():
 
 
 def test_the_capacity_search_counts_parameters_as_the_model_does():
-  import os
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
-                                  "scripts"))
-  import oom_reports
+  from conftest import load_script
+  oom_reports = load_script("benchmarks/scripts/oom_reports.py")
 
   for config in (oom_reports.llama_family(8), oom_reports.llama_family(21),
                  models.get_config("llama_test", tie_embeddings=True)):

@@ -320,7 +320,7 @@ def _vit_mnist_data_through_the_harness():
 
 def test_vit_mnist_takes_mnist_5k_through_the_harness():
   """The data half of the slow test below (ViT training through the harness is
-  in the default suite on the digits: tests/test_validate.py)."""
+  in the default suite on the digits: tests/zoo/test_validate.py)."""
   _vit_mnist_data_through_the_harness()
 
 
@@ -331,7 +331,7 @@ def test_vit_mnist_trains_on_mnist_5k_through_the_harness():
   from models import harness
 
   config = _vit_mnist_data_through_the_harness()
-  # optax's adamw relies on implicit promotion (see tests/test_train.py).
+  # optax's adamw relies on implicit promotion (see tests/zoo/test_train.py).
   with jax.numpy_dtype_promotion("standard"):
     run = harness.train(config, progress=False)
   assert run["preset"] == "vit_mnist" and len(run["train_loss"]) == 2

@@ -190,7 +190,7 @@ def test_bfloat16_v_needs_stochastic_rounding():
   assert abs(mean_v(False) - 1.0) > 0.01
 
 
-# The 8-layer MLP of tests/test_memory.py: P = 2.1 MB, the largest leaf P / 8.
+# The 8-layer MLP of tests/library/test_memory.py: P = 2.1 MB, the largest leaf P / 8.
 MODEL = MLP(num_layers=8, width=256)
 BATCH, NUM_MICRO = 32, 4
 _mlp_loss = MODEL.loss

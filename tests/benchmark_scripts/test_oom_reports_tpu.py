@@ -17,7 +17,7 @@ import sys
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("oom_reports_tpu")]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
 
 

@@ -25,9 +25,9 @@ from models import layers
 from models import stages
 
 KINDS = ("gpt", "bert", "vit", "llama")
-# The Llama's training step and layouts are also checked in tests/test_llama.py
+# The Llama's training step and layouts are also checked in tests/zoo/test_llama.py
 # (release against the unrolled fused step, a model that learns) and
-# tests/test_llama_checkpoint.py (scanned against unrolled logits): here with
+# tests/zoo/test_llama_checkpoint.py (scanned against unrolled logits): here with
 # the slow tests, to keep the default suite's time.
 KINDS_LLAMA_SLOW = ("gpt", "bert", "vit", pytest.param("llama", marks=pytest.mark.slow))
 # Only the GPT in the default suite: each kind's loss against its module and
@@ -614,7 +614,7 @@ def test_scan_layers_preset_param_counts():
 # against the unrolled model by test_scan_layers_equals_unrolled; the
 # release on them takes 25 s each on 2 cores. The GPT's (48 s on 2 busy
 # cores) runs with them: the release on a scanned zoo model against the
-# unrolled fused step keeps its smoke in tests/test_llama.py
+# unrolled fused step keeps its smoke in tests/zoo/test_llama.py
 # (test_release_equals_the_unrolled_fused_step), the GPT's stages theirs in
 # test_scan_layers_equals_unrolled.
 @pytest.mark.parametrize("kind", [

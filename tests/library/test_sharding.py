@@ -728,7 +728,7 @@ def _run_on_eight_devices(full):
   env = dict(os.environ)
   env["XLA_FLAGS"] = xla_flags(NUM_DEVICES)
   env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   result = subprocess.run(
       [sys.executable, os.path.abspath(__file__)] + ["full"] * full, env=env, cwd=root,

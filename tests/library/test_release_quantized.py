@@ -178,7 +178,7 @@ def _mesh_worker(width: int, num_steps: int, stages) -> dict:
 
 def _on_eight_devices(width, num_steps, stages):
   env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"),
                                        env.get("PYTHONPATH", "")])
   result = subprocess.run(

@@ -188,7 +188,7 @@ def test_an_mlp_step_compiles_for_an_h100():
 
 
 def _oom_reports():
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"))
   import oom_reports
 
   return oom_reports
@@ -322,7 +322,7 @@ def test_libtpu_aborts_on_a_host_stack_updated_a_row_at_a_time_for_a_tpu_v3(shap
   """benchmarks/scripts/libtpu_offload_abort.py: the reduced reproducer of the v3 abort
   compiling the offloaded release, and its workaround layout. When a libtpu no
   longer aborts, this fails: then the offload methods can come back on v3."""
-  script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "scripts"
+  script = (pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scripts"
             / "libtpu_offload_abort.py")
   result = subprocess.run([sys.executable, str(script), *map(str, shape)],
                           capture_output=True, text=True, timeout=600, check=False)

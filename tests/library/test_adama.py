@@ -1134,9 +1134,9 @@ def test_flax_state_dicts_hold_the_leaves_and_not_the_static_fields():
 
 # 42 s of eager 8-bit updates on 2 busy cores: with the slow tests. An adamaw
 # state through orbax's StandardCheckpointer keeps its smoke in
-# tests/test_nnx_entry.py (test_the_optimizer_state_checkpoints_with_orbax), an
+# tests/library/test_nnx_entry.py (test_the_optimizer_state_checkpoints_with_orbax), an
 # 8-bit state saved mid-mini-batch and stepped on bitwise in
-# tests/test_checkpoint.py (test_low_rank_and_host_offloaded_state_round_trips).
+# tests/zoo/test_checkpoint.py (test_low_rank_and_host_offloaded_state_round_trips).
 @pytest.mark.slow
 def test_optax_chain_of_adama_state_round_trips_through_orbax_mid_mini_batch(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")

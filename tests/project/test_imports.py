@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("optax_adama", "models")
 # The tools' package: the harness below the commands (models/harness/).
 HARNESS = "models.harness"

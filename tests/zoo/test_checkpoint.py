@@ -31,7 +31,7 @@ from models.harness import loop
 # module's uninterrupted runs are trained once, not once per worker.
 pytestmark = pytest.mark.xdist_group("checkpoint")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A run small enough for the default suite: gpt_test, 4 micro-batches of 2.
 RUN = dict(model="gpt", preset="gpt_test", num_micro_batches=4, batch_size=8, seq_len=16,
            steps=12, eval_batches=2, warmup_steps=2)

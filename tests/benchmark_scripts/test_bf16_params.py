@@ -11,7 +11,7 @@ import pytest
 import models
 import optax_adama
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "scripts"))
 import bf16_params  # noqa: E402  # pylint: disable=wrong-import-position
 

@@ -21,7 +21,7 @@ from flax import nnx
 import optax_adama
 from optax_adama import nnx as adama_nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 N, BATCH, WIDTH = 2, 8, 4
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import xla_flags
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multihost_train.py"
 RELEASE_FSDP = ["--release", "--shard-states", "fsdp"]  # and 8-bit moments, the default
 

@@ -3,7 +3,7 @@
 The capacity search compiles multi-billion-parameter steps for minutes each,
 so a run may measure one method and keep the others' rows from the JSON it
 updates; offloaded methods show a device's share of the host memory beside
-their parameters. The search itself runs in ``tests/test_oom_reports.py``'s
+their parameters. The search itself runs in ``tests/benchmark_scripts/test_oom_reports.py``'s
 8-device subprocess (its compile path) and by hand (the command in the table).
 """
 
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 import optax_adama
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks", "scripts"))
-import oom_reports  # pylint: disable=wrong-import-position
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "benchmarks", "scripts"))
+import oom_reports  # noqa: E402  # pylint: disable=wrong-import-position
 
 
 def _row(method, budget, scale, host=None):

@@ -1,6 +1,6 @@
 """Tests for the zoo's planner, `models/planner.py` and `models/plan.py`.
 
-The zoo gives `optax_adama.memory.plan` (tested in tests/test_plan.py: the
+The zoo gives `optax_adama.memory.plan` (tested in tests/library/test_plan.py: the
 search, the time predictor, `ModelLevers`) its levers: remat policies, savers
 and the loss in chunks (`PresetLevers`). Here: the levers map onto
 `models.train`'s flags and its step; the compile-only measurements on the

@@ -32,7 +32,7 @@ from models import layers
 from models import llama_checkpoint as hf
 from models import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # llama_test (width 128, 4 query heads of 32, 2 kv heads) with 2 layers, so
 # stacking is a real stack and the second layer's names are checked too.

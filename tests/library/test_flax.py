@@ -66,7 +66,7 @@ def _assert_same_model(model, want, batches, atol=1e-6):
 
 
 # On a GPT, all three with the slow tests (39 s for "mean" on 2 busy cores).
-# Each keeps its smoke on an MLP in tests/test_nnx_entry.py: nnx.Optimizer per
+# Each keeps its smoke on an MLP in tests/library/test_nnx_entry.py: nnx.Optimizer per
 # micro-batch against the MicroBatchOptimizer
 # (test_matches_nnx_optimizer_per_micro_batch, "split"'s halves'
 # half_difference included), and that against microbatch_step

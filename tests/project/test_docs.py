@@ -12,7 +12,7 @@ The blocks run under JAX's default promotion rules, not the strict ones of
 ``conftest.py``: they are the code a user types, in a user's JAX (optax's own
 transformations, which the pages use as baselines, need standard promotion).
 
-Run one page by hand: ``python tests/test_docs.py docs/usage.md``.
+Run one page by hand: ``python tests/project/test_docs.py docs/usage.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # A fence opens with ``` and a language at the start of a line and closes with
@@ -69,9 +69,10 @@ def _page_id(path: pathlib.Path) -> str:
 
 
 # The heaviest pages run with the slow tests; what their code calls keeps its
-# smoke in the default run (fit: tests/test_plan.py; the release step:
-# tests/test_release.py; 8 devices: tests/test_sharding.py, tests/test_examples.py;
-# nnx: tests/test_nnx_entry.py), as does this runner on the other pages.
+# smoke in the default run (fit: tests/library/test_plan.py; the release step:
+# tests/library/test_release.py; 8 devices: tests/library/test_sharding.py,
+# tests/project/test_examples.py; nnx: tests/library/test_nnx_entry.py), as does this
+# runner on the other pages.
 _SLOW_PAGES = ("docs/fit.md", "docs/release.md", "docs/scale_out.md", "docs/nnx.md")
 
 
