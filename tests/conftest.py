@@ -9,9 +9,11 @@ correction computes ``float ** int32``).
 
 import dataclasses
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -117,6 +119,20 @@ def xla_flags(num_devices=None) -> str:
   if num_devices is not None:
     flags.append(f"{_DEVICE_COUNT_FLAG}={num_devices}")
   return " ".join(flags)
+
+
+def run_on_devices(script: str | pathlib.Path, devices: int = 8) -> dict:
+  """``script`` run as its own process on ``devices`` CPU devices (the device
+  count is fixed when jax starts, so a test on a mesh runs its file as a
+  script): the JSON of its last line. The script imports conftest: tests/ is
+  on its path."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                       env.get("PYTHONPATH", "")])
+  result = subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"

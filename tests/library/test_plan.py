@@ -20,18 +20,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO
-from conftest import xla_flags
+from conftest import run_on_devices
 from flax import nnx
 
 import optax_adama
@@ -543,17 +538,6 @@ def test_mesh_predictor_adds_sharded_folds_and_collectives():
 
 
 # On 8 CPU devices, compiled: a subprocess (this file run as a script).
-def run_on_devices(script: str | pathlib.Path, devices: int = MESH_DEVICES) -> dict:
-  """`script` run as its own process on `devices` CPU devices: the JSON of its last line."""
-  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                       env.get("PYTHONPATH", "")])
-  result = subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600, check=False)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def _mesh_worker() -> dict:
   keys = jax.random.split(jax.random.key(0), 3)
   # Eight tanh layers stacked (a StagedLoss: under FSDP each layer's params are

@@ -729,7 +729,9 @@ def _run_on_eight_devices(full):
   env["XLA_FLAGS"] = xla_flags(NUM_DEVICES)
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  # The repository and tests/ (this script imports conftest, one folder up).
+  env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"),
+                                       env.get("PYTHONPATH", "")])
   result = subprocess.run(
       [sys.executable, os.path.abspath(__file__)] + ["full"] * full, env=env, cwd=root,
       capture_output=True, text=True, timeout=600, check=False)

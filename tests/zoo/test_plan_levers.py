@@ -23,8 +23,8 @@ import sys
 import jax
 import pytest
 from conftest import REPO
+from conftest import run_on_devices
 from conftest import xla_flags
-from test_plan import run_on_devices
 
 import models
 import optax_adama
