@@ -205,7 +205,7 @@ def _load_tokenizers_json(path: Path, config: Mapping[str, Any]) -> TextTokenize
   bos_id, eos_id = (_special_id(config, path.parent, name, tokenizer.token_to_id, None)
                     for name in ("bos", "eos"))
   # add_special_tokens=False: the file's post-processor may add BOS (Llama 3's
-  # does); `_tokenize_documents` frames every document itself.
+  # does); `tokenize_documents` frames every document itself.
   return TextTokenizer(
       "tokenizers", str(path), tokenizer.get_vocab_size(with_added_tokens=True), bos_id, eos_id,
       f"{_file_digest(path)}:bos={bos_id}:eos={eos_id}",
@@ -368,7 +368,7 @@ class Documents:
                      self.prompt_lengths[indices])
 
 
-def _tokenize_documents(documents: Sequence[Document], tokenizer: TextTokenizer, *,
+def tokenize_documents(documents: Sequence[Document], tokenizer: TextTokenizer, *,
                         progress: bool | None) -> Documents:
   """Encodes and frames `documents` ([BOS] prompt text [EOS]); refuses any under 2 tokens."""
   bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
@@ -442,7 +442,7 @@ def tokenize(data_path: PathLike, tokenizer: TextTokenizer, *,
     arrays = {name: np.load(entry / f"{name}.npy", mmap_mode="r" if name == "tokens" else None)
               for name in ARRAYS}
     return TokenizedText(Documents(**arrays), from_cache=True, cache_path=entry)
-  documents = _tokenize_documents(read_documents(data_path), tokenizer, progress=progress)
+  documents = tokenize_documents(read_documents(data_path), tokenizer, progress=progress)
   if entry is not None:
     partial = entry.with_name(f"{entry.name}.partial-{os.getpid()}")
     partial.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from models import data
 from models import harness
 from models import planner
 from models import savers
+from models import text
 
 # Options only one side of `--compare` takes; the other side keeps its default.
 ADAMA_ONLY = ("nu_dtype", "quantize_moments", "nu_estimator", "split_floor", "release")
@@ -364,14 +365,31 @@ def _check_data(config: harness.TrainConfig) -> None:
       raise ValueError(f"the training images: {str(error).rstrip('.')}; pass a smaller "
                        "--batch-size.") from error
     return
+  if harness.uses_packed_text(config.model, config.init_from, config.data_path):
+    # Tokenizes (cached for the run that follows when --data-path is given)
+    # and packs: bad rows, a tokenizer larger than the embedding and splits
+    # smaller than a batch are refused here, before the step compiles.
+    source = (f"--data-path {config.data_path}" if config.data_path is not None
+              else "Python's standard library (--max-bytes)")
+    try:
+      harness.packed_text_batches(
+          model_config, init_from=config.init_from, data_path=config.data_path,
+          max_bytes=config.max_bytes, batch_size=config.batch_size,
+          seq_len=min(config.seq_len, model_config.max_len), seed=config.seed)
+    except text.DataError:
+      raise
+    except ValueError as error:
+      raise ValueError(f"the training split of {source}: {str(error).rstrip('.')}; pass a "
+                       "smaller --batch-size or --seq-len, or more text.") from error
+    return
   if config.data_path is not None:
-    text, source = data.load_text(config.data_path), f"--data-path {config.data_path}"
+    corpus, source = data.load_text(config.data_path), f"--data-path {config.data_path}"
   else:
-    text = data.load_stdlib_text(max_bytes=config.max_bytes)
+    corpus = data.load_stdlib_text(max_bytes=config.max_bytes)
     source = f"the first {config.max_bytes:,} bytes (--max-bytes) of Python's standard library"
   batches = data.lm_batches if config.model in harness.CAUSAL_LM_KINDS else data.mlm_batches
   seq_len = min(config.seq_len, model_config.max_len)  # as make_data clamps it
-  for split, tokens in (("training", text.train), ("held-out", text.valid)):
+  for split, tokens in (("training", corpus.train), ("held-out", corpus.valid)):
     try:
       batches(tokens, batch_size=config.batch_size, seq_len=seq_len)
     except ValueError as error:

@@ -43,8 +43,10 @@ from models.harness.baselines import make_step
 from models.harness.baselines import measure_throughput
 from models.harness.baselines import split_model
 from models.harness.batches import abstract_batch
+from models.harness.batches import packed_text_batches
 from models.harness.batches import random_batch
 from models.harness.batches import tokens_per_example
+from models.harness.batches import uses_packed_text
 from models.harness.capacity import gpt_family
 from models.harness.checks import as_flags
 from models.harness.checks import check_counts
@@ -122,6 +124,7 @@ __all__ = [
     "PARAM_DTYPES",
     "param_rounding",
     "PARAM_ROUNDINGS",
+    "packed_text_batches",
     "plot_loss_curves",
     "random_batch",
     "RELEASE_METHODS",
@@ -135,5 +138,6 @@ __all__ = [
     "train",
     "train_step_shardings",
     "TrainConfig",
+    "uses_packed_text",
     "warmup_cosine_schedule",
 ]

@@ -31,7 +31,9 @@ import optax_adama
 from models import checkpoint as checkpointing
 from models import data
 from models import llama_checkpoint
+from models.harness.batches import packed_text_batches
 from models.harness.batches import tokens_per_example
+from models.harness.batches import uses_packed_text
 from models.harness.reporting import machine_info
 from models.harness.settings import CAUSAL_LM_KINDS
 from models.harness.settings import TrainConfig
@@ -102,6 +104,12 @@ def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], l
     valid = data.image_batches(
         images.valid_images, images.valid_labels, batch_size=valid_batch_size,
         shuffle=False, epochs=1)
+  elif uses_packed_text(config.model, config.init_from, config.data_path):
+    seq_len = min(config.seq_len, model_config.max_len)
+    train, valid, _ = packed_text_batches(
+        model_config, init_from=config.init_from, data_path=config.data_path,
+        max_bytes=config.max_bytes, batch_size=config.batch_size, seq_len=seq_len,
+        seed=config.seed)
   else:
     text = (data.load_text(config.data_path) if config.data_path
             else data.load_stdlib_text(max_bytes=config.max_bytes))

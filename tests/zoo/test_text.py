@@ -326,7 +326,7 @@ def test_the_cache_is_reused_and_invalidated(llama_bpe_dir, tmp_path, monkeypatc
     raise AssertionError("tokenized again")
 
   with monkeypatch.context() as patch:
-    patch.setattr(text, "_tokenize_documents", refuse)
+    patch.setattr(text, "tokenize_documents", refuse)
     second = text.tokenize(corpus, tokenizer, cache_dir=cache)
     assert second.from_cache and second.cache_path == first.cache_path
     assert isinstance(second.documents.tokens, np.memmap)
