@@ -30,6 +30,10 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".s
 import jax  # noqa: E402  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # noqa: E402  # pylint: disable=wrong-import-position
 
+# The tiny Llama checkpoints with their own tokenizers, fixtures of every test.
+from fixtures_text import llama_bpe_dir  # noqa: E402,F401  # pylint: disable=unused-import
+from fixtures_text import llama_sentencepiece_dir  # noqa: E402,F401
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

@@ -8,8 +8,7 @@ tokenizer.json (Llama 3's layout, `write_bpe_tokenizer`), or a sentencepiece
 model saved as tokenizer.model (Llama 2's, `write_sentencepiece_tokenizer`).
 
 `llama_bpe_dir` and `llama_sentencepiece_dir` are session-wide fixtures of
-both; a test module imports them (``from tests.fixtures_text import
-llama_bpe_dir``) to use them.
+both, which tests/conftest.py gives every test.
 """
 
 from __future__ import annotations

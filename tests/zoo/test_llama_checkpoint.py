@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import xla_flags
+from fixtures_text import BPE_VOCAB_SIZE
 from flax import nnx
 from safetensors.numpy import load_file
 from safetensors.numpy import save_file
@@ -497,29 +498,36 @@ def llama_test_checkpoint(tmp_path) -> Path:
   return tmp_path
 
 
-def test_train_init_from_starts_at_the_checkpoints_loss(llama_test_checkpoint):
-  argv = ["--model", "llama", "--init-from", str(llama_test_checkpoint),
+def test_train_init_from_starts_at_the_checkpoints_loss(llama_bpe_dir):
+  # A checkpoint with its tokenizer (a 512-token BPE): the run's text is
+  # tokenized with it, so the loaded model's loss is its loss on real ids.
+  argv = ["--model", "llama", "--init-from", str(llama_bpe_dir),
           "--num-micro-batches", "2", "--batch-size", "4", "--seq-len", "16", "--steps", "2",
-          "--eval-batches", "1", "--max-bytes", "100000", "--no-progress"]
+          "--eval-batches", "1", "--max-bytes", "100000", "--no-progress",
+          "--seed", "1"]  # the checkpoint was initialised from seed 0
   with jax.numpy_dtype_promotion("standard"):  # optax's schedules promote implicitly
     (run,) = train.main(argv)
-  assert run["preset"] == str(llama_test_checkpoint)
-  assert run["param_count"] == models.param_count("llama_test")
+  assert run["preset"] == str(llama_bpe_dir)
+  expected_config = models.LlamaConfig.test(vocab_size=BPE_VOCAB_SIZE)
+  assert run["param_count"] == models.param_count(expected_config)
   # The first step's loss is the loaded model's on the run's first batch (its
   # two micro-batches' mean, before any update), not an initialisation's.
   config = train.train_config(argv)
   model_config = harness.model_config_of(config)
-  assert model_config == models.LlamaConfig.test()
+  assert model_config == expected_config
   first = next(harness.make_data(config, model_config)[0])
+  assert set(first) == {"tokens", "segment_ids", "positions", "loss_mask"}  # packed rows
+  assert int(first["tokens"].max()) >= 256  # BPE ids, not bytes
   # has_aux: the program the run's evaluation compiled (the compilation cache has it).
   loss_fn, params = models.split_loss_fn(
-      hf.load_hf_checkpoint(llama_test_checkpoint, scan_layers=False), has_aux=True)
+      hf.load_hf_checkpoint(llama_bpe_dir, scan_layers=False), has_aux=True)
   loss_fn = jax.jit(loss_fn)
   loaded = float(loss_fn(params, first)[0])
   assert run["train_loss"][0] == pytest.approx(loaded, rel=1e-5)
-  # The run's seed without --init-from would have started elsewhere.
+  # The run's seed without --init-from would have started elsewhere: both are
+  # random models near ln(512), apart by 0.03, 500x the match's tolerance above.
   initialised = nnx.state(models.create(model_config, rngs=nnx.Rngs(config.seed)), nnx.Param)
-  assert abs(float(loss_fn(initialised, first)[0]) - loaded) > 0.1
+  assert abs(float(loss_fn(initialised, first)[0]) - loaded) > 1e-2
   assert np.isfinite(run["train_loss"][1]) and np.isfinite(run["eval_loss"])
 
 

@@ -18,8 +18,6 @@ import pytest
 from models import data
 from models import text
 from tests import fixtures_text
-from tests.fixtures_text import llama_bpe_dir  # noqa: F401  (a fixture)
-from tests.fixtures_text import llama_sentencepiece_dir  # noqa: F401  (a fixture)
 
 SAMPLE = "def greet(name):\n  return f'hello {name}'  # caf\u00e9 \u2603\n"
 
@@ -63,7 +61,7 @@ def test_byte_default_equals_models_data_tokens(tmp_path):
   assert tokenizer.decode(tokenizer.encode(SAMPLE)) == SAMPLE
 
 
-def test_tokenizer_json_of_a_checkpoint(llama_bpe_dir):  # noqa: F811
+def test_tokenizer_json_of_a_checkpoint(llama_bpe_dir):
   from tokenizers import Tokenizer
 
   tokenizer = text.load_tokenizer(llama_bpe_dir)
@@ -95,7 +93,7 @@ def test_tokenizer_json_of_a_checkpoint(llama_bpe_dir):  # noqa: F811
           "special_tokens_map.json": {"eos_token": fixtures_text.EOS_TOKEN}}, (None, 2)),
     ({}, {}, (None, None)),
 ])
-def test_bos_eos_from_config_and_tokenizer_files(tmp_path, llama_bpe_dir, config,  # noqa: F811
+def test_bos_eos_from_config_and_tokenizer_files(tmp_path, llama_bpe_dir, config,
                                                  tokenizer_files, expected):
   shutil.copy(llama_bpe_dir / "tokenizer.json", tmp_path)
   (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 512, **config}))
@@ -105,7 +103,7 @@ def test_bos_eos_from_config_and_tokenizer_files(tmp_path, llama_bpe_dir, config
   assert (tokenizer.bos_id, tokenizer.eos_id) == expected
 
 
-def test_sentencepiece_tokenizer_of_a_checkpoint(tmp_path, llama_sentencepiece_dir):  # noqa: F811
+def test_sentencepiece_tokenizer_of_a_checkpoint(tmp_path, llama_sentencepiece_dir):
   import sentencepiece
 
   tokenizer = text.load_tokenizer(llama_sentencepiece_dir)
@@ -140,7 +138,7 @@ def test_read_documents_of_a_directory_of_text_and_jsonl(tmp_path):
   ]
 
 
-def test_prompt_completion_rows_are_framed_and_masked(llama_bpe_dir, tmp_path):  # noqa: F811
+def test_prompt_completion_rows_are_framed_and_masked(llama_bpe_dir, tmp_path):
   tokenizer = text.load_tokenizer(llama_bpe_dir)
   path = write_jsonl(tmp_path / "sft.jsonl", [
       {"prompt": "def add(a, b):", "completion": "\n  return a + b\n"},
@@ -256,7 +254,7 @@ def reference_losses(batch, params, *, within_segments=True, positions=True):
   return nll[batch["loss_mask"][:, 1:]]  # row-major: documents in packing order
 
 
-def test_packed_losses_equal_each_document_run_alone(llama_bpe_dir, tmp_path):  # noqa: F811
+def test_packed_losses_equal_each_document_run_alone(llama_bpe_dir, tmp_path):
   tokenizer = text.load_tokenizer(llama_bpe_dir)
   sample = fixtures_text.stdlib_sample()
   rows = [{"text": sample[i * 97:i * 97 + 20 + 13 * (i % 5)]} for i in range(12)]
@@ -283,7 +281,7 @@ def test_packed_losses_equal_each_document_run_alone(llama_bpe_dir, tmp_path):  
     assert not np.allclose(reference_losses(batch, params, **wrong), expected, rtol=1e-3)
 
 
-def test_text_batches_and_the_held_out_documents(llama_bpe_dir, tmp_path):  # noqa: F811
+def test_text_batches_and_the_held_out_documents(llama_bpe_dir, tmp_path):
   tokenizer = text.load_tokenizer(llama_bpe_dir)
   sample = fixtures_text.stdlib_sample()
   rows = [{"text": sample[i * 500:(i + 1) * 500]} for i in range(20)]
@@ -310,7 +308,7 @@ def test_text_batches_and_the_held_out_documents(llama_bpe_dir, tmp_path):  # no
 # The cache.
 
 
-def test_the_cache_is_reused_and_invalidated(llama_bpe_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_the_cache_is_reused_and_invalidated(llama_bpe_dir, tmp_path, monkeypatch):
   checkpoint = tmp_path / "checkpoint"
   shutil.copytree(llama_bpe_dir, checkpoint)
   corpus = tmp_path / "corpus"
@@ -405,7 +403,7 @@ def test_documents_and_rows_shorter_than_two_tokens(tmp_path):
     assert f"seq_len={seq_len!r}" in message and "seq_len >= 1" in message
 
 
-def test_tokenizer_errors(tmp_path, llama_bpe_dir):  # noqa: F811
+def test_tokenizer_errors(tmp_path, llama_bpe_dir):
   shutil.copy(llama_bpe_dir / "tokenizer.json", tmp_path)
   (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256}))
   message = data_error(text.load_tokenizer, tmp_path)
