@@ -41,6 +41,7 @@ import dataclasses
 import json
 import math
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,29 @@ def _params_path(path: ParamPath) -> str:
 # Reading.
 
 
+def _check_complete(path: Path) -> None:
+  """Refuses a safetensors file shorter than its header says (an interrupted download).
+
+  The header (8 bytes of length, then JSON) gives every tensor's byte range; a
+  truncated file would otherwise open and fail mid-load, or read short.
+  """
+  size = path.stat().st_size
+  try:
+    with open(path, "rb") as file:
+      (length,) = struct.unpack("<Q", file.read(8))
+      header = json.loads(file.read(length)) if 8 + length <= size else None
+  except (struct.error, ValueError):
+    header = None
+  if header is None:
+    raise ValueError(f"{path} is truncated or not safetensors: its {size} bytes hold no "
+                     "complete header; download or copy the shard again.")
+  end = max((info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"),
+            default=0)
+  if size < 8 + length + end:
+    raise ValueError(f"{path} is truncated: {size:,} bytes, its header describes "
+                     f"{8 + length + end:,}; download or copy the shard again.")
+
+
 class _Files:
   """The open safetensors files of a checkpoint, by tensor name (headers only until sliced)."""
 
@@ -176,6 +200,7 @@ class _Files:
     for file in files:
       if not (directory / file).is_file():
         raise FileNotFoundError(f"{INDEX_FILE} in {directory} lists {file}, which is missing.")
+      _check_complete(directory / file)
       self.handles[file] = stack.enter_context(
           safe_open(str(directory / file), framework="numpy"))
     if weight_map is None:
@@ -201,7 +226,10 @@ def _check_tensors(files: _Files, expected: list[_Tensor],
         f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; a checkpoint of "
         "another size, or a truncated one (compare its config.json with its tensors).")
-  ignored = {"lm_head.weight"} if config.tie_embeddings else set()
+  ignored = set()
+  if config.tie_embeddings and "lm_head.weight" in files.location:
+    _check_tied_head(files)
+    ignored.add("lm_head.weight")
   extra = sorted(name for name in files.location
                  if name not in names and name not in ignored and not _IGNORED.fullmatch(name))
   if extra:
@@ -220,6 +248,26 @@ def _check_tensors(files: _Files, expected: list[_Tensor],
     if found.get_dtype() not in _FLOAT_DTYPES:
       raise ValueError(f"{tensor.name} is {found.get_dtype()}; the loader reads float "
                        f"tensors ({', '.join(_FLOAT_DTYPES)}), not quantized ones.")
+
+
+def _check_tied_head(files: _Files, rows: int = 4096) -> None:
+  """A tied model's file may hold ``lm_head.weight`` too: loaded tied, it must equal the
+  embedding. transformers 5 keeps a differing one as an untied head; here it is refused
+  with the fix rather than dropped. Compared ``rows`` rows at a time (never whole)."""
+  head, embed = files.slice("lm_head.weight"), files.slice("model.embed_tokens.weight")
+  if tuple(head.get_shape()) != tuple(embed.get_shape()):
+    raise ValueError(f"lm_head.weight has shape {tuple(head.get_shape())}, "
+                     f"model.embed_tokens.weight {tuple(embed.get_shape())}; config.json "
+                     "says tie_word_embeddings, which needs them equal.")
+  num_rows = head.get_shape()[0]
+  for start in range(0, num_rows, rows):
+    stop = min(start + rows, num_rows)  # safetensors refuses a slice past the end
+    if not np.array_equal(np.asarray(head[start:stop]), np.asarray(embed[start:stop])):
+      raise ValueError(
+          "config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs "
+          f"from model.embed_tokens.weight (from row {start}); transformers 5 would keep it "
+          "as an untied head. Load it untied (tie_embeddings=False, or set "
+          '"tie_word_embeddings": false in config.json), or drop lm_head.weight to tie.')
 
 
 def _leaf_reader(files: _Files, tensors: list[_Tensor], shape: tuple[int, ...],
@@ -296,9 +344,9 @@ def load_hf_params(
 
   Raises:
     ValueError: a missing tensor, an unexpected one (rotary ``inv_freq``
-      buffers and a tied model's ``lm_head.weight`` excepted: Hugging Face
-      ignores them too), a shape other than the model's or an integer dtype,
-      named.
+      buffers excepted, and a tied model's ``lm_head.weight`` when it equals
+      the embedding: one that differs is refused, not dropped), a shape other
+      than the model's, an integer dtype, or a truncated file, named.
     FileNotFoundError: no safetensors checkpoint in ``directory``.
   """
   abstract_params = nnx.state(models.create_abstract(config), nnx.Param)

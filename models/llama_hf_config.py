@@ -9,6 +9,7 @@ this describes; the mapping of names (``hidden_size`` is ``hidden``,
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -161,5 +162,35 @@ def config_to_hf(config: LlamaConfig, *, torch_dtype: Any = jnp.float32) -> dict
       "tie_word_embeddings": config.tie_embeddings,
       "attention_bias": False,
       "mlp_bias": False,
+      # transformers 4 reads "torch_dtype"; 5 reads "dtype" (and still the old name).
       "torch_dtype": jnp.dtype(torch_dtype).name,
+      "dtype": jnp.dtype(torch_dtype).name,
   }
+
+
+# What a checkpoint directory holds besides weights and config, copied with a
+# fine-tuned model so it loads and tokenizes as the original did.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+# config.json keys of the original that the model's shapes do not decide.
+_KEPT_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "pretraining_tp")
+
+
+def copy_hf_extras(source: PathLike, directory: PathLike) -> list[Path]:
+  """Copies `source`'s tokenizer files and its special token ids into `directory`.
+
+  `directory` holds a checkpoint written by `save_hf_checkpoint`; its
+  config.json gains the source's BOS/EOS/pad ids. Returns the files copied.
+  """
+  source, directory = Path(source), Path(directory)
+  copied = []
+  for name in TOKENIZER_FILES:
+    if (source / name).is_file():
+      shutil.copyfile(source / name, directory / name)
+      copied.append(directory / name)
+  if (source / CONFIG_FILE).is_file():
+    original = json.loads((source / CONFIG_FILE).read_text())
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    config.update({k: original[k] for k in _KEPT_KEYS if k in original})
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+  return copied

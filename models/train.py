@@ -227,6 +227,10 @@ def _add_output_args(group: Any) -> None:
   group.add_argument("--compare", action="store_true",
                      help="train AdamA and Adam with gradient accumulation, print both "
                           "(default: off, one --optimizer)")
+  group.add_argument("--save-hf", type=Path, default=None, metavar="DIR",
+                     help="after training, write the Llama to DIR as a Hugging Face checkpoint "
+                     "(safetensors, config.json that transformers 4 and 5 read, and "
+                     "--init-from's tokenizer files); DIR must not hold one (default: off)")
   group.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                      help="save params, optimizer state, step and data position here (orbax, "
                           "in the background) and resume from the newest complete checkpoint "
@@ -282,6 +286,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
   if args.checkpoint_dir is not None and args.compare:
     parser.error("--checkpoint-dir saves one run; --compare trains two: give each run "
                  "its own directory (run without --compare, once per --optimizer)")
+  if args.save_hf is not None:
+    if args.model != "llama":
+      parser.error(f"--save-hf writes a Llama checkpoint; add --model llama "
+                   f"(got --model {args.model})")
+    if args.compare:
+      parser.error("--save-hf writes one run; --compare trains two (run without --compare)")
+    if (args.save_hf / "config.json").exists():
+      parser.error(f"--save-hf {args.save_hf} already holds a checkpoint (config.json); "
+                   "name an empty or new directory")
   if args.init_from is not None:
     if args.model != "llama":
       parser.error(f"--init-from loads a Llama checkpoint; add --model llama "
@@ -401,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser, args = _parse_args(argv)
   run_configs, checkpoint = _runs(parser, args)
   config = run_configs[0]
-  runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint)
+  runs = [harness.train(run_config, progress=not args.no_progress, checkpoint=checkpoint,
+                        hf_directory=args.save_hf)
           for run_config in run_configs]
   for run in runs:
     if _trained_nothing(run):
@@ -427,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     payload = runs[0] if len(runs) == 1 else {"runs": runs}
     args.metrics_out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.metrics_out}")
+  if args.save_hf is not None:
+    print(f"wrote {args.save_hf}: a Hugging Face checkpoint of the trained model")
   return runs
 
 

@@ -31,6 +31,7 @@ import optax_adama
 from models import checkpoint as checkpointing
 from models import data
 from models import llama_checkpoint
+from models import llama_hf_config
 from models.harness.batches import packed_text_batches
 from models.harness.batches import tokens_per_example
 from models.harness.batches import uses_packed_text
@@ -287,7 +288,8 @@ def _run_steps(config, compiled, batches, first, run: _RunState, run_checkpoints
 
 
 def train(config: TrainConfig, *, progress: bool = True,
-          checkpoint: CheckpointOptions | None = None) -> dict[str, Any]:
+          checkpoint: CheckpointOptions | None = None,
+          hf_directory: str | Path | None = None) -> dict[str, Any]:
   """Trains one model and returns its metrics.
 
   The metrics: the config, the preset and its parameter count, every step's
@@ -306,6 +308,10 @@ def train(config: TrainConfig, *, progress: bool = True,
   newest complete checkpoint and ends bitwise where the uninterrupted run
   would have (the data stream and all randomness are functions of the seed
   and the step).
+
+  With ``hf_directory`` (a Llama) the trained model is written there as a
+  Hugging Face checkpoint (`models.llama_checkpoint.save_hf_checkpoint`),
+  with ``init_from``'s tokenizer files and special token ids.
   """
   model_config = model_config_of(config)
   if config.init_from is None:
@@ -340,6 +346,10 @@ def train(config: TrainConfig, *, progress: bool = True,
   loop_s = time.perf_counter() - loop_start
 
   eval_metrics = evaluate(loss_fn, run.params, eval_batches)
+  if hf_directory is not None:  # the way back: a Hugging Face directory, tokenizer included
+    llama_checkpoint.save_hf_checkpoint(run.params, model_config, hf_directory)
+    if config.init_from is not None:
+      llama_hf_config.copy_hf_extras(config.init_from, hf_directory)
   # The first steps include one-off work (allocation, caches): time the rest.
   steady = run.step_times[len(run.step_times) // 10:] or run.step_times or [float("nan")]
   median_step_s = float(np.median(steady))

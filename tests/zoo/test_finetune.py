@@ -1,0 +1,168 @@
+"""Fine-tuning a Hugging Face Llama directory with `python -m models.train`, and back.
+
+The directory is tests/fixtures_text.py's tiny Llama with a 512-token BPE
+trained locally; the data is JSON Lines written here. The run reads the
+checkpoint's tokenizer, writes a Hugging Face directory (`--save-hf`) that
+loads back into the zoo as the trained model, and refuses bad input with one
+line and exit status 2 before anything compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from safetensors.numpy import save_file
+
+import models
+from models import harness
+from models import llama_checkpoint as hf
+from models import text
+from models import train
+
+_SMALL_RUN = ["--model", "llama", "--num-micro-batches", "2", "--batch-size", "4",
+              "--seq-len", "32", "--eval-batches", "2", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _token_cache(tmp_path, monkeypatch):
+  # The token cache lives under $XDG_CACHE_HOME: each test its own.
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  return path
+
+
+def corpus_rows(count: int = 120) -> list[dict]:
+  """Paragraphs of the standard library, a third as prompt + completion rows."""
+  from fixtures_text import stdlib_sample
+
+  paragraphs = [p for p in stdlib_sample().split("\n\n") if len(p.strip()) > 40][:count]
+  return [{"prompt": "Continue:\n", "completion": p} if i % 3 == 0 else {"text": p}
+          for i, p in enumerate(paragraphs)]
+
+
+def test_fine_tune_writes_a_directory_that_loads_as_the_trained_model(llama_bpe_dir, tmp_path):
+  data_path = write_jsonl(tmp_path / "data.jsonl", corpus_rows())
+  out = tmp_path / "fine_tuned"
+  argv = [*_SMALL_RUN, "--init-from", str(llama_bpe_dir), "--data-path", str(data_path),
+          "--steps", "4", "--learning-rate", "1e-2", "--clip-norm", "1.0",
+          "--save-hf", str(out)]
+  with jax.numpy_dtype_promotion("standard"):  # optax's schedules promote implicitly
+    (run,) = train.main(argv)
+  # The directory a user hands to transformers: weights, config, tokenizer.
+  assert {p.name for p in out.iterdir()} == {
+      "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+  config_json = json.loads((out / "config.json").read_text())
+  original = json.loads((llama_bpe_dir / "config.json").read_text())
+  for key in ("bos_token_id", "eos_token_id", "vocab_size", "tie_word_embeddings"):
+    assert config_json[key] == original[key], key
+  assert config_json["torch_dtype"] == config_json["dtype"] == "float32"  # transformers 4 and 5
+  assert text.load_tokenizer(out).fingerprint == text.load_tokenizer(llama_bpe_dir).fingerprint
+  # The saved model is the trained one: its held-out loss is the run's, on the
+  # run's own held-out batches, to float32 round-off of one evaluation.
+  config = train.train_config(argv[:-2])  # the same run, less --save-hf (now taken)
+  _, eval_batches = harness.make_data(config, harness.model_config_of(config))
+  trained = hf.load_hf_checkpoint(out, scan_layers=False)
+  loss_fn, params = models.split_loss_fn(trained, has_aux=True)
+  loss = np.mean([float(jax.jit(loss_fn)(params, b)[0]) for b in eval_batches])
+  assert loss == pytest.approx(run["eval_loss"], rel=1e-5)
+  # ...and not the checkpoint it started from.
+  loss_fn0, params0 = models.split_loss_fn(hf.load_hf_checkpoint(llama_bpe_dir, scan_layers=False),
+                                           has_aux=True)
+  start = np.mean([float(jax.jit(loss_fn0)(params0, b)[0]) for b in eval_batches])
+  assert loss < start - 0.05
+
+
+def _exit_2(argv, capsys) -> str:
+  with pytest.raises(SystemExit) as exit_info:
+    train.main(argv)
+  assert exit_info.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines[-1].startswith("python -m models.train: error: ")
+  return lines[-1]
+
+
+def test_bad_data_and_tokenizers_are_one_line_errors_with_exit_2(llama_bpe_dir, tmp_path,
+                                                                  capsys):
+  rows = corpus_rows(40)
+  good = write_jsonl(tmp_path / "good.jsonl", rows)
+  no_field = write_jsonl(tmp_path / "no_field.jsonl", [*rows[:5], {"body": "x"}])
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  short = write_jsonl(tmp_path / "short.jsonl", [{"text": ""}])
+  bare = tmp_path / "bare"  # a checkpoint without its tokenizer
+  shutil.copytree(llama_bpe_dir, bare)
+  (bare / "tokenizer.json").unlink()
+  small = tmp_path / "small_vocab"  # an embedding smaller than the tokenizer
+  shutil.copytree(llama_bpe_dir, small)
+  config_json = json.loads((small / "config.json").read_text())
+  (small / "config.json").write_text(json.dumps({**config_json, "vocab_size": 256}))
+  run = [*_SMALL_RUN, "--steps", "1"]
+  for argv, message in (
+      (["--init-from", str(llama_bpe_dir), "--data-path", str(no_field)],
+       r'no_field\.jsonl line 6: the row has fields \[.body.\] but needs "text"'),
+      (["--init-from", str(llama_bpe_dir), "--data-path", str(empty)], r"empty\.jsonl"),
+      (["--data-path", str(short)], r"short\.jsonl line 1 has 0 token\(s\)"),
+      (["--init-from", str(bare), "--data-path", str(good)],
+       "holds neither tokenizer.json nor tokenizer.model"),
+      (["--init-from", str(small), "--data-path", str(good), "--preset", "llama_test"],
+       r"ids up to 511 .* embedding has 256 rows"),
+      (["--init-from", str(llama_bpe_dir), "--data-path", str(tmp_path / "absent.jsonl")],
+       r"absent\.jsonl does not exist"),
+      (["--init-from", str(llama_bpe_dir), "--data-path", str(good), "--batch-size", "4096",
+        "--num-micro-batches", "1"], r"the training split of --data-path .*good\.jsonl"),
+  ):
+    error = _exit_2([*run, *argv], capsys)
+    assert __import__("re").search(message, error), (message, error)
+
+
+def test_save_hf_refuses_a_directory_holding_a_checkpoint(llama_bpe_dir, capsys):
+  error = _exit_2([*_SMALL_RUN, "--init-from", str(llama_bpe_dir), "--steps", "1",
+                   "--save-hf", str(llama_bpe_dir)], capsys)
+  assert "already holds a checkpoint" in error
+
+
+def test_a_truncated_shard_is_refused_by_name(tmp_path):
+  config = models.LlamaConfig.test()
+  from flax import nnx
+
+  hf.save_hf_checkpoint(models.create(config, rngs=nnx.Rngs(0)), config, tmp_path,
+                        max_shard_bytes=100_000)
+  shards = sorted(tmp_path.glob("model-*.safetensors"))
+  assert len(shards) >= 2
+  victim = shards[1]
+  victim.write_bytes(victim.read_bytes()[:-1000])
+  with pytest.raises(ValueError, match=rf"{victim.name} is truncated: "):
+    hf.load_hf_checkpoint(tmp_path)
+  victim.write_bytes(b"\x00" * 4)  # not even a header
+  with pytest.raises(ValueError, match=rf"{victim.name} is truncated or not safetensors"):
+    hf.load_hf_checkpoint(tmp_path)
+
+
+def test_tied_config_with_its_own_lm_head_loads_when_equal_and_is_refused_when_not(tmp_path):
+  from flax import nnx
+
+  config = models.LlamaConfig.test(tie_embeddings=True)
+  hf.save_hf_checkpoint(models.create(config, rngs=nnx.Rngs(0)), config, tmp_path)
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  embed = tensors["model.embed_tokens.weight"]
+  # A file that carries the head as well, equal to the embedding (some
+  # exporters write both): loads tied, the same model.
+  save_file({**tensors, "lm_head.weight": embed.copy()}, str(tmp_path / "model.safetensors"),
+            {"format": "pt"})
+  model = hf.load_hf_checkpoint(tmp_path, scan_layers=False)
+  np.testing.assert_array_equal(np.asarray(model.token_embed.embedding[...]), embed)
+  # A head that differs is refused with the reason (transformers 5 would keep
+  # it untied), never dropped.
+  save_file({**tensors, "lm_head.weight": embed + 1.0}, str(tmp_path / "model.safetensors"),
+            {"format": "pt"})
+  with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+    hf.load_hf_checkpoint(tmp_path)
