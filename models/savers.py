@@ -364,6 +364,7 @@ def key_from_bits(x: Array) -> Array:
 def chunked_cross_entropy(
     features: Array, table: Array, labels: Array, *, num_chunks: int,
     dtype: jnp.dtype | None = None, weights: Array | None = None,
+    denominator: Array | float | None = None,
 ) -> tuple[Array, Array]:
   """Mean cross-entropy and accuracy of ``features @ table.T`` logits, by chunks.
 
@@ -387,6 +388,8 @@ def chunked_cross_entropy(
       to it, as ``nnx.Embed.attend`` does); ``None`` keeps ``features``'.
     weights: optional ``[...]`` weights of the labels (a loss mask); the
       results are then their weighted means, as ``layers.cross_entropy``'s.
+    denominator: with ``weights``, what their weighted sums are divided by
+      (None: the weights' sum), as ``layers.cross_entropy``'s.
 
   Returns:
     (mean loss, accuracy), float32 scalars.
@@ -403,7 +406,7 @@ def chunked_cross_entropy(
 
   if weights is not None:
     return _weighted_chunked_cross_entropy(features, table, labels, weights.reshape(-1),
-                                           num_chunks=num_chunks)
+                                           num_chunks=num_chunks, denominator=denominator)
 
   @jax.checkpoint
   def chunk_sums(chunk_features, chunk_labels):
@@ -428,8 +431,11 @@ def chunked_cross_entropy(
 
 
 def _weighted_chunked_cross_entropy(features: Array, table: Array, labels: Array,
-                                    weights: Array, *, num_chunks: int) -> tuple[Array, Array]:
-  """`chunked_cross_entropy` with flat `weights`: sum(loss * w) / max(sum(w), 1)."""
+                                    weights: Array, *, num_chunks: int,
+                                    denominator: Array | float | None = None,
+                                    ) -> tuple[Array, Array]:
+  """`chunked_cross_entropy` with flat `weights`: sum(loss * w) / max(sum(w), 1), or
+  / `denominator` when given."""
   hidden = features.shape[-1]
   weights = weights.astype(jnp.float32)
 
@@ -449,5 +455,5 @@ def _weighted_chunked_cross_entropy(features: Array, table: Array, labels: Array
   zero = jnp.zeros_like(features[0, 0], jnp.float32)
   (nll, correct), _ = jax.lax.scan(body, (zero, zero), chunks)
   # max(., 1) as layers.cross_entropy: a micro-batch without targets gives 0, not NaN.
-  total = jnp.maximum(jnp.sum(weights), 1.0)
+  total = jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator
   return nll / total, correct / total

@@ -150,16 +150,24 @@ class CausalLM(StagedModel):
   def stage_head(self, x: Array, batch: Batch) -> tuple[Array, dict[str, Array]]:
     """Mean next-token cross-entropy and accuracy, over the whole logits or by chunks.
 
-    With "loss_mask", the mean over the targets loss_mask[:, 1:] marks.
+    With "loss_mask", the mean over the targets loss_mask[:, 1:] marks. With
+    "loss_weights" (float, in its place), the sum of the weighted losses over
+    the rows' count: weights that sum to the rows over a whole micro-batch
+    (`models.harness.weigh_targets`) give its mean per target, whichever
+    devices hold which rows (each device's mean then counts its rows' share).
     """
     labels = batch["tokens"][:, 1:]
-    weights = batch["loss_mask"][:, 1:] if "loss_mask" in batch else None
+    denominator = None
+    if "loss_weights" in batch:
+      weights, denominator = batch["loss_weights"][:, 1:], labels.shape[0]
+    else:
+      weights = batch["loss_mask"][:, 1:] if "loss_mask" in batch else None
     if self.config.loss_chunks == 1:
-      loss, accuracy = layers.cross_entropy(self.logits(x), labels, weights)
+      loss, accuracy = layers.cross_entropy(self.logits(x), labels, weights, denominator)
     else:
       loss, accuracy = savers.chunked_cross_entropy(
-          self.final_norm(x), self.head_table(), labels,
-          num_chunks=self.config.loss_chunks, dtype=self.config.dtype, weights=weights)
+          self.final_norm(x), self.head_table(), labels, num_chunks=self.config.loss_chunks,
+          dtype=self.config.dtype, weights=weights, denominator=denominator)
     return loss, {"accuracy": accuracy}
 
 

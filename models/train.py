@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_memory_args(parser.add_argument_group("memory savers"), defaults)
   _add_optimizer_args(parser.add_argument_group("optimizer state and estimator"), defaults)
   _add_output_args(parser.add_argument_group("output and checkpoints"))
+  harness.add_device_args(parser.add_argument_group(
+      "devices: the mesh, its ZeRO stage, several hosts (jax.distributed)"))
   return parser
 
 
@@ -98,6 +100,10 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
   parser = build_parser()
   args = parser.parse_args(argv)
   args.model = _model_of(args)
+  # Before anything touches a device: the processes join into one set of devices.
+  harness.start_processes(args, parser)
+  args.mesh_devices = harness.mesh_devices_of(args.mesh_devices, parser)
+  args.shard_states = harness.stage_of(args.shard_states)
   _check_args(parser, args)
   return parser, args
 

@@ -47,11 +47,19 @@ from models.harness.batches import packed_text_batches
 from models.harness.batches import random_batch
 from models.harness.batches import tokens_per_example
 from models.harness.batches import uses_packed_text
+from models.harness.batches import weigh_targets
 from models.harness.capacity import gpt_family
 from models.harness.checks import as_flags
 from models.harness.checks import check_counts
 from models.harness.checks import check_seq_len
 from models.harness.checks import command_errors
+from models.harness.devices import SHARD_STATES
+from models.harness.devices import add_device_args
+from models.harness.devices import make_mesh
+from models.harness.devices import mesh_devices_of
+from models.harness.devices import place_batch
+from models.harness.devices import stage_of
+from models.harness.devices import start_processes
 from models.harness.loop import CheckpointOptions
 from models.harness.loop import check_run
 from models.harness.loop import evaluate
@@ -87,6 +95,7 @@ __all__ = [
     "abstract_batch",
     "adama_floor",
     "adama_transform",
+    "add_device_args",
     "as_flags",
     "base_model_config",
     "CAUSAL_LM_KINDS",
@@ -110,10 +119,12 @@ __all__ = [
     "LOW_RANK_REFRESH_PERIOD",
     "machine_info",
     "make_data",
+    "make_mesh",
     "make_optimizer",
     "make_step",
     "make_train_step",
     "measure_throughput",
+    "mesh_devices_of",
     "METHODS",
     "model_config_of",
     "MODEL_KIND_OF_CONFIG",
@@ -121,17 +132,21 @@ __all__ = [
     "MOMENT_DTYPES",
     "NU_ESTIMATOR_NAMES",
     "OPTIMIZERS",
+    "packed_text_batches",
     "PARAM_DTYPES",
     "param_rounding",
     "PARAM_ROUNDINGS",
-    "packed_text_batches",
+    "place_batch",
     "plot_loss_curves",
     "random_batch",
     "RELEASE_METHODS",
     "running_mean",
     "save_figure",
+    "SHARD_STATES",
     "SHARDED_METHODS",
     "split_model",
+    "stage_of",
+    "start_processes",
     "STATE_METHODS",
     "Step",
     "tokens_per_example",
@@ -140,4 +155,5 @@ __all__ = [
     "TrainConfig",
     "uses_packed_text",
     "warmup_cosine_schedule",
+    "weigh_targets",
 ]

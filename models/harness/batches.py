@@ -106,3 +106,25 @@ def packed_text_batches(model_config: models.Config, *, init_from: str | None,
   valid_rows = text.text_batches(valid, batch_size=min(batch_size, len(valid)), shuffle=False,
                                  epochs=1)
   return train_rows, valid_rows, len(valid)
+
+
+def weigh_targets(batch: dict, num_micro_batches: int) -> dict:
+  """`batch` with "loss_weights" in place of "loss_mask": each target weighs the
+  micro-batch's rows over its targets, so the model's loss (the weighted sum
+  over its rows' count) is the micro-batch's mean per target on any mesh.
+
+  Without it a device's loss is the mean over its own rows' targets, and the
+  devices' means are averaged: packed rows carry unequal numbers of targets
+  (prompts, document starts), so a mesh would train on another loss than one
+  device. Micro-batch i is rows i, i + N, ... (`optax_adama.microbatch_step`'s
+  split).
+  """
+  if "loss_mask" not in batch:
+    return batch
+  mask = np.asarray(batch["loss_mask"], np.float32)
+  weights = np.zeros_like(mask)
+  for i in range(num_micro_batches):
+    rows = mask[i::num_micro_batches]
+    targets = rows[:, 1:].sum()
+    weights[i::num_micro_batches] = rows * (len(rows) / max(targets, 1.0))
+  return {**{k: v for k, v in batch.items() if k != "loss_mask"}, "loss_weights": weights}

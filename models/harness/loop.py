@@ -32,9 +32,11 @@ from models import checkpoint as checkpointing
 from models import data
 from models import llama_checkpoint
 from models import llama_hf_config
+from models.harness import devices
 from models.harness.batches import packed_text_batches
 from models.harness.batches import tokens_per_example
 from models.harness.batches import uses_packed_text
+from models.harness.batches import weigh_targets
 from models.harness.reporting import machine_info
 from models.harness.settings import CAUSAL_LM_KINDS
 from models.harness.settings import TrainConfig
@@ -111,6 +113,8 @@ def make_data(config: TrainConfig, model_config: Any) -> tuple[Iterator[dict], l
         model_config, init_from=config.init_from, data_path=config.data_path,
         max_bytes=config.max_bytes, batch_size=config.batch_size, seq_len=seq_len,
         seed=config.seed)
+    # Each target weighs its micro-batch's share, so a mesh trains one device's loss.
+    train = (weigh_targets(batch, config.num_micro_batches) for batch in train)
   else:
     text = (data.load_text(config.data_path) if config.data_path
             else data.load_stdlib_text(max_bytes=config.max_bytes))
@@ -208,6 +212,8 @@ def check_run(config: TrainConfig, checkpoint: CheckpointOptions | None = None) 
   checks every run it was asked for before training the first.
   """
   model_config_of(config)
+  if config.mesh_devices > 1:
+    devices.check_devices(config.mesh_devices)
   if config.data_path is not None and not Path(config.data_path).exists():
     raise FileNotFoundError(f"data_path={config.data_path} does not exist; pass a text "
                             "file or a directory of them.")
@@ -287,6 +293,33 @@ def _run_steps(config, compiled, batches, first, run: _RunState, run_checkpoints
   bar.close()
 
 
+def _placed_state(config: TrainConfig, model_config: Any, tx: optax.GradientTransformation,
+                  mesh: jax.sharding.Mesh | None) -> tuple[nnx.Module, Any, Any]:
+  """(model, params, optimizer state), placed where the run's step keeps them.
+
+  On a mesh, params and state go to `train_step_shardings`' places; a
+  checkpoint (``init_from``) is read there directly, each device its slice.
+  """
+  from_checkpoint = config.init_from is not None
+  model = (models.create_abstract(model_config) if from_checkpoint
+           else models.create(model_config, rngs=nnx.Rngs(config.seed)))
+  params = nnx.state(model, nnx.Param)
+  shardings = None
+  if mesh is not None:
+    shardings = train_step_shardings(config, model, params, jax.eval_shape(tx.init, params),
+                                     mesh, config.shard_states)
+  if from_checkpoint:  # the checkpoint's weights in place of an initialisation
+    params = llama_checkpoint.load_hf_params(
+        config.init_from, model_config, shardings=None if shardings is None else shardings.params)
+    nnx.update(model, params)
+  elif shardings is not None:
+    params = jax.device_put(params, shardings.params)
+  opt_state = tx.init(params)
+  if shardings is not None:
+    opt_state = jax.device_put(opt_state, shardings.opt_state)
+  return model, params, opt_state
+
+
 def train(config: TrainConfig, *, progress: bool = True,
           checkpoint: CheckpointOptions | None = None,
           hf_directory: str | Path | None = None) -> dict[str, Any]:
@@ -314,21 +347,23 @@ def train(config: TrainConfig, *, progress: bool = True,
   with ``init_from``'s tokenizer files and special token ids.
   """
   model_config = model_config_of(config)
-  if config.init_from is None:
-    model = models.create(model_config, rngs=nnx.Rngs(config.seed))
-  else:  # the checkpoint's weights in place of an initialisation
-    model = models.create_abstract(model_config)
-    nnx.update(model, llama_checkpoint.load_hf_params(config.init_from, model_config))
-  loss_fn, params = models.split_loss_fn(model, has_aux=True)
+  mesh = devices.make_mesh(config.mesh_devices, config.shard_states)
   tx = make_optimizer(config)
-  step = make_train_step(config, model, loss_fn, tx)
+  model, params, opt_state = _placed_state(config, model_config, tx, mesh)
+  loss_fn, _ = models.split_loss_fn(model, has_aux=True)
+  step = make_train_step(config, model, loss_fn, tx, mesh=mesh,
+                         shard_states=config.shard_states)
   del model  # the loss merges params back into a fresh module each call
   train_batches, eval_batches = make_data(config, model_config)
   run_checkpoints = _run_checkpoints(config, checkpoint)
-  run = _RunState(*_resume(run_checkpoints, params, tx.init(params), config))
+  # Restored onto the placed state's shardings: each device reads its own
+  # shards of a checkpoint saved on the same mesh.
+  run = _RunState(*_resume(run_checkpoints, params, opt_state, config))
   start = run.done
   for _ in range(start):  # the data position: one batch per step done.
     next(train_batches)
+  if mesh is not None:
+    train_batches = (devices.place_batch(b, mesh) for b in train_batches)
 
   first = next(train_batches)
   compile_start = time.perf_counter()

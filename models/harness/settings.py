@@ -83,6 +83,11 @@ class TrainConfig:
   # llama: fine-tune from a Hugging Face checkpoint directory (models.llama_checkpoint):
   # the model is its config.json's, with this run's remat, dtype and layout.
   init_from: str | None = None
+  # The mesh (models.harness.devices): this many devices on a "data" axis, each
+  # a slice of every micro-batch's rows; shard_states the ZeRO stage (None:
+  # data parallel, "zero1", "zero2", "fsdp"). 1 and None: one device, no mesh.
+  mesh_devices: int = 1
+  shard_states: str | None = None
 
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
@@ -102,6 +107,7 @@ class TrainConfig:
           f"num_micro_batches={self.num_micro_batches} equal micro-batches: pick "
           f"num_micro_batches from {divisors}, or a batch_size that is a multiple of "
           f"{self.num_micro_batches}.")
+    self._check_mesh()
     for name in ("mu_dtype", "nu_dtype"):
       value = getattr(self, name)
       if value is not None and value not in MOMENT_DTYPES:
@@ -152,6 +158,22 @@ class TrainConfig:
         raise ValueError(
             f"accumulation_dtype={self.accumulation_dtype!r} is for gradient "
             f"accumulation (optimizer='adam'), got optimizer={self.optimizer!r}.")
+
+  def _check_mesh(self) -> None:
+    """A stage the library knows, and whole rows of each micro-batch on every device."""
+    if self.shard_states not in (None, "zero1", "zero2", "fsdp"):
+      raise ValueError(f"shard_states must be None, 'zero1', 'zero2' or 'fsdp', got "
+                       f"{self.shard_states!r}.")
+    if isinstance(self.mesh_devices, bool) or not isinstance(self.mesh_devices, int) \
+        or self.mesh_devices < 1:
+      raise ValueError(f"mesh_devices must be an integer >= 1, got {self.mesh_devices!r}.")
+    rows = self.batch_size // self.num_micro_batches
+    if rows % self.mesh_devices:
+      raise ValueError(
+          f"each micro-batch's {rows} rows (batch_size {self.batch_size} / "
+          f"num_micro_batches {self.num_micro_batches}) do not split over mesh_devices="
+          f"{self.mesh_devices}; pass a batch_size that is a multiple of "
+          f"{self.num_micro_batches * self.mesh_devices}.")
 
   def _check_model(self) -> None:
     """The preset is one of ``models.PRESETS`` and a model of ``model``'s kind."""

@@ -9,7 +9,8 @@ Array = jax.Array
 
 
 def cross_entropy(
-    logits: Array, labels: Array, weights: Array | None = None
+    logits: Array, labels: Array, weights: Array | None = None,
+    denominator: Array | float | None = None,
 ) -> tuple[Array, Array]:
   """Weighted mean softmax cross-entropy and accuracy, computed in float32.
 
@@ -18,6 +19,8 @@ def cross_entropy(
     labels: [...] int labels.
     weights: optional [...] float weights (e.g. 1 at masked-LM positions);
       None weighs every position equally.
+    denominator: what the weighted sums are divided by; None: the weights'
+      sum (at least 1).
 
   Returns:
     (mean loss, accuracy) as float32 scalars, both weighted by `weights`.
@@ -30,5 +33,5 @@ def cross_entropy(
     return jnp.mean(nll), jnp.mean(correct)
   weights = weights.astype(jnp.float32)
   # max(., 1) so a micro-batch without any target gives 0, not NaN.
-  total = jnp.maximum(jnp.sum(weights), 1.0)
+  total = jnp.maximum(jnp.sum(weights), 1.0) if denominator is None else denominator
   return jnp.sum(nll * weights) / total, jnp.sum(correct * weights) / total

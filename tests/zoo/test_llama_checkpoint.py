@@ -516,7 +516,7 @@ def test_train_init_from_starts_at_the_checkpoints_loss(llama_bpe_dir):
   model_config = harness.model_config_of(config)
   assert model_config == expected_config
   first = next(harness.make_data(config, model_config)[0])
-  assert set(first) == {"tokens", "segment_ids", "positions", "loss_mask"}  # packed rows
+  assert set(first) == {"tokens", "segment_ids", "positions", "loss_weights"}  # packed rows
   assert int(first["tokens"].max()) >= 256  # BPE ids, not bytes
   # has_aux: the program the run's evaluation compiled (the compilation cache has it).
   loss_fn, params = models.split_loss_fn(
