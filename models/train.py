@@ -141,7 +141,9 @@ def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
                      help="tokens per example, text models (gpt, bert: cut to the preset's "
                           "max_len; llama: at most its max_len) (default: %(default)s)")
   group.add_argument("--steps", type=int, default=defaults.steps,
-                     help="optimizer steps (mini-batches) to train (default: %(default)s)")
+                     help="optimizer steps (mini-batches) to train; a --checkpoint-dir run "
+                     "resumed with a larger value continues, its warm-up + cosine schedule "
+                     "rebuilt over the new total (default: %(default)s)")
   group.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
                      help="peak learning rate: linear warm-up to it, then cosine decay to a "
                           "tenth of it (default: %(default)g)")

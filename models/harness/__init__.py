@@ -90,6 +90,7 @@ from models.harness.settings import make_optimizer
 from models.harness.settings import model_config_of
 from models.harness.settings import param_rounding
 from models.harness.settings import warmup_cosine_schedule
+from models.harness.settings import weight_decay_mask
 
 __all__ = [
     "abstract_batch",
@@ -156,4 +157,5 @@ __all__ = [
     "uses_packed_text",
     "warmup_cosine_schedule",
     "weigh_targets",
+    "weight_decay_mask",
 ]

@@ -158,7 +158,11 @@ class CheckpointOptions:
 
 
 # A held-out batch count changes what is scored, not what is trained.
-_RESUMABLE_CHANGES = ("eval_batches",)
+# A run resumed with a larger `steps` continues: its warm-up + cosine schedule is
+# rebuilt over the new total, so from the resumed step on the rate follows the
+# longer schedule (it rises to the longer cosine's value there, as optax's
+# schedules are functions of the step count and the total).
+_RESUMABLE_CHANGES = ("eval_batches", "steps")
 
 
 class _StopSignals:
@@ -221,6 +225,10 @@ def check_run(config: TrainConfig, checkpoint: CheckpointOptions | None = None) 
   if run_checkpoints is not None:
     try:
       run_checkpoints.check_identity()
+      done = max(run_checkpoints.steps(), default=0)
+      if done > config.steps:
+        raise ValueError(f"{run_checkpoints.directory} holds step {done}, past steps="
+                         f"{config.steps}; pass steps={done} or more to continue the run.")
     finally:
       run_checkpoints.close()
 
@@ -233,8 +241,12 @@ def _resume(run_checkpoints, params, opt_state, config):
       checkpointing.abstract_like({"params": params, "opt_state": opt_state}))
   if restored is None:
     return params, opt_state, 0, []
+  before = restored.record.get("identity", {}).get("steps", config.steps)
+  extended = (f" (the run had {before} steps: the warm-up + cosine schedule now spans "
+              f"{config.steps}, and the rate from here follows it)"
+              if before != config.steps else "")
   print(f"resuming from {run_checkpoints.directory / str(restored.step)}: "
-        f"step {restored.step} of {config.steps}", file=sys.stderr)
+        f"step {restored.step} of {config.steps}{extended}", file=sys.stderr)
   return (restored.state["params"], restored.state["opt_state"],
           int(restored.record["data_position"]), list(restored.record["train_loss"]))
 

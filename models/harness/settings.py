@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -227,8 +228,32 @@ def adama_transform(factory: str, *args: Any, nu_estimator: str = DEFAULT_NU_EST
       *args, nu_estimator=nu_estimator, split_floor=split_floor, **kwargs)
 
 
+# Params that weight decay leaves alone: norm scales and biases (the zoo's
+# names for them), as LLM recipes exclude them (MaxText, EasyLM, nanoGPT).
+_UNDECAYED_NAMES = ("scale", "bias", "mlm_bias")
+
+
+def _leaf_name(path: tuple) -> str:
+  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  names = [str(n) for n in names if n is not None and n != "value"]
+  return names[-1] if names else ""
+
+
+def weight_decay_mask(params: Any) -> Any:
+  """True where weight decay applies: every param but norm scales and biases.
+
+  The tree `optax.adamw(mask=...)` and `optax_adama.adamaw(mask=...)` take,
+  by name, so a scanned stack's [layers, width] norm scales are left alone too.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: _leaf_name(path) not in _UNDECAYED_NAMES, params)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-  """The optimizer of a run; every one counts its schedule in mini-batches."""
+  """The optimizer of a run; every one counts its schedule in mini-batches.
+
+  Weight decay (`weight_decay`) skips norm scales and biases (`weight_decay_mask`).
+  """
   schedule = warmup_cosine_schedule(config.learning_rate, config.steps, config.warmup_steps)
   if config.optimizer == "adama":
     # The release folds one layer's slice of the stack's moments at a time:
@@ -237,7 +262,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     # were measured with).
     quantization = (optax_adama.BlockQuantization(layer_aligned=config.release)
                     if config.quantize_moments else None)
-    options = dict(weight_decay=config.weight_decay,
+    options = dict(weight_decay=config.weight_decay, mask=weight_decay_mask,
                    num_micro_batches=config.num_micro_batches, mu_dtype=config.mu_dtype,
                    nu_dtype=config.nu_dtype, quantization=quantization)
     tx = adama_transform("adamaw", schedule, nu_estimator=config.nu_estimator,
@@ -248,7 +273,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
       return tx
     return optax.chain(optax_adama.contrib.clip_by_sketched_global_norm(
         config.clip_norm, num_micro_batches=config.num_micro_batches), tx)
-  adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype)
+  adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype,
+                      mask=weight_decay_mask)
   rounding = param_rounding(config)
   adamw = adamw if rounding is None else optax.chain(adamw, rounding)
   if config.clip_norm is not None:

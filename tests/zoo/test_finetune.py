@@ -166,3 +166,51 @@ def test_tied_config_with_its_own_lm_head_loads_when_equal_and_is_refused_when_n
             {"format": "pt"})
   with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
     hf.load_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("optimizer", ["adama", "adam"])
+def test_weight_decay_skips_norm_scales_and_biases(optimizer):
+  from flax import nnx
+
+  config = harness.TrainConfig(model="gpt", preset="gpt_test", optimizer=optimizer,
+                               num_micro_batches=2, batch_size=4, weight_decay=0.5,
+                               learning_rate=0.1, warmup_steps=0, steps=10)
+  params = nnx.state(models.create(harness.model_config_of(config), rngs=nnx.Rngs(0)),
+                     nnx.Param)
+  tx = harness.make_optimizer(config)
+  state = tx.init(params)
+  zeros = jax.tree.map(jax.numpy.zeros_like, params)
+  with jax.numpy_dtype_promotion("standard"):
+    for _ in range(2 if optimizer == "adama" else 1):  # one mini-batch
+      updates, state = tx.update(zeros, state, params)
+  # Zero gradients: the update is the decay alone, -lr * wd * param (lr 0.1 at
+  # step 0 of a cosine without warm-up), on every param but norms and biases.
+  names = {"/".join(str(getattr(k, "key", k)) for k in path): (u, p)
+           for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates),
+                                   jax.tree.leaves(params))}
+  decayed = [n for n in names if not n.split("/")[-2].endswith(("bias", "scale"))]
+  assert 0 < len(decayed) < len(names)
+  for name, (update, param) in names.items():
+    expected = -0.1 * 0.5 * np.asarray(param) if name in decayed else 0 * np.asarray(param)
+    np.testing.assert_allclose(np.asarray(update), expected, rtol=1e-6, atol=1e-8,
+                               err_msg=name)
+  # The mask is a tree of booleans like the params (optax's mask= form).
+  mask = harness.weight_decay_mask(params)
+  assert jax.tree.structure(mask) == jax.tree.structure(params)
+  assert sorted(n for n, m in zip(names, jax.tree.leaves(mask)) if m) == sorted(decayed)
+
+
+def test_resuming_with_more_steps_continues_the_run(tmp_path, capsys):
+  run = ["--preset", "llama_test", "--num-micro-batches", "2", "--batch-size", "4",
+         "--seq-len", "16", "--eval-batches", "1", "--max-bytes", "100000", "--no-progress",
+         "--checkpoint-dir", str(tmp_path / "run"), "--checkpoint-every", "2"]
+  with jax.numpy_dtype_promotion("standard"):
+    (first,) = train.main([*run, "--steps", "4"])
+    (longer,) = train.main([*run, "--steps", "6"])
+  err = capsys.readouterr().err
+  assert "step 4 of 6 (the run had 4 steps: the warm-up + cosine schedule now spans 6" in err
+  assert longer["resumed_from"] == 4 and len(longer["train_loss"]) == 6
+  assert longer["train_loss"][:4] == first["train_loss"]  # the steps done are kept
+  # A smaller --steps than the checkpoint's is refused before training.
+  error = _exit_2([*run, "--steps", "3"], capsys)
+  assert "holds step 6, past --steps 3; pass --steps 6 or more" in error
