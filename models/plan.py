@@ -313,12 +313,10 @@ def _chosen_lines(args: argparse.Namespace, result: Plan, machine: Machine) -> s
           f"{result.predicted_s * 1e3:.4g} ms a step ("
           + ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in parts.items()
                       if seconds) + ")\n"
-          f"run with: harness.make_train_step(run, model, loss_fn, tx, mesh=mesh, "
-          f"shard_states={choice.shard_states!r}) on a {args.devices}-device 'data' mesh, "
-          "params and state "
-          f"placed by harness.train_step_shardings, run = planner.train_config("
-          f"{args.preset!r}, chosen.settings, batch_size={args.batch_size}, "
-          f"seq_len={args.seq_len}) (models.train runs one device)")
+          f"train with: python -m models.train --preset {args.preset} "
+          f"--batch-size {args.batch_size}{seq} --mesh-devices {args.devices} "
+          + " ".join(planner.train_flags(choice))
+          + " (several hosts add --coordinator-address, --num-processes, --process-id)")
 
 
 def _frontier(args: argparse.Namespace) -> dict[str, Any]:

@@ -191,19 +191,29 @@ def label(settings: PlanSettings) -> str:
 
 
 def train_overrides(settings: PlanSettings) -> dict[str, Any]:
-  """The `models.harness.TrainConfig` fields of `settings`, and with a ZeRO
-  stage `shard_states`: not a field, `harness.make_train_step`'s argument (with
-  its `mesh`; `models.train` runs one device). Pop it before `TrainConfig(**...)`.
-  """
+  """The `models.harness.TrainConfig` fields of `settings`, the ZeRO stage
+  (`shard_states`) included: `models.train --plan` on `--mesh-devices` takes it."""
   variant = _variant(settings)
   narrow = "bfloat16" if settings.moments == "bfloat16" else None
-  stage = {} if settings.shard_states is None else {"shard_states": settings.shard_states}
+  stage = {"shard_states": settings.shard_states}
   return {"num_micro_batches": settings.num_micro_batches,
           "remat": "none" if settings.release else variant.remat,
           "release": settings.release, "gelu_bits": variant.gelu_bits,
           "loss_chunks": variant.loss_chunks, "linear_keep_ratio": variant.linear_keep_ratio,
           "mu_dtype": narrow, "nu_dtype": narrow,
           "quantize_moments": settings.moments == "8bit", "scan_layers": True, **stage}
+
+
+def train_flags(settings: PlanSettings) -> list[str]:
+  """`settings` as `models.train` flags: what the plan chose, without searching again."""
+  flags = []
+  for name, value in train_overrides(settings).items():
+    flag = "--" + name.replace("_", "-")
+    if value is True:
+      flags.append(flag)
+    elif value not in (None, False):
+      flags += [flag, str(value)]
+  return flags
 
 
 def _variant(settings: PlanSettings) -> ModelVariant:
@@ -223,7 +233,8 @@ def train_config(preset: str, settings: PlanSettings, *, batch_size: int,
   kind = model_kind(models.get_config(preset))
   extra = {} if seq_len is None else {"seq_len": seq_len}
   overrides = train_overrides(settings)
-  overrides.pop("shard_states", None)  # make_train_step's argument, not a field
+  # The planner compiles the stage on its own mesh (make_train_step's mesh=).
+  overrides.pop("shard_states", None)
   return harness.TrainConfig(model=kind, preset=preset, batch_size=batch_size,
                              **extra, **overrides)
 

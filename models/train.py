@@ -320,7 +320,7 @@ def _planned(config: harness.TrainConfig, budget_gb: float, *,
              progress: bool) -> dict[str, Any]:
   """The TrainConfig fields `models.planner` chooses for `config` under `budget_gb`."""
   chosen = planner.plan(config.preset_name, budget_gb * 1e9, batch_size=config.batch_size,
-                     seq_len=config.seq_len, progress=progress)
+                        seq_len=config.seq_len, devices=config.mesh_devices, progress=progress)
   print(planner.table(chosen))
   print(f"plan: {chosen.settings.describe()}, verified "
         f"{chosen.measurement.device_bytes / 1e9:.3f} GB of {budget_gb:g} GB")

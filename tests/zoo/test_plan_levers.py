@@ -378,7 +378,12 @@ def test_plan_command_makes_its_devices_and_writes_the_mesh_plan(tmp_path):
   assert chosen["devices"] == 8 and chosen["verified"]["device_bytes"] <= 0.01e9
   stages = {row["candidate"]["shard_states"] for row in chosen["considered"]}
   assert stages == {None, "zero1", "zero2", "fsdp"} and not chosen["skipped"]
-  assert "run with: harness.make_train_step" in paths[1].read_text()
+  # The plan's last word is a models.train command that trains it on the mesh.
+  line = next(x for x in paths[1].read_text().splitlines() if x.startswith("train with: "))
+  command = line.removeprefix("train with: python -m models.train ").split(" (")[0].split()
+  run = train.train_config(command)
+  assert (run.mesh_devices, run.shard_states) == (8, chosen["choice"]["shard_states"])
+  assert run.num_micro_batches == chosen["choice"]["num_micro_batches"]
 
 
 if __name__ == "__main__":
