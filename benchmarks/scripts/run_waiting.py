@@ -3,6 +3,7 @@ within a deadline.
 
     python3 benchmarks/scripts/run_waiting.py --list       # the items and their commands
     python3 benchmarks/scripts/run_waiting.py --items 1 2 --deadline-s 560 --out "$OUT"  # on a GPU
+    python3 benchmarks/scripts/run_waiting.py --prepared finetune_llama32_1b --out "$OUT"
 
 On a lent GPU machine every minute counts and a call has one fixed limit, so the
 waiting items run as one prepared command: one after another, each alone on the
@@ -37,6 +38,13 @@ SECTION = "## Waiting for a GPU"
 MIN_START_S = 30.0
 # The lines of each command's log printed when it ends.
 TAIL_LINES = 15
+# Llama 3.2 1B fine-tuned live in a 24 GiB slice of the lent GPU (issue 60's
+# item 6 c): 200 steps of 2 x 8 x 1,024 tokens, about 0.5 s each on an H100/H200
+# class card plus a minute of compile, AdamA first; accumulation's 20 steps only
+# say whether it runs at all. Within the default 560 s deadline.
+FINETUNE_STEPS = 200
+FINETUNE_MEMORY_GIB = 24
+FINETUNE_RAW = "benchmarks/results/gpu/raw/finetune_llama32_1b_24gib"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,44 @@ class Item:
   number: int
   title: str
   commands: tuple[str, ...]
+
+
+def memory_fraction_of(memory_gib: float) -> str:
+  """A shell expression: the fraction of GPU 0's memory that is ``memory_gib`` GiB, for
+  XLA_PYTHON_CLIENT_MEM_FRACTION (nvidia-smi reports the card's total in MiB)."""
+  return ("$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | "
+          f"awk '{{printf \"%.4f\", {memory_gib * 1024:g} / $1}}')")
+
+
+def finetune_llama32_1b(steps: int = FINETUNE_STEPS,
+                        memory_gib: float = FINETUNE_MEMORY_GIB) -> Item:
+  """The prepared live fine-tuning of Llama 3.2 1B in ``memory_gib`` of the card.
+
+  No weights can be downloaded on the lent machine: the model is a random-
+  initialised ``llama32_1b`` (its real shapes and memory), trained on the Python
+  standard library's text as bytes (local text). AdamA (the gradient release,
+  bf16 compute, remat "full") trains ``steps`` steps and writes its loss curve
+  (``models.train --metrics-out`` JSON, then a png beside it); gradient
+  accumulation (``--optimizer adam``, the same model and micro-batch) is
+  expected to run out of memory there, so it is asked for 20 steps only.
+  """
+  fraction = f"XLA_PYTHON_CLIENT_MEM_FRACTION={memory_fraction_of(memory_gib)}"
+  train = ("python3 -m models.train --model llama --preset llama32_1b --scan-layers "
+           "--remat full --dtype bfloat16 --batch-size 16 --num-micro-batches 2 "
+           "--seq-len 1024 --learning-rate 3e-4 --warmup-steps 20 --eval-batches 4 "
+           "--no-progress")
+  return Item(0, f"Llama 3.2 1B (random-initialised) fine-tuned live for {steps} steps in "
+              f"{memory_gib:g} GiB of the card: AdamA trains, accumulation runs out of memory",
+              (f"{fraction} {train} --optimizer adama --release --steps {steps} "
+               f"--metrics-out {FINETUNE_RAW}_adama.json",
+               f"PYTHONPATH=. python3 benchmarks/scripts/finetune_memory.py "
+               f"--plot-live {FINETUNE_RAW}_adama.json",
+               f"{fraction} {train} --optimizer adam --steps 20 "
+               f"--metrics-out {FINETUNE_RAW}_accumulation.json"))
+
+
+# Items prepared in this script (not on the waiting page), run by name with --prepared.
+PREPARED = {"finetune_llama32_1b": finetune_llama32_1b}
 
 
 def checkout_root(page: Path) -> Path:
@@ -148,6 +194,9 @@ def main(argv: list[str] | None = None) -> list[str]:
                       help="where the logs and results.tgz go; default: $OUT")
   parser.add_argument("--readme", type=Path, default=WAITING_PAGE,
                       help="the page whose waiting section lists the items")
+  parser.add_argument("--prepared", nargs="+", choices=sorted(PREPARED), default=(),
+                      help="items prepared in this script, run after --items (alone "
+                           "without --items)")
   parser.add_argument("--list", action="store_true", help="print the items and stop")
   args = parser.parse_args(argv)
   items = waiting_items(args.readme.read_text())
@@ -157,6 +206,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     if unknown:
       parser.error(f"--items {unknown}: the waiting list has items {sorted(by_number)}")
     items = [by_number[n] for n in args.items]
+  elif args.prepared:
+    items = []
+  # Numbered after the page's items, so their logs and summary lines keep apart.
+  items += [dataclasses.replace(PREPARED[name](), number=len(by_number) + k)
+            for k, name in enumerate(args.prepared, 1)]
   if args.deadline_s <= 0:
     parser.error("--deadline-s must be positive")
   if args.list:

@@ -100,3 +100,43 @@ def test_the_command_line_lists_and_refuses_unknown_items(tmp_path, capsys, monk
   assert "--out is needed" in capsys.readouterr().err
   with pytest.raises(ValueError, match="no '## Waiting for a GPU' section"):
     run_waiting.waiting_items("# Benchmarks\n")
+
+
+def test_the_prepared_llama32_1b_fine_tuning_builds_the_trainers_runs(tmp_path, capsys):
+  import shlex
+  import subprocess
+
+  from models import train
+
+  item = run_waiting.PREPARED["finetune_llama32_1b"]()
+  adama, plot, accumulation = item.commands
+  fraction = run_waiting.memory_fraction_of(24)
+  prefix = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} python3 -m models.train "
+  assert adama.startswith(prefix) and accumulation.startswith(prefix)
+  # What models.train makes of each command's flags: AdamA with the release for
+  # 200 steps, accumulation (adam) on the same model and micro-batch, 20 steps.
+  runs = {name: train.train_config(shlex.split(command[len(prefix):]))
+          for name, command in (("adama", adama), ("accumulation", accumulation))}
+  for config in runs.values():
+    assert (config.preset, config.remat, config.dtype, config.scan_layers) == (
+        "llama32_1b", "full", "bfloat16", True)
+    assert (config.batch_size, config.num_micro_batches, config.seq_len) == (16, 2, 1024)
+    assert config.init_from is None and config.data_path is None  # random init, local text
+  assert (runs["adama"].optimizer, runs["adama"].release, runs["adama"].steps) == (
+      "adama", True, 200)
+  assert (runs["accumulation"].optimizer, runs["accumulation"].steps) == ("adam", 20)
+  metrics = "benchmarks/results/gpu/raw/finetune_llama32_1b_24gib_adama.json"
+  assert adama.endswith(f"--metrics-out {metrics}")
+  assert plot == f"PYTHONPATH=. python3 benchmarks/scripts/finetune_memory.py --plot-live {metrics}"
+  # The fraction is 24 GiB of what nvidia-smi reports (MiB), here a stand-in for it.
+  (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
+  (tmp_path / "nvidia-smi").chmod(0o755)
+  value = subprocess.run(["bash", "-c", f"echo {fraction}"], capture_output=True, text=True,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, check=True).stdout
+  assert float(value) == pytest.approx(24 * 1024 / 143771, abs=1e-4)
+  # Listed and numbered after the page's items; alone without --items.
+  run_waiting.main(["--prepared", "finetune_llama32_1b", "--list"])
+  pages = run_waiting.waiting_items(run_waiting.WAITING_PAGE.read_text())
+  printed = capsys.readouterr().out
+  assert printed.startswith(f"{len(pages) + 1}. Llama 3.2 1B (random-initialised)")
+  assert printed.count("python3 -m models.train") == 2
