@@ -214,3 +214,94 @@ def test_resuming_with_more_steps_continues_the_run(tmp_path, capsys):
   # A smaller --steps than the checkpoint's is refused before training.
   error = _exit_2([*run, "--steps", "3"], capsys)
   assert "holds step 6, past --steps 3; pass --steps 6 or more" in error
+
+
+def test_prompt_tokens_carry_no_loss_through_the_run_s_batches(llama_bpe_dir, tmp_path):
+  from fixtures_text import stdlib_sample
+
+  # The same documents as text rows and as prompt + completion rows: equal
+  # tokens, segments and positions, so the two losses differ by the mask alone.
+  # Documents that fit in a row: a long one goes on in pieces whose positions
+  # restart, and the test reads the prompt's targets off the positions.
+  prompt = "Continue:\n"
+  tokenizer = text.load_tokenizer(llama_bpe_dir)
+  completions = [line.strip() for line in stdlib_sample().splitlines()
+                 if len(line.strip()) > 20 and len(tokenizer.encode(prompt + line.strip())) <= 28]
+  completions = completions[:80]
+  as_text = write_jsonl(tmp_path / "text.jsonl", [{"text": prompt + c} for c in completions])
+  as_pairs = write_jsonl(tmp_path / "pairs.jsonl",
+                         [{"prompt": prompt, "completion": c} for c in completions])
+  run = dict(model="llama", init_from=str(llama_bpe_dir), num_micro_batches=2, batch_size=4,
+             seq_len=32, eval_batches=1, steps=1)
+  text_config = harness.TrainConfig(**run, data_path=str(as_text))
+  model_config = harness.model_config_of(text_config)
+  text_batch = next(harness.make_data(text_config, model_config)[0])
+  pair_batch = next(harness.make_data(
+      harness.TrainConfig(**run, data_path=str(as_pairs)), model_config)[0])
+  for key in ("tokens", "segment_ids", "positions"):
+    np.testing.assert_array_equal(text_batch[key], pair_batch[key], err_msg=key)
+  # A target is a prompt's when its position in its document is before the
+  # completion: BOS and the prompt's tokens. Position 0 (BOS) is no target.
+  prompt_length = 1 + len(tokenizer.encode(prompt))
+  in_document = pair_batch["segment_ids"][:, 1:] > 0
+  positions = pair_batch["positions"][:, 1:]
+  np.testing.assert_array_equal(text_batch["loss_weights"][:, 1:] > 0,
+                                in_document & (positions > 0))
+  completion_targets = in_document & (positions >= prompt_length)
+  np.testing.assert_array_equal(pair_batch["loss_weights"][:, 1:] > 0, completion_targets)
+  assert (in_document & ~completion_targets).sum() > 10  # prompts' targets were there
+
+  loss_fn, params = models.split_loss_fn(hf.load_hf_checkpoint(llama_bpe_dir, scan_layers=False),
+                                         has_aux=True)
+  loss_fn = jax.jit(loss_fn)
+  # Each target's cross-entropy, read off the text batch (its loss is linear in
+  # the weights: d loss / d weight = cross-entropy / rows).
+  rows = text_batch["tokens"].shape[0]
+  per_token = rows * np.asarray(jax.grad(
+      lambda w: loss_fn(params, {**text_batch, "loss_weights": w})[0])(
+          jax.numpy.asarray(text_batch["loss_weights"])))[:, 1:]
+  # The run's loss on the pairs: each micro-batch's mean over its completion
+  # targets alone (micro-batch i is rows i, i + N, ...), averaged.
+  expected = np.mean([per_token[i::2][completion_targets[i::2]].mean() for i in range(2)])
+  pair_loss = float(loss_fn(params, pair_batch)[0])
+  assert pair_loss == pytest.approx(expected, rel=1e-5)
+  text_loss = float(loss_fn(params, text_batch)[0])
+  assert abs(pair_loss - text_loss) > 1e-3, (pair_loss, text_loss)
+
+
+@pytest.mark.slow  # 15 s; test_resuming_with_more_steps_continues_the_run is its smoke
+def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_step(tmp_path):
+  """k steps of the k-step run, then the n-step run's optimizer on the same state.
+
+  Not a fresh n-step run: the first k steps took the k-step cosine. From step
+  k the rate is the n-step warm-up + cosine's at step k (optax's schedules are
+  functions of the count the state carries, and the total).
+  """
+  from flax import nnx
+
+  base = dict(model="llama", preset="llama_test", num_micro_batches=2, batch_size=4,
+              seq_len=16, eval_batches=1, max_bytes=100_000, warmup_steps=1,
+              learning_rate=1e-2)
+  short, longer = harness.TrainConfig(**base, steps=3), harness.TrainConfig(**base, steps=6)
+  checkpoint = harness.CheckpointOptions(str(tmp_path / "run"), every=3)
+  with jax.numpy_dtype_promotion("standard"):  # optax's schedules promote implicitly
+    harness.train(short, progress=False, checkpoint=checkpoint)
+    resumed = harness.train(longer, progress=False, checkpoint=checkpoint)
+    fresh = harness.train(longer, progress=False)
+    # The reference, by hand: the same initialisation and batches; the short
+    # run's optimizer for its steps, then the longer one's on the same state.
+    model_config = harness.model_config_of(longer)
+    model = models.create(model_config, rngs=nnx.Rngs(longer.seed))
+    loss_fn, params = models.split_loss_fn(model, has_aux=True)
+    batches, _ = harness.make_data(longer, model_config)
+    state = harness.make_optimizer(short).init(params)
+    expected = []
+    for config, steps in ((short, short.steps), (longer, longer.steps - short.steps)):
+      step = harness.make_train_step(config, model, loss_fn, harness.make_optimizer(config))
+      for _ in range(steps):
+        params, state, metrics = step(params, state, next(batches))
+        expected.append(float(metrics["loss"]))
+  assert resumed["resumed_from"] == 3
+  np.testing.assert_allclose(resumed["train_loss"], expected, rtol=1e-6)
+  # ...which a fresh run of the longer schedule is not.
+  assert np.abs(np.subtract(fresh["train_loss"][4:], resumed["train_loss"][4:])).max() > 1e-4
