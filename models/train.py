@@ -102,7 +102,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
   args.model = _model_of(args)
   # Before anything touches a device: the processes join into one set of devices.
   harness.start_processes(args, parser)
-  args.mesh_devices = harness.mesh_devices_of(args.mesh_devices, parser)
+  args.mesh_devices = harness.mesh_devices_of(args.mesh_devices, parser, args.shard_states)
   args.shard_states = harness.stage_of(args.shard_states)
   _check_args(parser, args)
   return parser, args

@@ -25,14 +25,22 @@ SHARD_STATES = ("none", "zero1", "zero2", "fsdp")
 
 def add_device_args(group: argparse._ArgumentGroup) -> None:
   """`models.train`'s flags for the mesh, the ZeRO stage and several hosts."""
-  group.add_argument("--mesh-devices", default="1", metavar="N|all",
+  group.add_argument("--mesh-devices", default=None, metavar="N|all",
                      help="devices on the mesh's 'data' axis, each a slice of every "
-                     "micro-batch's rows; 'all': every device of every process. One device "
-                     "runs without a mesh (default: 1)")
+                     "micro-batch's rows; 'all': every device of every process. Without a "
+                     "--shard-states stage a run takes one device and no mesh, even where 8 "
+                     "are visible: spreading it is asked for, as it changes each device's "
+                     "rows (the batch must split over them) and memory (default: 1, or all "
+                     "with a --shard-states stage)")
   group.add_argument("--shard-states", choices=SHARD_STATES, default="none",
                      help="what the mesh splits besides the batch: none (data parallel), "
-                     "zero1 (moments), zero2 (moments and gradients), fsdp (params too) "
-                     "(default: none)")
+                     "zero1 (moments), zero2 (moments and gradients), fsdp (params too); a "
+                     "stage needs a mesh of 2 or more devices (default: none)")
+  group.add_argument("--distributed", action="store_true",
+                     help="several hosts on a cluster JAX detects (Slurm, Cloud TPU, Open MPI, "
+                     "Kubernetes): jax.distributed.initialize() finds the coordinator and "
+                     "this process; the three flags below override what it finds "
+                     "(default: off, one process)")
   group.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                      help="several hosts: jax.distributed.initialize's coordinator (process "
                      "0's address); give the same command on every host with its "
@@ -45,22 +53,33 @@ def add_device_args(group: argparse._ArgumentGroup) -> None:
 
 
 def start_processes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-  """`jax.distributed.initialize` where the flags name a coordinator, before any device
-  is touched; the three flags come together or not at all."""
+  """`jax.distributed.initialize` where the flags ask for several hosts, before any
+  device is touched: the three flags together, or `--distributed` (the cluster's
+  environment fills in what is not given)."""
   given = [args.coordinator_address, args.num_processes, args.process_id]
-  if all(value is None for value in given):
+  if all(value is None for value in given) and not args.distributed:
     return
-  if any(value is None for value in given):
+  if any(value is None for value in given) and not args.distributed:
     parser.error("several hosts need --coordinator-address, --num-processes and "
-                 "--process-id together")
-  if not 0 <= args.process_id < args.num_processes:
+                 "--process-id together (or --distributed on a cluster JAX detects)")
+  if args.num_processes is not None and args.num_processes < 1:
+    parser.error(f"--num-processes {args.num_processes}: it must be >= 1")
+  if args.process_id is not None and args.num_processes is not None \
+      and not 0 <= args.process_id < args.num_processes:
     parser.error(f"--process-id {args.process_id}: it must be in 0..{args.num_processes - 1}")
-  jax.distributed.initialize(coordinator_address=args.coordinator_address,
-                             num_processes=args.num_processes, process_id=args.process_id)
+  try:
+    jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                               num_processes=args.num_processes, process_id=args.process_id)
+  except (ValueError, RuntimeError) as error:  # no cluster detected; JAX already started
+    parser.error(f"jax.distributed.initialize: {str(error).splitlines()[0]}")
 
 
-def mesh_devices_of(value: str, parser: argparse.ArgumentParser) -> int:
-  """`--mesh-devices`' count: a number, or "all" for `jax.device_count()`."""
+def mesh_devices_of(value: str | None, parser: argparse.ArgumentParser,
+                    shard_states: str | None = None) -> int:
+  """`--mesh-devices`' count: a number, or "all" for `jax.device_count()`; not given,
+  1 without a stage and all devices with one (`shard_states`)."""
+  if value is None:
+    value = "1" if stage_of(shard_states) is None else "all"
   if value == "all":
     return jax.device_count()
   try:

@@ -162,7 +162,10 @@ class CheckpointOptions:
 # rebuilt over the new total, so from the resumed step on the rate follows the
 # longer schedule (it rises to the longer cosine's value there, as optax's
 # schedules are functions of the step count and the total).
-_RESUMABLE_CHANGES = ("eval_batches", "steps")
+# The mesh and its stage: the state is read onto the new run's shardings (orbax
+# reshards) and the run continues; a causal LM's mesh trains the one-device loss,
+# so it equals the uninterrupted run to float32 round-off (bitwise on its mesh).
+_RESUMABLE_CHANGES = ("eval_batches", "steps", "mesh_devices", "shard_states")
 
 
 class _StopSignals:

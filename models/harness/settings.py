@@ -86,7 +86,8 @@ class TrainConfig:
   init_from: str | None = None
   # The mesh (models.harness.devices): this many devices on a "data" axis, each
   # a slice of every micro-batch's rows; shard_states the ZeRO stage (None:
-  # data parallel, "zero1", "zero2", "fsdp"). 1 and None: one device, no mesh.
+  # data parallel, "zero1", "zero2", "fsdp"; a stage needs 2 devices or more).
+  # 1 and None: one device, no mesh.
   mesh_devices: int = 1
   shard_states: str | None = None
 
@@ -168,6 +169,11 @@ class TrainConfig:
     if isinstance(self.mesh_devices, bool) or not isinstance(self.mesh_devices, int) \
         or self.mesh_devices < 1:
       raise ValueError(f"mesh_devices must be an integer >= 1, got {self.mesh_devices!r}.")
+    if self.shard_states is not None and self.mesh_devices == 1:
+      # The planner refuses a stage of one device too: nothing to split it over.
+      raise ValueError(f"shard_states={self.shard_states!r} splits state over a mesh, and "
+                       "mesh_devices=1 is none; pass mesh_devices=2 or more, or "
+                       "no stage.")
     rows = self.batch_size // self.num_micro_batches
     if rows % self.mesh_devices:
       raise ValueError(

@@ -103,6 +103,18 @@ def _worker() -> dict:
         "leaves_equal": all(
             np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
             for a, b in zip(final(full_dir), final(part_dir)))}
+    # The same checkpoint of step 2 resumed on another mesh: 4 devices, ZeRO-1.
+    other_dir = root / "other"
+    shutil.copytree(full_dir, other_dir)
+    for step in ("4", "6"):
+      shutil.rmtree(other_dir / step)
+    other = harness.train(
+        harness.TrainConfig(**base, **{**sharded, "mesh_devices": 4, "shard_states": "zero1"}),
+        progress=False, checkpoint=options(other_dir))
+    out["resume_other_mesh"] = {"full": full["train_loss"], "resumed": other["train_loss"],
+                                "resumed_from": other["resumed_from"],
+                                "mesh": [other["config"]["mesh_devices"],
+                                         other["config"]["shard_states"]]}
 
     # The documented command: FSDP, clipping, and the Hugging Face directory back.
     saved = root / "fine_tuned"
@@ -153,6 +165,16 @@ def test_a_sharded_checkpoint_resumes_bitwise_on_its_mesh(mesh_runs):
   assert resume["losses_equal"] and resume["leaves_equal"]
 
 
+def test_a_sharded_checkpoint_resumes_on_another_mesh(mesh_runs):
+  # orbax reads the 8-device FSDP state onto 4 devices' ZeRO-1 shardings; the
+  # steps after it differ from the uninterrupted run by round-off only.
+  other = mesh_runs["resume_other_mesh"]
+  assert other["resumed_from"] == 2
+  assert other["resumed"][:2] == other["full"][:2]  # the checkpoint's own losses
+  assert other["resumed"] == pytest.approx(other["full"], rel=LOSS_RTOL)
+  assert other["mesh"] == [4, "zero1"]
+
+
 def test_the_fine_tuning_command_on_eight_devices_writes_a_directory_that_reloads(mesh_runs):
   cli = mesh_runs["cli"]
   assert (cli["mesh_devices"], cli["shard_states"]) == (NUM_DEVICES, "fsdp")
@@ -169,12 +191,61 @@ def test_mesh_flags_are_checked_before_training(capsys):
       (["--mesh-devices", "64", "--batch-size", "256"], "but this run sees 1 device(s)"),
       (["--coordinator-address", "localhost:1234"],
        "need --coordinator-address, --num-processes and --process-id together"),
+      (["--shard-states", "fsdp", "--mesh-devices", "1"],
+       "--shard-states fsdp splits state over a mesh, and --mesh-devices 1 is none"),
+      # Not given, --mesh-devices is every device with a stage: here one.
+      (["--shard-states", "zero2"], "--mesh-devices 1 is none"),
+      (["--release", "--clip-norm", "1.0"], "--clip-norm"),
   ):
     with pytest.raises(SystemExit) as exit_info:
       train.main([*argv, "--preset", "llama_test", "--steps", "1", "--no-progress"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("python -m models.train: error: ") and message in error, error
+
+
+# Byte-level llama_test on the standard library's text: rows of equal length,
+# so every mesh trains the one-device loss.
+_TWO_HOSTS_ARGV = ["--preset", "llama_test", "--batch-size", "16", "--num-micro-batches", "2",
+                   "--seq-len", "32", "--steps", "3", "--max-bytes", "200000",
+                   "--eval-batches", "2", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_train_the_one_device_losses(tmp_path):
+  import socket
+  import subprocess
+
+  from conftest import REPO
+  from conftest import xla_flags
+
+  from models import train
+
+  with socket.socket() as free:
+    free.bind(("localhost", 0))
+    port = free.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
+  hosts = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2",
+           "--shard-states", "fsdp", "--checkpoint-dir", str(tmp_path / "run")]
+  processes = [subprocess.Popen(
+      [sys.executable, "-m", "models.train", *_TWO_HOSTS_ARGV, *hosts, "--process-id", str(i),
+       "--metrics-out", str(tmp_path / f"process{i}.json")],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  for process in processes:
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+  import jax
+
+  with jax.numpy_dtype_promotion("standard"):  # optax's schedules promote implicitly
+    (one,) = train.main(_TWO_HOSTS_ARGV)
+  for i in range(2):
+    run = json.loads((tmp_path / f"process{i}.json").read_text())
+    # --mesh-devices not given: every device of both processes, 2 x 4.
+    assert (run["config"]["mesh_devices"], run["config"]["shard_states"]) == (8, "fsdp")
+    assert run["train_loss"] == pytest.approx(one["train_loss"], rel=LOSS_RTOL)
+    assert run["eval_loss"] == pytest.approx(one["eval_loss"], rel=LOSS_RTOL)
+  assert (tmp_path / "run" / "3").is_dir()  # saved sharded by both processes
 
 
 if __name__ == "__main__":
