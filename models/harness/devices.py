@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import optax_adama
@@ -126,3 +127,14 @@ def place_batch(batch: dict, mesh: Mesh | None) -> Any:
   return {name: jax.make_array_from_callback(value.shape, sharding,
                                              lambda index, value=value: value[index])
           for name, value in batch.items()}
+
+
+def gathered(tree: Any) -> Any:
+  """``tree`` whole on every process (numpy leaves), for a process to write out.
+
+  One process: ``tree`` as it is (its arrays fetch themselves). Several:
+  each process holds only its devices' shards, so they are all-gathered.
+  """
+  if jax.process_count() == 1:
+    return tree
+  return multihost_utils.process_allgather(tree, tiled=True)

@@ -397,9 +397,12 @@ def train(config: TrainConfig, *, progress: bool = True,
 
   eval_metrics = evaluate(loss_fn, run.params, eval_batches)
   if hf_directory is not None:  # the way back: a Hugging Face directory, tokenizer included
-    llama_checkpoint.save_hf_checkpoint(run.params, model_config, hf_directory)
-    if config.init_from is not None:
-      llama_hf_config.copy_hf_extras(config.init_from, hf_directory)
+    # Several processes: each gathers the sharded params, process 0 writes them.
+    hf_params = devices.gathered(run.params)
+    if jax.process_index() == 0:
+      llama_checkpoint.save_hf_checkpoint(hf_params, model_config, hf_directory)
+      if config.init_from is not None:
+        llama_hf_config.copy_hf_extras(config.init_from, hf_directory)
   # The first steps include one-off work (allocation, caches): time the rest.
   steady = run.step_times[len(run.step_times) // 10:] or run.step_times or [float("nan")]
   median_step_s = float(np.median(steady))

@@ -226,7 +226,8 @@ def test_two_processes_of_four_devices_train_the_one_device_losses(tmp_path):
     port = free.getsockname()[1]
   env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
   hosts = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2",
-           "--shard-states", "fsdp", "--checkpoint-dir", str(tmp_path / "run")]
+           "--shard-states", "fsdp", "--checkpoint-dir", str(tmp_path / "run"),
+           "--save-hf", str(tmp_path / "hf")]
   processes = [subprocess.Popen(
       [sys.executable, "-m", "models.train", *_TWO_HOSTS_ARGV, *hosts, "--process-id", str(i),
        "--metrics-out", str(tmp_path / f"process{i}.json")],
@@ -246,6 +247,20 @@ def test_two_processes_of_four_devices_train_the_one_device_losses(tmp_path):
     assert run["train_loss"] == pytest.approx(one["train_loss"], rel=LOSS_RTOL)
     assert run["eval_loss"] == pytest.approx(one["eval_loss"], rel=LOSS_RTOL)
   assert (tmp_path / "run" / "3").is_dir()  # saved sharded by both processes
+  # --save-hf: the params gathered from both processes, written by process 0.
+  import numpy as np
+
+  import models
+  from models import harness
+  from models import llama_checkpoint
+
+  _, eval_batches = harness.make_data(train.train_config(_TWO_HOSTS_ARGV),
+                                      models.get_config("llama_test"))
+  loss_fn, params = models.split_loss_fn(
+      llama_checkpoint.load_hf_checkpoint(tmp_path / "hf", scan_layers=False), has_aux=True)
+  with jax.numpy_dtype_promotion("standard"):
+    reloaded = float(np.mean([float(jax.jit(loss_fn)(params, b)[0]) for b in eval_batches]))
+  assert reloaded == pytest.approx(run["eval_loss"], rel=LOSS_RTOL)
 
 
 if __name__ == "__main__":
