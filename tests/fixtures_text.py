@@ -43,11 +43,13 @@ def stdlib_sample(num_bytes: int = 200_000) -> str:
 
 def write_bpe_tokenizer(directory: Path, *, vocab_size: int = BPE_VOCAB_SIZE) -> Path:
   """Trains a byte-level BPE (GPT-2's / Llama 3's kind) on `stdlib_sample`; writes
-  tokenizer.json and a tokenizer_config.json naming BOS/EOS. About 0.2 s."""
+  tokenizer.json (BOS prepended by its post-processor, as Llama 3's) and a
+  tokenizer_config.json naming BOS/EOS. About 0.2 s."""
   from tokenizers import Tokenizer
   from tokenizers import decoders
   from tokenizers import models as bpe_models
   from tokenizers import pre_tokenizers
+  from tokenizers import processors
   from tokenizers import trainers
 
   tokenizer = Tokenizer(bpe_models.BPE())
@@ -57,6 +59,11 @@ def write_bpe_tokenizer(directory: Path, *, vocab_size: int = BPE_VOCAB_SIZE) ->
       vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS), show_progress=False,
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tokenizer.train_from_iterator([stdlib_sample()], trainer=trainer)
+  # Llama 3's post-processor: transformers' tokenizer prepends BOS, as the
+  # project frames each document (which encodes without special tokens).
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+      special_tokens=[(BOS_TOKEN, BPE_BOS_ID)])
   directory.mkdir(parents=True, exist_ok=True)
   path = directory / "tokenizer.json"
   tokenizer.save(str(path))
@@ -69,17 +76,31 @@ def write_bpe_tokenizer(directory: Path, *, vocab_size: int = BPE_VOCAB_SIZE) ->
 def write_sentencepiece_tokenizer(directory: Path, *,
                                   vocab_size: int = SENTENCEPIECE_VOCAB_SIZE) -> Path:
   """Trains a sentencepiece BPE with byte fallback (Llama 2's kind) on the lines of
-  `stdlib_sample`; writes tokenizer.model. About 0.1 s."""
+  `stdlib_sample`; writes tokenizer.model and Llama 2's tokenizer_config.json. About 0.1 s.
+
+  Normalized as Llama 2's tokenizer.model is (identity, whitespace kept, digits
+  split), so text keeps its newlines and indents and transformers' converted
+  LlamaTokenizerFast gives the same ids; sentencepiece's defaults would squeeze
+  runs of spaces and drop newlines.
+  """
   import sentencepiece
 
   lines = [line for line in stdlib_sample().splitlines() if line.strip()]
   model = io.BytesIO()
   sentencepiece.SentencePieceTrainer.train(
       sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
-      model_type="bpe", byte_fallback=True, minloglevel=2)
+      model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+      remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+      minloglevel=2)
   directory.mkdir(parents=True, exist_ok=True)
   path = directory / "tokenizer.model"
   path.write_bytes(model.getvalue())
+  # Llama 2's tokenizer_config.json: transformers 5 reads the tokenizer's class
+  # and BOS from it (without it, its tokenizer adds no BOS).
+  (directory / "tokenizer_config.json").write_text(json.dumps({
+      "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+      "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False},
+      indent=1))
   return path
 
 

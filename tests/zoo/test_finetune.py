@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 import models
 from models import harness
 from models import llama_checkpoint as hf
+from models import llama_hf_config
 from models import text
 from models import train
 
@@ -305,3 +306,28 @@ def test_a_run_resumed_with_more_steps_follows_the_longer_schedule_from_its_step
   np.testing.assert_allclose(resumed["train_loss"], expected, rtol=1e-6)
   # ...which a fresh run of the longer schedule is not.
   assert np.abs(np.subtract(fresh["train_loss"][4:], resumed["train_loss"][4:])).max() > 1e-4
+
+
+@pytest.mark.parametrize("source", ["llama_bpe_dir", "llama_sentencepiece_dir"])
+def test_transformers_reads_the_directory_as_the_zoo_wrote_it(source, request, tmp_path):
+  """Where torch and transformers are installed (4.x or 5.x; the suite needs
+  neither): the directory `--save-hf` writes loads with `AutoTokenizer` and
+  `AutoModelForCausalLM`, giving the zoo's ids (BOS framed) and logits."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  source = request.getfixturevalue(source)
+  model = hf.load_hf_checkpoint(source, scan_layers=False)
+  # What train(hf_directory=...) writes: the checkpoint, then the source's extras.
+  hf.save_hf_checkpoint(model, hf.read_hf_config(source), tmp_path)
+  llama_hf_config.copy_hf_extras(source, tmp_path)
+  sample = "def fine_tune(model, data):\n    return model.train(data)  # 2 passes\n"
+  tokenizer = text.load_tokenizer(tmp_path)
+  ids = [tokenizer.bos_id, *tokenizer.encode(sample).tolist()]
+  assert transformers.AutoTokenizer.from_pretrained(tmp_path)(sample)["input_ids"] == ids
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+  assert next(theirs.parameters()).dtype == torch.float32
+  with torch.no_grad():
+    want = theirs(torch.tensor([ids])).logits.numpy()
+  got = np.asarray(model(np.asarray([ids], np.int32)))
+  # float32 both sides, torch's kernels against XLA's: 5e-7 measured.
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
