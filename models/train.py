@@ -109,13 +109,15 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
 
 
 def _model_of(args: argparse.Namespace) -> str:
-  """``--model``, or the model ``--preset`` already names.
+  """``--model``, or the model ``--preset`` or ``--init-from`` already names.
 
-  ``--preset llama_test`` alone trains the Llama; an explicit ``--model`` that
-  contradicts the preset is still refused (``TrainConfig`` names both).
+  ``--preset llama_test`` or ``--init-from DIR`` alone trains the Llama; an
+  explicit ``--model`` that contradicts either is still refused.
   """
   if args.model is not None:
     return args.model
+  if args.init_from is not None:  # a Hugging Face Llama directory
+    return "llama"
   if args.preset is not None:
     return harness.MODEL_KIND_OF_CONFIG[type(models.PRESETS[args.preset])]
   return harness.TrainConfig().model
@@ -123,7 +125,8 @@ def _model_of(args: argparse.Namespace) -> str:
 
 def _add_run_args(group: Any, defaults: harness.TrainConfig) -> None:
   group.add_argument("--model", choices=harness.MODEL_KINDS, default=None,
-                     help=f"the model family (default: --preset's, else {defaults.model})")
+                     help=f"the model family (default: --preset's, llama with --init-from, else "
+                          f"{defaults.model})")
   group.add_argument("--preset", default=None, choices=sorted(models.PRESETS),
                      help="the model and its size; names the model, so --model can be "
                           "omitted (default: <model>_tiny)")

@@ -537,10 +537,13 @@ def test_train_init_from_takes_only_its_own_preset(llama_test_checkpoint, capsys
   config = train.train_config([*run, "--preset", "llama_test"])
   model_config = harness.model_config_of(config)
   assert model_config == models.LlamaConfig.test(scan_layers=True, remat="full")
+  # --init-from alone names the Llama (an explicit other --model is refused below).
+  assert train.train_config(["--init-from", directory]).model == "llama"
   for argv, message in (
       ([*run, "--preset", "llama_tiny"],
        r"--preset llama_tiny is not the model of .*config\.json \(num_layers 2 vs 1; mlp_dim "),
-      (["--init-from", directory], "--init-from loads a Llama checkpoint; add --model llama"),
+      (["--model", "gpt", "--init-from", directory],
+       "--init-from loads a Llama checkpoint; add --model llama"),
       (["--model", "llama", "--init-from", str(llama_test_checkpoint / "absent")],
        "no config.json in"),
   ):
