@@ -331,3 +331,32 @@ def test_transformers_reads_the_directory_as_the_zoo_wrote_it(source, request, t
   got = np.asarray(model(np.asarray([ids], np.int32)))
   # float32 both sides, torch's kernels against XLA's: 5e-7 measured.
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow  # 12 s; test_weight_decay_skips_norm_scales_and_biases is its smoke
+def test_weight_decay_under_the_release_leaves_the_stacked_norm_scales_alone():
+  """The release folds a scanned stack layer by layer: its [layers, width] norm
+  scales take the same first step with and without weight decay, the kernels not."""
+  from flax import nnx
+
+  stepped = {}
+  for weight_decay in (0.0, 0.5):
+    config = harness.TrainConfig(
+        model="llama", preset="llama_test", scan_layers=True, release=True,
+        weight_decay=weight_decay, steps=2, batch_size=4, num_micro_batches=2, seq_len=16,
+        eval_batches=1, max_bytes=100_000, learning_rate=1e-2, warmup_steps=0)
+    model_config = harness.model_config_of(config)
+    model = models.create(model_config, rngs=nnx.Rngs(0))
+    loss_fn, params = models.split_loss_fn(model, has_aux=True)
+    tx = harness.make_optimizer(config)
+    step = harness.make_train_step(config, model, loss_fn, tx)
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules promote implicitly
+      params, _, _ = step(params, tx.init(params), next(harness.make_data(config,
+                                                                           model_config)[0]))
+    stepped[weight_decay] = {jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(x)
+                             for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  norms = [name for name in stepped[0.0] if "/scale/" in name]
+  assert "blocks/attention_norm/scale/value" in norms and stepped[0.0][norms[0]].ndim == 2
+  for name, undecayed in stepped[0.0].items():
+    change = np.abs(stepped[0.5][name] - undecayed).max()
+    assert (change == 0) if name in norms else (change > 1e-5), (name, change)
