@@ -28,7 +28,8 @@ def test_the_tiny_case_compiles_both_steps_against_their_references(tmp_path):
     rows = finetune_memory.main(["--cases", "llama_test_cpu", "--raw", str(raw),
                                  "--page", str(page), "--no-progress"])
   by_method = {r["method"]: r for r in rows}
-  assert sorted(by_method) == ["accumulation", "accumulation_8bit", "adama"]
+  assert sorted(by_method) == ["accumulation", "accumulation_8bit", "adama",
+                               "adama_float32_moments"]
   case = finetune_memory.CASES["llama_test_cpu"]
   # AdamA's step is the trainer's: the TrainConfig models.train makes of these flags.
   assert finetune_memory.train_config(case, 1) == train.train_config([
@@ -45,16 +46,21 @@ def test_the_tiny_case_compiles_both_steps_against_their_references(tmp_path):
     assert by_method[method]["report"]["total_bytes"] == reference.report["total_bytes"]
     assert by_method[method]["report"]["param_bytes"] == reference.report["param_bytes"]
   # The release with 8-bit moments holds neither a gradient buffer nor float32
-  # moments: well under accumulation (4.57 P against 6.42 P when written).
-  assert (by_method["adama"]["report"]["total_p"]
-          < by_method["accumulation"]["report"]["total_p"] - 1.0)
+  # moments: well under accumulation (4.57 P against 6.42 P when written), and
+  # its float32 moments take more than 8-bit ones (5.64 P).
+  total_p = {method: row["report"]["total_p"] for method, row in by_method.items()}
+  assert total_p["adama"] < total_p["adama_float32_moments"] < total_p["accumulation"] - 0.5
   assert all(r["fits"] is None and r["compiled_by"].startswith("XLA's CPU backend")
              for r in rows)
   assert json.loads(raw.read_text())["rows"] == rows
   text = page.read_text()
-  assert "| llama_test (0.00B), cpu | 2 x 32, N = 2 |" in text
-  assert text.count("GiB (") == 3 + 1  # three steps and the saving
+  assert "| llama_test (0.00B), cpu | 2 x 32, N = 2 | accumulation (`scan_accumulation`)" in text
+  assert text.count(" P) |") == 4 + 3  # four steps, three against accumulation
   assert ".venv/bin/python benchmarks/scripts/finetune_memory.py --cases llama_test_cpu" in text
+  # --page-only compiles nothing: the same rows and page again, from the JSON.
+  page.unlink()
+  again = finetune_memory.main(["--page-only", "--raw", str(raw), "--page", str(page)])
+  assert again == rows and page.read_text() == text
 
 
 def test_plot_live_draws_a_runs_curve_beside_its_json(tmp_path):
