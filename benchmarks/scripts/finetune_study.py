@@ -58,8 +58,12 @@ from models.harness.reporting import machine_info
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "convergence"
 ARMS = ("adam", "multisteps", "adama")
+# Controls without --clip-norm (--unclipped-controls): whether a gap between
+# the arms is the clip's or the optimizer's.
+CONTROLS = {"adam_unclipped": "adam", "adama_unclipped": "adama"}
 ARM_NAMES = {"adam": "Adam + accumulation", "multisteps": "optax.MultiSteps",
-             "adama": "AdamA (sketched clip)"}
+             "adama": "AdamA (sketched clip)", "adam_unclipped": "Adam + accumulation, unclipped",
+             "adama_unclipped": "AdamA, unclipped"}
 PRESET = "llama_tiny"
 # Pretraining reads code: the sources of these packages (a part of the stdlib).
 PRETRAIN_PACKAGES = ("asyncio", "email", "http", "importlib", "json", "logging", "unittest",
@@ -196,7 +200,7 @@ def summarize(runs: list[dict[str, Any]], before: float) -> dict[str, dict[str, 
   median and the drop from the pretrained model's loss."""
   summary = {}
   reference = statistics.median(r["eval_loss"] for r in runs if r["arm"] == "adam")
-  for arm in ARMS:
+  for arm in (*ARMS, *CONTROLS):
     arm_runs = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
     if not arm_runs:
       continue
@@ -212,18 +216,20 @@ def summarize(runs: list[dict[str, Any]], before: float) -> dict[str, dict[str, 
 
 
 def plot(runs: list[dict[str, Any]], before: float, path: Path) -> None:
-  """One panel per arm: every seed's training loss (10-step mean), the pretrained
-  model's held-out loss as a dashed line."""
+  """One panel per arm: every seed's training loss (10-step mean, its unclipped
+  control dotted), the pretrained model's held-out loss as a dashed line."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   figure, axes = plt.subplots(1, len(ARMS), figsize=(12, 4), sharey=True)
   for axis, arm in zip(axes, ARMS):
-    for run in (r for r in runs if r["arm"] == arm):
+    for run in (r for r in runs if CONTROLS.get(r["arm"], r["arm"]) == arm):
       losses = np.asarray(run["train_loss"])
       window = min(10, len(losses))
       smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-      axis.plot(np.arange(len(smooth)) + window, smooth, label=f"seed {run['seed']}")
+      unclipped = run["arm"] in CONTROLS
+      axis.plot(np.arange(len(smooth)) + window, smooth, linestyle=":" if unclipped else "-",
+                label=f"{'unclipped, ' if unclipped else ''}seed {run['seed']}")
     axis.axhline(before, color="gray", linestyle="--", label="held-out, pretrained")
     axis.set_title(ARM_NAMES[arm])
     axis.set_xlabel("mini-batch step")
@@ -292,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--num-micro-batches", type=int, default=4)
   parser.add_argument("--clip-norm", type=float, default=1.0)
   parser.add_argument("--eval-batches", type=int, default=16)
+  parser.add_argument("--unclipped-controls", action="store_true",
+                      help="also fine-tune Adam + accumulation and AdamA without --clip-norm")
   parser.add_argument("--work-dir", type=Path, default=Path("/tmp/finetune_study"),
                       help="corpora, checkpoints and metrics; must not hold a checkpoint")
   parser.add_argument("--json", type=Path, default=RESULTS / "raw" / "finetune.json")
@@ -324,16 +332,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         file=sys.stderr, flush=True)
 
   def finetune_argv(arm: str, seed: int) -> list[str]:
+    clip = [] if arm in CONTROLS else ["--clip-norm", str(args.clip_norm)]
     return ["--model", "llama", "--init-from", str(pretrained),
-            "--data-path", str(work / "finetune.jsonl"), "--optimizer", arm,
-            "--clip-norm", str(args.clip_norm), "--steps", str(args.finetune_steps),
+            "--data-path", str(work / "finetune.jsonl"),
+            "--optimizer", CONTROLS.get(arm, arm), *clip, "--steps", str(args.finetune_steps),
             "--learning-rate", str(args.finetune_learning_rate), "--seed", str(seed), *shape]
 
   before = held_out_loss(finetune_argv("adam", args.seeds[0]))
   print(f"before fine-tuning: held-out {before:.4f}", file=sys.stderr, flush=True)
   runs = []
   for seed in args.seeds:
-    for arm in ARMS:
+    for arm in (*ARMS, *(CONTROLS if args.unclipped_controls else ())):
       run = run_command(finetune_argv(arm, seed), work / f"finetune_{arm}_{seed}.json")
       runs.append({"arm": arm, "seed": seed, **run})
       print(f"{arm} seed {seed}: held-out {run['eval_loss']:.4f} ({run['wall_s']:.0f} s)",
