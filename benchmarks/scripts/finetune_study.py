@@ -1,6 +1,6 @@
 """Fine-tuning a pretrained Llama with Adam + accumulation, optax.MultiSteps and AdamA: a study.
 
-    nice python benchmarks/scripts/finetune_study.py --seeds 0 1 2
+    nice python benchmarks/scripts/finetune_study.py --seeds 0 1 2 --unclipped-controls
 
 Issue 60's item 6a, on the CPU, end to end through ``models.train`` as a user
 runs it:
