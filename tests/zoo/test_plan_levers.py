@@ -224,7 +224,7 @@ def test_plan_refuses_what_its_devices_cannot_run():
 def test_the_stage_reaches_make_train_step_and_not_train_config():
   settings = step_settings(2, planner.RELEASE, shard_states="fsdp")
   assert planner.train_overrides(settings)["shard_states"] == "fsdp"
-  assert "shard_states" not in planner.train_overrides(step_settings(2))  # models.train's flags
+  assert planner.train_overrides(step_settings(2))["shard_states"] is None  # data parallel
   assert planner.train_config("llama_test", settings, batch_size=16, seq_len=16).release
   assert settings.describe().endswith("stage=fsdp")
   assert step_settings(2).describe(on_mesh=True).endswith("stage=dp")
