@@ -226,8 +226,8 @@ def _add_optimizer_args(group: Any, defaults: harness.TrainConfig) -> None:
                      help="gradient accumulator dtype, adam only (default: the params' dtype)")
   group.add_argument("--clip-norm", type=float, default=None, metavar="X",
                      help="clip the mini-batch gradient's global norm to X: adama without a "
-                          "gradient buffer (optax_adama.contrib.clip_by_sketched_global_norm, "
-                          "one mini-batch late), adam / multisteps with "
+                          "gradient buffer (optax_adama.clipped_by_global_norm, one "
+                          "mini-batch late), adam / multisteps with "
                           "optax.clip_by_global_norm (default: off)")
 
 

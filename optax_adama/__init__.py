@@ -24,10 +24,12 @@ from optax_adama._adama import ScaleByAdamAState
 from optax_adama._adama import find_adama_state
 from optax_adama._adama import has_updated
 from optax_adama._adama import scale_by_adama
+from optax_adama._chain import ClippedState
 from optax_adama._chain import MiniBatchChainState
 from optax_adama._chain import adama
 from optax_adama._chain import adamaw
 from optax_adama._chain import mini_batch_chain
+from optax_adama._clipping import clipped_by_global_norm
 from optax_adama._low_rank import low_rank
 from optax_adama._memory import MemoryReport
 from optax_adama._memory import memory_report
@@ -57,7 +59,9 @@ __all__ = (
     "adamaw",
     "scale_by_adama",
     "mini_batch_chain",
+    "clipped_by_global_norm",
     "ScaleByAdamAState",
+    "ClippedState",
     "MiniBatchChainState",
     "has_updated",
     "find_adama_state",

@@ -37,19 +37,50 @@ class MiniBatchChainState(NamedTuple):
   inner: optax.OptState  # state of the transforms run once per mini-batch.
 
 
+class ClippedState(NamedTuple):
+  """State of :func:`optax_adama.clipped_by_global_norm`: the clip's, and AdamA's.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_adama
+    >>> tx = optax_adama.clipped_by_global_norm(
+    ...     optax_adama.adama(1e-3, num_micro_batches=2), 1.0)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> float(state.clip.scale), int(state.adama.adama.micro_step)
+    (1.0, 0)
+  """
+
+  clip: Any  # a SketchedClipState: the factor of this mini-batch and its sketch.
+  adama: Any  # the clipped AdamA transformation's state.
+
+
 def adama_of(opt_state: Any) -> Any:
-  """The AdamA part of a :func:`mini_batch_chain` state, or ``opt_state``
-  itself (also for trees shaped like one, e.g. of shardings)."""
+  """The AdamA part of a :func:`mini_batch_chain` or :class:`ClippedState`
+  state, or ``opt_state`` itself (also for trees shaped like one, e.g. of
+  shardings)."""
+  if isinstance(opt_state, ClippedState):
+    return adama_of(opt_state.adama)
   return opt_state.adama if isinstance(opt_state, MiniBatchChainState) else opt_state
 
 
 def inner_of(opt_state: Any) -> Any:
   """The state of the transforms chained after AdamA; ``None`` if there are none."""
+  if isinstance(opt_state, ClippedState):
+    return inner_of(opt_state.adama)
   return opt_state.inner if isinstance(opt_state, MiniBatchChainState) else None
 
 
-def with_adama(opt_state: Any, adama_state: Any, inner_state: Any) -> Any:
-  """``opt_state`` with its AdamA part (and, if chained, the inner part) replaced."""
+def clip_of(opt_state: Any) -> Any:
+  """The clip's state of a :class:`ClippedState`; ``None`` for any other state."""
+  return opt_state.clip if isinstance(opt_state, ClippedState) else None
+
+
+def with_adama(opt_state: Any, adama_state: Any, inner_state: Any,
+               clip_state: Any = None) -> Any:
+  """``opt_state`` with its AdamA part (and, if chained, the inner part; if
+  clipped and ``clip_state`` is given, the clip's) replaced."""
+  if isinstance(opt_state, ClippedState):
+    return ClippedState(clip=opt_state.clip if clip_state is None else clip_state,
+                        adama=with_adama(opt_state.adama, adama_state, inner_state))
   if isinstance(opt_state, MiniBatchChainState):
     return MiniBatchChainState(adama=adama_state, inner=inner_state)
   return adama_state
@@ -96,6 +127,10 @@ def mini_batch_chain(
   """
   inner = optax.chain(*map(_taking_its_extra_args, transforms))
   head_parts = _adama.folding_parts(head)
+  if head_parts is not None and head_parts.clip is not None:
+    raise TypeError(
+        "mini_batch_chain takes AdamA's chain before clipped_by_global_norm: write "
+        "clipped_by_global_norm(mini_batch_chain(adamaw(...), ...), max_norm).")
   if head_parts is not None and head_parts.inner is not None:
     return _extended(head, head_parts, inner)
 

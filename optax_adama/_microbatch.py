@@ -21,6 +21,7 @@ import optax
 
 from optax_adama import _adama
 from optax_adama import _chain
+from optax_adama import _clipping
 from optax_adama import _estimators
 from optax_adama import _offload
 from optax_adama import _placements
@@ -336,13 +337,22 @@ def _fold_then_update(
   if momentum_after:
     state = _estimators.with_estimator(state, "sum")
 
-  def body(state: ScaleByAdamAState,
-           micro_batch: Batch) -> tuple[ScaleByAdamAState, MicroBatchOutputs]:
-    loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
-    state = _adama.fold_micro_batch(grads, to_device(state), parts.config, **extra_args)
-    return to_host(state), (loss, aux, jnp.array(False))
+  # clipped_by_global_norm's clip scales (and sketches) each gradient before
+  # its fold, in the same scan.
+  clip = None if parts.clip is None else parts.clip(state.num_micro_batches)
 
-  state, outputs = jax.lax.scan(body, state, micro_batches)
+  def body(carry: tuple[ScaleByAdamAState, Any],
+           micro_batch: Batch) -> tuple[tuple[ScaleByAdamAState, Any], MicroBatchOutputs]:
+    state, clip_state = carry
+    loss, aux, grads, extra_args = _adama_gradient(placement, params, micro_batch, split)
+    if clip is not None:
+      extra_args = _clipping.scaled_extra_args(extra_args, clip_state.scale)
+      grads, clip_state = clip.update(grads, clip_state)
+    state = _adama.fold_micro_batch(grads, to_device(state), parts.config, **extra_args)
+    return (to_host(state), clip_state), (loss, aux, jnp.array(False))
+
+  (state, clip_state), outputs = jax.lax.scan(
+      body, (state, to_device(_chain.clip_of(opt_state))), micro_batches)
   state = to_device(state)
   if momentum_after:
     state = _estimators.add_momentum_term(state, parts.config)
@@ -354,7 +364,8 @@ def _fold_then_update(
         parts.inner, updates, state, to_device(_chain.inner_of(opt_state)), params,
         value=_steps.mean_finite_loss(outputs[0]))
   params = placement.apply_updates(params, updates, _adama.emitted(state))
-  opt_state = _chain.with_adama(opt_state, _estimators.with_estimator(state, name), inner_state)
+  opt_state = _chain.with_adama(
+      opt_state, _estimators.with_estimator(state, name), inner_state, clip_state)
   return params, to_host(opt_state), outputs
 
 

@@ -57,6 +57,7 @@ from flax import nnx
 import models
 import optax_adama
 from models import data
+from models.harness import memory as memory_harness
 from models.harness.reporting import machine_info
 from models.harness.settings import warmup_cosine_schedule
 
@@ -68,8 +69,8 @@ ARMS = ("adam_acc_clip", "adam_acc", "adama", "adama_clip_elementwise",
         "adama_clip_micro_global", "adama_sketch_lag1", "adama_update_rms", "adama_two_pass")
 # Arms timed and measured for memory (the two-pass arm's cost is a second
 # forward and backward pass by construction, ~+100%).
-COST_ARMS = ("adama", "adama_sketch_lag1", "adama_update_rms", "adama_clip_elementwise",
-             "adama_clip_micro_global", "adam_acc", "adam_acc_clip")
+COST_ARMS = ("adama", "adama_sketch_lag1", "adama_sketch_chained", "adama_update_rms",
+             "adama_clip_elementwise", "adama_clip_micro_global", "adam_acc", "adam_acc_clip")
 
 
 def make_tx(arm: str, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -86,7 +87,9 @@ def make_tx(arm: str, schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.chain(optax.clip(MAX_NORM), adama())
   if arm == "adama_clip_micro_global":
     return optax.chain(optax.clip_by_global_norm(MAX_NORM), adama())
-  if arm == "adama_sketch_lag1":
+  if arm == "adama_sketch_lag1":  # the shipped design: folded in microbatch_step's scan
+    return optax_adama.clipped_by_global_norm(adama(), MAX_NORM)
+  if arm == "adama_sketch_chained":  # the same clip before AdamA in optax.chain (cost only)
     return optax.chain(
         optax_adama.contrib.clip_by_sketched_global_norm(MAX_NORM, num_micro_batches=n), adama())
   if arm == "adama_update_rms":
@@ -187,9 +190,11 @@ def heavy_llama() -> models.LlamaConfig:
                              mlp_dim=2048, num_heads=8, num_kv_heads=4)
 
 
-def cost_runs(rounds: int, text: data.TextSplits) -> dict[str, dict[str, Any]]:
+def cost_runs(rounds: int, text: data.TextSplits,
+              target: optax_adama.memory.Target | None = None) -> dict[str, dict[str, Any]]:
   """Compiled memory (P) of each cost arm's fused step and interleaved step times,
-  on the tiny Llama (16 x 64 tokens) and the heavy one (4 x 32 tokens)."""
+  on the tiny Llama (16 x 64 tokens) and the heavy one (4 x 32 tokens). With a
+  ``target``: memory only, compiled for one device of it by its own compiler."""
   results: dict[str, dict[str, Any]] = {arm: {} for arm in COST_ARMS}
   for model_name, config, batch_size, seq_len in (
       ("llama_tiny", models.get_config("llama_tiny"), 16, 64),
@@ -203,13 +208,21 @@ def cost_runs(rounds: int, text: data.TextSplits) -> dict[str, dict[str, Any]]:
       fused = optax_adama.microbatch_step(loss_fn, tx, num_micro_batches=NUM_MICRO_BATCHES,
                                           has_aux=True)
       opt_state = tx.init(params)
-      compiled = fused.lower(params, opt_state, batch).compile()
+      args = memory_harness.on_target((params, opt_state, batch), target)
+      compiled = optax_adama.memory.compile_for(fused, *args, target=target)
       report = optax_adama.memory_report(
           compiled, param_bytes=optax_adama.memory.tree_bytes(params))
       results[arm][f"{model_name}_memory_p"] = report.total_bytes / report.param_bytes
       results[arm][f"{model_name}_memory_bytes"] = report.total_bytes
+      if target is not None:
+        continue
       params, opt_state, _ = fused(params, opt_state, batch)  # warm
       steps[arm], states[arm] = fused, (params, opt_state)
+    if target is not None:
+      print(f"memory {model_name} ({optax_adama.memory.compiled_by(target)}): " + ", ".join(
+          f"{a} {results[a][f'{model_name}_memory_p']:.3f} P" for a in COST_ARMS),
+            file=sys.stderr, flush=True)
+      continue
     times: dict[str, list[float]] = {arm: [] for arm in COST_ARMS}
     for _ in range(rounds):
       for arm in COST_ARMS:
@@ -257,15 +270,18 @@ def summarize(runs: list[dict[str, Any]], costs: dict[str, dict[str, Any]],
             for arm in ARMS}
   reference = statistics.median(r["eval_loss"] for r in by_arm["adam_acc_clip"])
   summary = {}
-  for arm, arm_runs in by_arm.items():
-    if not arm_runs:
+  # Cost-only arms (no training runs of their own) after the trained ones.
+  for arm in [*ARMS, *(a for a in COST_ARMS if a not in ARMS)]:
+    arm_runs = by_arm.get(arm, [])
+    if not arm_runs and arm not in costs:
       continue
-    median = statistics.median(r["eval_loss"] for r in arm_runs)
-    row: dict[str, Any] = {
-        "eval_loss": [r["eval_loss"] for r in arm_runs], "median_eval_loss": median,
-        "gap_percent": 100 * (median / reference - 1),
-        "spikes": [r["spikes"] for r in arm_runs],
-        "diverged": sum(r["diverged"] for r in arm_runs)}
+    row: dict[str, Any] = {}
+    if arm_runs:
+      median = statistics.median(r["eval_loss"] for r in arm_runs)
+      row = {"eval_loss": [r["eval_loss"] for r in arm_runs], "median_eval_loss": median,
+             "gap_percent": 100 * (median / reference - 1),
+             "spikes": [r["spikes"] for r in arm_runs],
+             "diverged": sum(r["diverged"] for r in arm_runs)}
     for key, value in costs.get(arm, {}).items():
       row[key] = value
       base = costs["adama"][key]
@@ -301,8 +317,9 @@ def plot(runs: list[dict[str, Any]], learning_rate: float, path: Path) -> None:
 
 def markdown(args: argparse.Namespace, sweep: list[dict[str, Any]],
              summary: dict[str, dict[str, Any]], accuracy: dict[str, float],
-             machine: dict[str, Any], wall_s: float) -> str:
-  """The results page's tables (the prose around them is written by hand)."""
+             machine: dict[str, Any], wall_s: float, targets: tuple[str, ...] = ()) -> str:
+  """The results page's tables (the prose around them is written by hand);
+  ``targets``: the compile-only targets whose memory columns to add."""
   lines = [f"Command: `python benchmarks/scripts/clipping_study.py "
            f"{shlex.join(sys.argv[1:])}` ({wall_s / 60:.1f} min).",
            f"Machine: {machine.get('cpu', machine.get('device'))}, "
@@ -319,23 +336,45 @@ def markdown(args: argparse.Namespace, sweep: list[dict[str, Any]],
             "fused step of the heavy Llama; time: median of interleaved steps (ms), "
             "tiny / heavy:", "",
             "| arm | held-out loss (median) | per seed | vs reference | spikes per seed | "
-            "diverged | memory (P) | vs AdamA (P) | step ms tiny / heavy | vs AdamA |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "diverged | memory (P) | vs AdamA (P) | step ms tiny / heavy | vs AdamA |"
+            + "".join(f" {t}: memory (P) | vs AdamA (P) |" for t in targets),
+            "|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(targets)]
   for arm, row in summary.items():
-    seeds = ", ".join(f"{x:.4f}" for x in row["eval_loss"])
+    seeds = ", ".join(f"{x:.4f}" for x in row.get("eval_loss", []))
     memory = (f"{row['llama_heavy_memory_p']:.3f} | {row['llama_heavy_memory_delta_p']:+.3f}"
               if "llama_heavy_memory_p" in row else "- | -")
     times = (f"{row['llama_tiny_step_s'] * 1e3:.1f} / {row['llama_heavy_step_s'] * 1e3:.1f} | "
              f"{row['llama_tiny_time_percent']:+.1f}% / {row['llama_heavy_time_percent']:+.1f}%"
              if "llama_tiny_step_s" in row else "~2x (two passes) | -")
-    lines.append(f"| {arm} | {row['median_eval_loss']:.4f} | {seeds} | "
-                 f"{row['gap_percent']:+.2f}% | {row['spikes']} | {row['diverged']} | "
-                 f"{memory} | {times} |")
+    on_targets = "".join(
+        f" {row[f'{target_key(t)}_llama_heavy_memory_p']:.3f} | "
+        f"{row[f'{target_key(t)}_llama_heavy_memory_delta_p']:+.3f} |"
+        if f"{target_key(t)}_llama_heavy_memory_p" in row else " - | - |" for t in targets)
+    trained = (f"{row['median_eval_loss']:.4f} | {seeds} | {row['gap_percent']:+.2f}% | "
+               f"{row['spikes']} | {row['diverged']}" if "eval_loss" in row
+               else "- | - | - | - | -")
+    lines.append(f"| {arm} | {trained} | {memory} | {times} |{on_targets}")
   lines += ["", f"Sketch accuracy (2^16 buckets) on the heavy Llama's real mini-batch "
             f"gradients ({accuracy['num_params']:,} entries, 8 mini-batches): relative "
             f"error of the norm, mean {100 * accuracy['mean_relative_error']:+.3f}%, "
             f"RMS {100 * accuracy['rms_relative_error']:.3f}%."]
   return "\n".join(lines) + "\n"
+
+
+def target_key(target: str) -> str:
+  """``gpu:h100`` -> ``gpu_h100``: the prefix of a target's keys in the costs."""
+  return target.replace(":", "_").replace("-", "_")
+
+
+def with_target_costs(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """The record's costs, each arm's row with its targets' memory added under
+  keys prefixed by :func:`target_key`."""
+  costs = {arm: dict(row) for arm, row in record["costs"].items()}
+  for target, measured in record.get("target_costs", {}).items():
+    for arm, row in measured["costs"].items():
+      costs.setdefault(arm, {}).update(
+          {f"{target_key(target)}_{key}": value for key, value in row.items()})
+  return costs
 
 
 def remeasure_costs(args: argparse.Namespace) -> None:
@@ -344,17 +383,23 @@ def remeasure_costs(args: argparse.Namespace) -> None:
   record = json.loads(args.json.read_text())
   text = data.load_stdlib_text(max_bytes=2_000_000)
   start = time.perf_counter()
-  record["costs"] = cost_runs(args.time_rounds, text)
-  record["sketch_accuracy"] = sketch_accuracy(text)
-  record["costs_wall_s"] = time.perf_counter() - start
-  record["costs_argv"] = sys.argv[1:]
+  if args.target is None:
+    record["costs"] = cost_runs(args.time_rounds, text)
+    record["sketch_accuracy"] = sketch_accuracy(text)
+    record["costs_wall_s"] = time.perf_counter() - start
+    record["costs_argv"] = sys.argv[1:]
+  else:
+    target = optax_adama.memory.parse_target(args.target)
+    record.setdefault("target_costs", {})[args.target] = {
+        "compiled_by": optax_adama.memory.compiled_by(target),
+        "argv": sys.argv[1:], "costs": cost_runs(0, text, target)}
   rate = record["runs"][0]["learning_rate"]
-  record["summary"] = summarize(record["runs"], record["costs"], rate)
+  record["summary"] = summarize(record["runs"], with_target_costs(record), rate)
   args.json.write_text(json.dumps(record, indent=1))
   args.learning_rate, args.seeds = rate, sorted({r["seed"] for r in record["runs"]})
   args.spike_percent = record["setting"]["spike_percent"]
   tables = markdown(args, record["sweep"], record["summary"], record["sketch_accuracy"],
-                    record["machine"], record["wall_s"])
+                    record["machine"], record["wall_s"], tuple(record.get("target_costs", {})))
   if args.markdown is not None:
     args.markdown.write_text(tables)
   print(tables)
@@ -377,6 +422,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--png", type=Path, default=RESULTS / "clipping.png")
   parser.add_argument("--costs-only", action="store_true",
                       help="measure memory and time again into an existing --json")
+  parser.add_argument("--target", default=None, choices=optax_adama.memory.TARGET_NAMES,
+                      help="with --costs-only: memory only, compiled for one device of "
+                           "this target by its own compiler (make venv-gpu / venv-tpu)")
   args = parser.parse_args(argv)
   if args.costs_only:
     remeasure_costs(args)

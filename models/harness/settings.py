@@ -78,8 +78,8 @@ class TrainConfig:
   split_floor: bool = True  # "split"'s floor (optax_adama.adama's split_floor); adama only.
   accumulation_dtype: str | None = None  # adam only: the accumulator's dtype.
   # The mini-batch gradient's global norm clipped to this: adama by
-  # optax_adama.contrib.clip_by_sketched_global_norm (no gradient buffer, one
-  # mini-batch late), adam / multisteps by optax.clip_by_global_norm. None: off.
+  # optax_adama.clipped_by_global_norm (no gradient buffer, one mini-batch
+  # late), adam / multisteps by optax.clip_by_global_norm. None: off.
   clip_norm: float | None = None
   # llama: fine-tune from a Hugging Face checkpoint directory (models.llama_checkpoint):
   # the model is its config.json's, with this run's remat, dtype and layout.
@@ -145,8 +145,9 @@ class TrainConfig:
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}.")
     if self.clip_norm is not None and self.release:
-      raise ValueError("clip_norm with release: release_step takes AdamA bare, not chained "
-                       "after a clip; use release=False (the fused step) to clip.")
+      raise ValueError("clip_norm with release: release_step does not take "
+                       "optax_adama.clipped_by_global_norm yet; use release=False (the "
+                       "fused step) to clip.")
     if self.release and not (self.scan_layers and self.optimizer == "adama"):
       raise ValueError(
           "release (release=True, optax_adama.release_step) needs scan_layers=True and "
@@ -277,8 +278,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     tx = tx if rounding is None else optax_adama.mini_batch_chain(tx, rounding)
     if config.clip_norm is None:
       return tx
-    return optax.chain(optax_adama.contrib.clip_by_sketched_global_norm(
-        config.clip_norm, num_micro_batches=config.num_micro_batches), tx)
+    return optax_adama.clipped_by_global_norm(tx, config.clip_norm)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay, mu_dtype=config.mu_dtype,
                       mask=weight_decay_mask)
   rounding = param_rounding(config)

@@ -217,3 +217,110 @@ def test_the_study_counts_spikes_and_builds_every_arm():
     for arm in study.ARMS:
       tx = study.make_tx(arm, optax.constant_schedule(1e-3))
       tx.update(jax.grad(MODEL.loss)(params, MODEL.batch(0, 4)), tx.init(params), params)
+
+
+# clipped_by_global_norm: the same clip, inside AdamA, so the fused steps fold it.
+
+
+def _clipped(max_norm=0.05, n=4, **adama_arguments):
+  return optax_adama.clipped_by_global_norm(
+      optax_adama.adamaw(1e-2, num_micro_batches=n, **adama_arguments), max_norm)
+
+
+def _fused(tx, steps=3, n=4, seeds=(3, 4, 5)):
+  step = optax_adama.microbatch_step(MODEL.loss, tx)
+  params, state = MODEL.params(), tx.init(MODEL.params())
+  for seed in seeds[:steps]:
+    params, state, _ = step(params, state, MODEL.batch(seed, 4 * n))
+  return params, state
+
+
+def test_clipped_fused_step_equals_its_per_call_loop_and_the_chain():
+  n = 4
+  tx = _clipped(n=n)
+  fused_params, fused_state = _fused(tx)
+  assert isinstance(fused_state, optax_adama.ClippedState)
+  loop_params, loop_state = MODEL.params(), tx.init(MODEL.params())
+  for seed in (3, 4, 5):
+    batch = MODEL.batch(seed, 4 * n)
+    for i in range(n):
+      micro = jax.tree.map(lambda x, i=i: x[i::n], batch)
+      updates, loop_state = tx.update(jax.grad(MODEL.loss)(loop_params, micro), loop_state,
+                                      loop_params)
+      loop_params = optax.apply_updates(loop_params, updates)
+  chained = optax.chain(
+      optax_adama.contrib.clip_by_sketched_global_norm(0.05, num_micro_batches=n),
+      optax_adama.adamaw(1e-2, num_micro_batches=n))
+  chain_params, chain_state = _fused(chained)
+  # The same operations in another order of fusion: float32 round-off.
+  for other in (loop_params, chain_params):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+                 fused_params, other)
+  assert float(fused_state.clip.scale) < 1.0  # the clip acted
+  np.testing.assert_allclose(fused_state.clip.norm_estimate, chain_state[0].norm_estimate,
+                             rtol=1e-5)
+  assert int(optax_adama.find_adama_state(fused_state).count) == 3
+
+
+def test_clipped_without_clipping_is_the_bare_adama_bit_for_bit():
+  # A norm no gradient reaches: the factor stays 1, so the same folds.
+  fused_params, _ = _fused(_clipped(max_norm=1e9))
+  bare_params, _ = _fused(optax_adama.adamaw(1e-2, num_micro_batches=4))
+  jax.tree.map(np.testing.assert_array_equal, fused_params, bare_params)
+
+
+def test_clipped_in_optax_chain_takes_one_update_per_micro_batch():
+  # optax.chain hides the folding parts: the per-call path, the same numbers.
+  wrapped_params, _ = _fused(optax.chain(_clipped()))
+  fused_params, _ = _fused(_clipped())
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+               wrapped_params, fused_params)
+
+
+def test_clipped_offloaded_moments_equal_on_device():
+  on_device, _ = _fused(_clipped())
+  for tx in (optax_adama.offload_moments(_clipped(), min_size=16),
+             optax_adama.clipped_by_global_norm(optax_adama.offload_moments(
+                 optax_adama.adamaw(1e-2, num_micro_batches=4), min_size=16), 0.05)):
+    offloaded, _ = _fused(tx)
+    jax.tree.map(np.testing.assert_array_equal, offloaded, on_device)
+
+
+def test_clipped_scales_the_split_estimators_half_difference():
+  # "split" gets each micro-batch's half difference; clipped, it is scaled with
+  # the gradient: at a clip of a constant factor c (the sketch is exact here and
+  # the first mini-batch is unclipped), v's increments scale by c**2 and the
+  # direction m/sqrt(v) is the unclipped run's up to eps.
+  tx = optax_adama.clipped_by_global_norm(optax_adama.contrib.adama(
+      1e-2, num_micro_batches=2, nu_estimator="split", eps=0.0), 1e-3)
+  bare = optax_adama.contrib.adama(1e-2, num_micro_batches=2, nu_estimator="split", eps=0.0)
+  clipped_params, clipped_state = _fused(tx, steps=1, n=2)
+  bare_params, _ = _fused(bare, steps=1, n=2)
+  jax.tree.map(np.testing.assert_array_equal, clipped_params, bare_params)
+  assert float(clipped_state.clip.scale) < 1.0  # the next mini-batch is clipped
+  step = optax_adama.microbatch_step(MODEL.loss, tx)
+  _, state, _ = step(clipped_params, clipped_state, MODEL.batch(9, 8))
+  nu = optax_adama.find_adama_state(state).nu
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(nu))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: optax_adama.clipped_by_global_norm(optax.adam(1e-3), 1.0), "bare AdamA"),
+    (lambda: optax_adama.clipped_by_global_norm(_clipped(), 1.0), "bare AdamA"),
+    (lambda: optax_adama.clipped_by_global_norm(
+        optax.chain(optax_adama.adama(1e-3, num_micro_batches=2)), 1.0), "bare AdamA"),
+    (lambda: optax_adama.mini_batch_chain(_clipped(), optax.scale(1.0)), "before clipped"),
+    (lambda: optax_adama.clipped_by_global_norm(
+        optax_adama.adama(1e-3, num_micro_batches=2), 0.0), "max_norm"),
+    (lambda: optax_adama.clipped_by_global_norm(
+        optax_adama.adama(1e-3, num_micro_batches=2), 1.0, sketch_size=1000), "power of two"),
+])
+def test_clipped_refuses_what_it_cannot_clip(make, message):
+  with pytest.raises((TypeError, ValueError), match=message):
+    make()
+
+
+def test_release_step_refuses_a_clipped_adama_with_the_reason():
+  with pytest.raises(TypeError, match="release_step does not take clipped_by_global_norm"):
+    optax_adama.release_step(lambda *a: None, _clipped())
+
