@@ -20,7 +20,7 @@ runs it:
    and steps, for each seed (the seed orders the data; the weights are the
    checkpoint's). Adam and MultiSteps clip the mini-batch gradient's global
    norm with ``optax.clip_by_global_norm``; AdamA with
-   ``optax_adama.contrib.clip_by_sketched_global_norm`` (no gradient buffer,
+   ``optax_adama.clipped_by_global_norm`` (no gradient buffer,
    one mini-batch late). The held-out loss is the run's own (the documents
    ``models.text`` holds out); the pretrained model's loss on the same
    held-out batches is the reference before fine-tuning.
