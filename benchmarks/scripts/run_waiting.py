@@ -3,7 +3,8 @@ within a deadline.
 
     python3 benchmarks/scripts/run_waiting.py --list       # the items and their commands
     python3 benchmarks/scripts/run_waiting.py --items 1 2 --deadline-s 560 --out "$OUT"  # on a GPU
-    python3 benchmarks/scripts/run_waiting.py --prepared finetune_llama32_1b --out "$OUT"
+    python3 benchmarks/scripts/run_waiting.py --prepared finetune_llama32_1b \
+        clip_step_time_llama32_1b --out "$OUT"        # issue 60: live fine-tuning, clip time
 
 On a lent GPU machine every minute counts and a call has one fixed limit, so the
 waiting items run as one prepared command: one after another, each alone on the
@@ -89,8 +90,28 @@ def finetune_llama32_1b(steps: int = FINETUNE_STEPS,
                f"--metrics-out {FINETUNE_RAW}_accumulation.json"))
 
 
+CLIP_STEPS = 40
+CLIP_RAW = "benchmarks/results/gpu/raw/clip_step_time_llama32_1b"
+
+
+def clip_step_time_llama32_1b(steps: int = CLIP_STEPS) -> Item:
+  """The step time of ``optax_adama.clipped_by_global_norm`` on a GPU (issue 60's
+  +5% bar, timed on the CPU only): Llama 3.2 1B (random-initialised), AdamA's
+  fused step (the clip does not take the release) with and without
+  ``--clip-norm 1.0``, the same model, micro-batches and steps; each run's
+  ``median_step_s`` (after the first tenth of the steps) in its ``--metrics-out``."""
+  train = ("python3 -m models.train --model llama --preset llama32_1b --remat full "
+           "--dtype bfloat16 --batch-size 16 --num-micro-batches 4 --seq-len 1024 "
+           f"--optimizer adama --steps {steps} --eval-batches 1 --no-progress")
+  return Item(0, f"Llama 3.2 1B, AdamA's fused step with and without the sketched clip "
+              f"(--clip-norm 1.0), {steps} steps each: the clip's step time on a GPU",
+              (f"{train} --metrics-out {CLIP_RAW}_bare.json",
+               f"{train} --clip-norm 1.0 --metrics-out {CLIP_RAW}_clipped.json"))
+
+
 # Items prepared in this script (not on the waiting page), run by name with --prepared.
-PREPARED = {"finetune_llama32_1b": finetune_llama32_1b}
+PREPARED = {"finetune_llama32_1b": finetune_llama32_1b,
+            "clip_step_time_llama32_1b": clip_step_time_llama32_1b}
 
 
 def checkout_root(page: Path) -> Path:

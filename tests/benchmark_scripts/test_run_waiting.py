@@ -1,5 +1,6 @@
 """benchmarks/scripts/run_waiting.py: the waiting GPU commands, in order, within a deadline."""
 
+import dataclasses
 import os
 import tarfile
 import time
@@ -140,3 +141,19 @@ def test_the_prepared_llama32_1b_fine_tuning_builds_the_trainers_runs(tmp_path, 
   printed = capsys.readouterr().out
   assert printed.startswith(f"{len(pages) + 1}. Llama 3.2 1B (random-initialised)")
   assert printed.count("python3 -m models.train") == 2
+
+
+def test_the_prepared_clip_timing_differs_only_by_the_clip():
+  import shlex
+
+  from models import train
+
+  bare, clipped = run_waiting.PREPARED["clip_step_time_llama32_1b"]().commands
+  prefix = "python3 -m models.train "
+  configs = [train.train_config(shlex.split(c[len(prefix):].split(" --metrics-out")[0]))
+             for c in (bare, clipped)]
+  assert configs[0].clip_norm is None and configs[1].clip_norm == 1.0
+  assert configs[1] == dataclasses.replace(configs[0], clip_norm=1.0)
+  assert (configs[0].preset, configs[0].optimizer, configs[0].release) == (
+      "llama32_1b", "adama", False)
+  assert bare.endswith("_bare.json") and clipped.endswith("_clipped.json")
