@@ -9,9 +9,10 @@ checkpoint onto a mesh). See ``docs/scale_out.md``.
 
 from optax_adama._release_mesh import release_shardings
 from optax_adama._release_mesh import stack_shardings
+from optax_adama._sharding import SHARD_STATES
 from optax_adama._sharding import StepShardings
 from optax_adama._sharding import batch_sharding
 from optax_adama._sharding import step_shardings
 
-__all__ = ("StepShardings", "batch_sharding", "release_shardings", "stack_shardings",
-           "step_shardings")
+__all__ = ("SHARD_STATES", "StepShardings", "batch_sharding", "release_shardings",
+           "stack_shardings", "step_shardings")

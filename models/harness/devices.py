@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 
 import optax_adama
 
-# `--shard-states`: "none" is plain data parallel (replicated state).
-SHARD_STATES = ("none", "zero1", "zero2", "fsdp")
+# `--shard-states`: the library's stages, "none" for its None (plain data
+# parallel, replicated state).
+SHARD_STATES = tuple(stage or "none" for stage in optax_adama.sharding.SHARD_STATES)
 
 
 def add_device_args(group: argparse._ArgumentGroup) -> None:

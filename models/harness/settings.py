@@ -164,9 +164,9 @@ class TrainConfig:
 
   def _check_mesh(self) -> None:
     """A stage the library knows, and whole rows of each micro-batch on every device."""
-    if self.shard_states not in (None, "zero1", "zero2", "fsdp"):
-      raise ValueError(f"shard_states must be None, 'zero1', 'zero2' or 'fsdp', got "
-                       f"{self.shard_states!r}.")
+    if self.shard_states not in optax_adama.sharding.SHARD_STATES:
+      raise ValueError(f"shard_states must be one of {optax_adama.sharding.SHARD_STATES}, "
+                       f"got {self.shard_states!r}.")
     if isinstance(self.mesh_devices, bool) or not isinstance(self.mesh_devices, int) \
         or self.mesh_devices < 1:
       raise ValueError(f"mesh_devices must be an integer >= 1, got {self.mesh_devices!r}.")
