@@ -170,9 +170,8 @@ def release_step(
   parts = _adama.folding_parts(tx, "release_step")
   if parts.clip is not None:
     raise TypeError(
-        "release_step does not take clipped_by_global_norm yet: its layer scan folds "
-        "each layer's gradient before the last layer's is known. Use microbatch_step "
-        "for a clipped AdamA.")
+        "release_step does not take clipped_by_global_norm yet (its layer scan does not "
+        "carry the clip's sketch). Use microbatch_step for a clipped AdamA.")
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
 
