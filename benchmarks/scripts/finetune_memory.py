@@ -80,9 +80,12 @@ def methods_of(case: Case) -> tuple[str, ...]:
   also compiled with AdamA's moment storage (8-bit blocks) and a bfloat16 carry, as
   MaxText users run it; the baselines have no such step under FSDP."""
   narrow = case.quantize_moments and case.shard_states is None
-  # Where the case picks 8-bit moments, AdamA with float32 ones shows why.
+  # Where the case picks 8-bit moments, AdamA with float32 ones shows why. On one
+  # device also AdamA with `--clip-norm`: the fused step, as release_step does
+  # not take the clip.
   return (("accumulation",) + ("accumulation_8bit",) * narrow
-          + ("adama_float32_moments",) * case.quantize_moments + ("adama",))
+          + ("adama_float32_moments",) * case.quantize_moments + ("adama",)
+          + ("adama_clipped",) * (case.shard_states is None))
 
 
 def train_config(case: Case, num_devices: int) -> Any:
@@ -132,11 +135,16 @@ def measure_case(name: str, case: Case, progress: Any = None) -> list[dict[str, 
     start = time.perf_counter()
     if method.startswith("adama"):
       run = (dataclasses.replace(config, quantize_moments=False)
-             if method == "adama_float32_moments" else config)
+             if method == "adama_float32_moments"
+             else dataclasses.replace(config, release=False, clip_norm=1.0)
+             if method == "adama_clipped" else config)
       tx = harness.make_optimizer(run)
-      step = harness.make_train_step(run, model, loss_fn, tx, mesh=mesh,
-                                     shard_states=case.shard_states)
-      label = "AdamA (`make_train_step`, release), " + (
+      # The fused step takes the model's own loss (with its accuracy aux), as
+      # models.train hands it; the release reads the stages off the model.
+      step = harness.make_train_step(run, model, models.split_loss_fn(model, has_aux=True)[0],
+                                     tx, mesh=mesh, shard_states=case.shard_states)
+      label = ("AdamA with `--clip-norm 1.0` (`make_train_step`, fused), "
+               if run.clip_norm is not None else "AdamA (`make_train_step`, release), ") + (
           "8-bit moments" if run.quantize_moments else "float32 moments")
     else:
       baseline = ("scan_accumulation_bf16_8bit" if method == "accumulation_8bit"
@@ -248,6 +256,14 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     if why:
       notes.append(f"- {name}: {why}.")
   lines += ["", "Why each case's settings:", "", *notes, "", LIVE_NOTE, ""]
+  clipped = [r for r in rows if r["method"] == "adama_clipped"]
+  if clipped:
+    lines += [
+        "With `--clip-norm` the trainer takes AdamA's fused step (`release_step` does not "
+        "take `optax_adama.clipped_by_global_norm` yet), whose scanned backward emits each "
+        "stack's gradient whole: " + "; ".join(
+            f"{r['preset']} on {r['target']} {_cell(r)}" for r in clipped)
+        + ". The release's margin needs the clip in the release.", ""]
   return "\n".join(lines)
 
 
@@ -290,7 +306,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in measured:
       rows += measure_case(name, CASES[name], progress)
   rows = [r for r in kept if r["case"] not in measured] + rows
-  order = ("accumulation", "accumulation_8bit", "adama_float32_moments", "adama")
+  order = ("accumulation", "accumulation_8bit", "adama_float32_moments", "adama",
+           "adama_clipped")
   rows.sort(key=lambda r: (list(CASES).index(r["case"]), order.index(r["method"])))
   args.raw.parent.mkdir(parents=True, exist_ok=True)
   args.raw.write_text(json.dumps({"rows": rows}, indent=1) + "\n")

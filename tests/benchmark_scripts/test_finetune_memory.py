@@ -28,7 +28,7 @@ def test_the_tiny_case_compiles_both_steps_against_their_references(tmp_path):
     rows = finetune_memory.main(["--cases", "llama_test_cpu", "--raw", str(raw),
                                  "--page", str(page), "--no-progress"])
   by_method = {r["method"]: r for r in rows}
-  assert sorted(by_method) == ["accumulation", "accumulation_8bit", "adama",
+  assert sorted(by_method) == ["accumulation", "accumulation_8bit", "adama", "adama_clipped",
                                "adama_float32_moments"]
   case = finetune_memory.CASES["llama_test_cpu"]
   # AdamA's step is the trainer's: the TrainConfig models.train makes of these flags.
@@ -55,7 +55,11 @@ def test_the_tiny_case_compiles_both_steps_against_their_references(tmp_path):
   assert json.loads(raw.read_text())["rows"] == rows
   text = page.read_text()
   assert "| llama_test (0.00B), cpu | 2 x 32, N = 2 | accumulation (`scan_accumulation`)" in text
-  assert text.count(" P) |") == 4 + 3  # four steps, three against accumulation
+  assert text.count(" P) |") == 5 + 4  # five steps, four against accumulation
+  # --clip-norm takes the fused step (the release refuses the clip): no gradient
+  # buffer either, so under accumulation too.
+  assert total_p["adama_clipped"] < total_p["accumulation"]
+  assert "AdamA with `--clip-norm 1.0` (`make_train_step`, fused), 8-bit moments" in text
   assert ".venv/bin/python benchmarks/scripts/finetune_memory.py --cases llama_test_cpu" in text
   # --page-only compiles nothing: the same rows and page again, from the JSON.
   page.unlink()
@@ -82,7 +86,7 @@ def test_llama32_1b_fits_a_24_gib_gpu_with_adama_and_not_with_accumulation(tmp_p
     rows = finetune_memory.main(["--cases", "llama32_1b_24gb", "--raw", str(tmp_path / "r.json"),
                                  "--page", str(tmp_path / "p.md"), "--no-progress"])
   fits = {r["method"]: r["fits"] for r in rows}
-  assert fits == {"accumulation": False, "adama": True}
+  assert fits == {"accumulation": False, "adama": True, "adama_clipped": True}
   # The page's numbers (benchmarks/results/memory/finetune_llama.md) when written.
   total_gib = {r["method"]: round(r["report"]["total_bytes"] / 2**30, 2) for r in rows}
-  assert total_gib == {"accumulation": 30.48, "adama": 20.75}
+  assert total_gib == {"accumulation": 30.48, "adama": 20.75, "adama_clipped": 23.11}
