@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable
 from typing import Any
 from typing import Optional
 from typing import overload
@@ -40,9 +39,10 @@ class FoldingParts:
   inner: Optional[optax.GradientTransformation] = None
   # offload_moments' min_size where the moments live in host memory.
   offload_min_size: Optional[int] = None
-  # clipped_by_global_norm's clip for N micro-batches: run on each micro-batch
-  # gradient before it is folded (its state is a ClippedState's ``clip``).
-  clip: Optional[Callable[[int], optax.GradientTransformation]] = None
+  # clipped_by_global_norm's clip (a _clipping.SketchedClip, which imports this
+  # module): run on each micro-batch gradient before it is folded (its state
+  # is a ClippedState's ``clip``).
+  clip: Optional[Any] = None
 
 
 class FoldingTransformation(optax.GradientTransformationExtraArgs):

@@ -67,7 +67,7 @@ def _check(max_norm: float, num_micro_batches: int, sketch_size: int) -> None:
                      f"{sketch_size!r}.")
 
 
-def _negative(start: int, size: int, salt: jax.Array) -> jax.Array:
+def _negative(start: int | jax.Array, size: int, salt: jax.Array) -> jax.Array:
   """int8 1 where the sign of global flat index ``start + j`` is -1, else 0.
 
   lowbias32 (Wellons' integer hash) of the index mixed with ``salt``: the signs
@@ -80,7 +80,8 @@ def _negative(start: int, size: int, salt: jax.Array) -> jax.Array:
   # The salt joins the index before anything else: an index array alone would
   # be loop-invariant, and XLA would keep it in memory (1 P of uint32 on the
   # 8-layer test MLP) instead of computing it inside the reduction.
-  h = jnp.arange(size, dtype=jnp.uint32) + (jnp.uint32(start % 2**32) + salt)
+  first = jnp.uint32(start % 2**32) if isinstance(start, int) else start
+  h = jnp.arange(size, dtype=jnp.uint32) + (first + salt)
   h = h ^ (h >> 16)
   h = h * jnp.uint32(0x7FEB352D)
   h = h ^ (h >> 15)
@@ -122,8 +123,13 @@ def _tied(salt: jax.Array, leaf: jax.Array) -> jax.Array:
   return jax.lax.platform_dependent(cpu=arithmetic, default=barrier)
 
 
-def _sketch_leaf(leaf: jax.Array, buckets: int, start: int, salt: jax.Array) -> jax.Array:
+def _sketch_leaf(leaf: jax.Array, buckets: int, start: int | jax.Array, salt: jax.Array,
+                 rotation: Optional[jax.Array] = None) -> jax.Array:
   """The leaf's own sketch: entry ``j`` signed and added to bucket ``j mod buckets``.
+
+  ``rotation``: for a slice of a leaf (one layer of a stack, ``start`` its
+  first entry's index), ``offset mod buckets`` of that first entry within the
+  leaf, so each entry lands in the bucket it has in the whole leaf's sketch.
 
   Each leaf has its own buckets (not a slice of one shared array): no leaf's
   sketch waits on another's, so each gradient leaf dies as soon as it is
@@ -140,6 +146,8 @@ def _sketch_leaf(leaf: jax.Array, buckets: int, start: int, salt: jax.Array) -> 
   sketch = flat[:whole].reshape(-1, buckets).sum(axis=0)
   if whole < size:
     sketch = sketch + jnp.pad(flat[whole:], (0, buckets - (size - whole)))
+  if rotation is not None:
+    sketch = jnp.roll(sketch, rotation)
   # A leaf with a non-finite entry adds nothing (AdamA folds that entry as zero):
   # tested on the leaf's sketch, so the gradient is read once.
   return jnp.where(jnp.all(jnp.isfinite(sketch)), sketch, 0.0)
@@ -202,8 +210,8 @@ def clip_by_sketched_global_norm(
   more. In the fused steps AdamA wrapped in a chain is updated once per
   micro-batch (``microbatch_step``'s per-call path, which writes the params on
   every micro-batch: +0.81 P on a scanned stack compiled for an H100);
-  :func:`clipped_by_global_norm` is this clip inside AdamA, which they fold.
-  ``release_step`` refuses both.
+  :func:`clipped_by_global_norm` is this clip inside AdamA, which they fold
+  (``release_step`` takes only that, on one device).
 
   The factor lags one mini-batch behind ``optax.clip_by_global_norm``'s, which
   needs :math:`\\bar g_t` before any :math:`g_i` is folded. With ``N = 1`` and a
@@ -266,19 +274,77 @@ def clip_by_sketched_global_norm(
     # each leaf's fold to its sketch, to order them, cost more memory on the CPU
     # compile: 8-layer test MLP 4.23 P against 3.98 P.)
     scaled = jax.tree.map(lambda g: g * state.scale.astype(g.dtype), updates)
-    micro_step = state.micro_step + 1
-    completed = micro_step == num_micro_batches
-    norm = jnp.sqrt(_squared_norm(sketch)) / num_micro_batches
-    next_scale = jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
-    new_state = SketchedClipState(
-        micro_step=jnp.where(completed, 0, micro_step).astype(jnp.int32),
-        mini_batch_count=state.mini_batch_count + completed.astype(jnp.int32),
-        sketch=[jnp.where(completed, jnp.zeros_like(s), s) for s in sketch],
-        scale=jnp.where(completed, next_scale, state.scale).astype(jnp.float32),
-        norm_estimate=jnp.where(completed, norm, state.norm_estimate).astype(jnp.float32))
-    return scaled, new_state
+    return scaled, _advance(state, sketch, max_norm, num_micro_batches)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _advance(state: SketchedClipState, sketch: list[jax.Array], max_norm: float,
+             num_micro_batches: int) -> SketchedClipState:
+  """``state`` after one more micro-batch, whose sketch brought the totals to
+  ``sketch``; after the ``N``-th, the next mini-batch's factor."""
+  micro_step = state.micro_step + 1
+  completed = micro_step == num_micro_batches
+  norm = jnp.sqrt(_squared_norm(sketch)) / num_micro_batches
+  next_scale = jnp.where(norm > max_norm, max_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
+  return SketchedClipState(
+      micro_step=jnp.where(completed, 0, micro_step).astype(jnp.int32),
+      mini_batch_count=state.mini_batch_count + completed.astype(jnp.int32),
+      sketch=[jnp.where(completed, jnp.zeros_like(s), s) for s in sketch],
+      scale=jnp.where(completed, next_scale, state.scale).astype(jnp.float32),
+      norm_estimate=jnp.where(completed, norm, state.norm_estimate).astype(jnp.float32))
+
+
+class SliceSketcher(NamedTuple):
+  """One micro-batch of the clip, leaf by leaf or layer slice by layer slice, as
+  ``release_step`` folds: each gradient is scaled by this mini-batch's factor
+  and its (unscaled) sketch added to its leaf's, the same numbers as
+  :func:`clip_by_sketched_global_norm` on the whole gradient."""
+
+  scale: jax.Array  # float32 []: this mini-batch's factor.
+  salt: jax.Array  # uint32 []: this mini-batch's signs.
+  starts: tuple[int, ...]  # each leaf's first flat index, in tree order.
+  buckets: tuple[int, ...]  # each leaf's bucket count, in tree order.
+
+  def scaled(self, x: Optional[jax.Array]) -> Optional[jax.Array]:
+    return None if x is None else x * self.scale.astype(x.dtype)
+
+  def add(self, index: int, sketch: jax.Array, grad: jax.Array,
+          layer: Optional[jax.Array] = None) -> jax.Array:
+    """``sketch`` plus leaf ``index``'s gradient's (with ``layer``: the gradient
+    of that layer's slice of a stacked leaf)."""
+    buckets, start = self.buckets[index], self.starts[index]
+    if layer is None:
+      return sketch + _sketch_leaf(grad, buckets, start, self.salt)
+    size = grad.size  # one layer's slice
+    first = (jnp.uint32(start % 2**32)
+             + layer.astype(jnp.uint32) * jnp.uint32(size % 2**32))
+    rotation = (layer.astype(jnp.int32) * (size % buckets)) % buckets
+    return sketch + _sketch_leaf(grad, buckets, first, self.salt, rotation)
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchedClip:
+  """The clip :func:`clipped_by_global_norm` puts in AdamA's ``FoldingParts``."""
+
+  max_norm: float
+  sketch_size: int
+  seed: int
+
+  def transform(self, num_micro_batches: int) -> optax.GradientTransformation:
+    """The clip as a transformation of each micro-batch gradient (the fused steps')."""
+    return _clip_for(self.max_norm, self.sketch_size, self.seed, num_micro_batches)
+
+  def sketcher(self, state: SketchedClipState, params: optax.Params) -> SliceSketcher:
+    sizes = [int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(params)]
+    starts = np.cumsum([0] + sizes)[:-1]
+    return SliceSketcher(state.scale, _salt(self.seed, state.mini_batch_count),
+                         tuple(int(x) for x in starts),
+                         tuple(bucket_counts(sizes, self.sketch_size)))
+
+  def advance(self, state: SketchedClipState, sketch: list[jax.Array],
+              num_micro_batches: int) -> SketchedClipState:
+    return _advance(state, sketch, self.max_norm, num_micro_batches)
 
 
 def scaled_extra_args(extra_args: dict[str, Any], scale: jax.Array) -> dict[str, Any]:
@@ -311,9 +377,11 @@ def clipped_by_global_norm(
   bare AdamA: :func:`optax_adama.microbatch_step` folds it in its scan (the
   clip's work fuses with the fold) and applies the update once. Compiled for
   one H100 (XLA's GPU compiler, no device), a 4-layer, 16 M-param Llama's
-  fused step holds 3.635 P against AdamA's 3.612 P
+  fused step holds 3.628 P against AdamA's 3.619 P
   (benchmarks/results/convergence/clipping.md). :func:`optax_adama.release_step`
-  does not take it yet.
+  takes it on one device: each layer's gradient is scaled and sketched where
+  the whole leaf's entries would be (Llama 3 8B's release compiled for an H100:
+  +271 KB, the sketch); on a mesh it refuses it.
 
   Args:
     tx: a bare AdamA transformation (:func:`adama`, :func:`adamaw`,
@@ -350,7 +418,8 @@ def clipped_by_global_norm(
         f"got {type(tx).__name__}. For other transformations chain "
         "optax_adama.contrib.clip_by_sketched_global_norm before them.")
   _check(max_norm, 1, sketch_size)
-  clip = functools.partial(_clip_for, max_norm, sketch_size, seed)
+  sketched = SketchedClip(float(max_norm), sketch_size, seed)
+  clip = sketched.transform
   # Under offload_moments the sketch's large leaves live in host memory too, as
   # the fused steps place every state leaf of offload_moments' min_size.
   to_device, to_host = _offload.moves(parts.offload_min_size)
@@ -370,7 +439,7 @@ def clipped_by_global_norm(
     return updates, _chain.ClippedState(clip=to_host(clip_state), adama=adama_state)
 
   return _adama.FoldingTransformation(
-      init_fn, update_fn, dataclasses.replace(parts, clip=clip))
+      init_fn, update_fn, dataclasses.replace(parts, clip=sketched))
 
 
 @functools.cache

@@ -339,7 +339,7 @@ def _fold_then_update(
 
   # clipped_by_global_norm's clip scales (and sketches) each gradient before
   # its fold, in the same scan.
-  clip = None if parts.clip is None else parts.clip(state.num_micro_batches)
+  clip = None if parts.clip is None else parts.clip.transform(state.num_micro_batches)
 
   def body(carry: tuple[ScaleByAdamAState, Any],
            micro_batch: Batch) -> tuple[tuple[ScaleByAdamAState, Any], MicroBatchOutputs]:

@@ -168,17 +168,18 @@ def release_step(
   """
   _release_mesh.check_release_stage(mesh, shard_states)
   parts = _adama.folding_parts(tx, "release_step")
-  if parts.clip is not None:
+  if parts.clip is not None and mesh is not None:
     raise TypeError(
-        "release_step does not take clipped_by_global_norm yet (its layer scan does not "
-        "carry the clip's sketch). Use microbatch_step for a clipped AdamA.")
+        "release_step takes clipped_by_global_norm on one device only so far (on a mesh "
+        "each device sees its slices of the gradients, not the whole leaves the sketch "
+        "indexes). Use microbatch_step with mesh= for a clipped AdamA on a mesh.")
   if mesh is not None:
     mesh = _sharding.auto_mesh(mesh)
 
   def step(params: optax.Params, opt_state: optax.OptState,
            batch: _staged.Batch) -> tuple[optax.Params, optax.OptState, _staged.Metrics]:
     staged.check_stack(params)
-    _check_is_state_of_tx(opt_state, parts.inner)
+    _check_is_state_of_tx(opt_state, parts)
     shardings: Optional[StepShardings] = None
     slices: Any = None
     if mesh is not None:
@@ -198,7 +199,9 @@ def release_step(
     offloaded = _release_fold.offloaded_state(state, parts)
     fold = _scan_body(staged, parts, has_aux, params, mesh, shard_states,
                       data_axis, shardings, slices, offloaded)
-    folded, (losses, aux) = jax.lax.scan(fold, resolved, micro_batches)
+    to_device, to_host = _offload.moves(parts.offload_min_size)
+    (folded, clip_state), (losses, aux) = jax.lax.scan(
+        fold, (resolved, to_device(_chain.clip_of(opt_state))), micro_batches)
     if momentum_after:
       folded = _estimators.add_momentum_term(folded, parts.config)
     params, inner_state = _apply_emitted(
@@ -209,7 +212,8 @@ def release_step(
             staged, slices, _release_mesh.partition_specs(_chain.adama_of(shardings.opt_state)),
             mesh, data_axis))
     opt_state = _chain.with_adama(
-        opt_state, _estimators.with_estimator(folded, state.nu_estimator), inner_state)
+        opt_state, _estimators.with_estimator(folded, state.nu_estimator), inner_state,
+        to_host(clip_state))
     if shardings is not None:
       # Back where they started: params replicated (the sharded update is
       # all-gathered once per step), moments split.
@@ -245,11 +249,12 @@ def _step_shardings(staged: _staged.StagedLoss, parts: _adama.FoldingParts,
   return _offload.keep_offloaded(shardings, opt_state, parts.offload_min_size)
 
 
-def _check_is_state_of_tx(opt_state: optax.OptState,
-                          inner: Optional[optax.GradientTransformation]) -> None:
-  chained = isinstance(opt_state, MiniBatchChainState)
+def _check_is_state_of_tx(opt_state: optax.OptState, parts: _adama.FoldingParts) -> None:
+  clipped = isinstance(opt_state, _chain.ClippedState)
+  unclipped = opt_state.adama if clipped else opt_state
+  chained = isinstance(unclipped, MiniBatchChainState)
   is_adama = isinstance(_chain.adama_of(opt_state), ScaleByAdamAState)
-  if not is_adama or chained != (inner is not None):
+  if not is_adama or chained != (parts.inner is not None) or clipped != (parts.clip is not None):
     raise TypeError(
         f"opt_state ({type(opt_state).__name__}) is not the state of tx: "
         "pass tx.init(params).")
@@ -266,20 +271,27 @@ def _scan_body(
     params: optax.Params, mesh: Optional[Mesh], shard_states: Optional[str],
     data_axis: _sharding.AxisName, shardings: Optional[StepShardings], slices: Any,
     offloaded: tuple[Any, Any, Any],
-) -> Callable[[ScaleByAdamAState, _staged.Batch], tuple[ScaleByAdamAState, tuple[jax.Array, Any]]]:
-  """The scan body ``(state, micro_batch) -> (state, (loss, aux))``.
+) -> Callable[[tuple[ScaleByAdamAState, Any], _staged.Batch],
+              tuple[tuple[ScaleByAdamAState, Any], tuple[jax.Array, Any]]]:
+  """The scan body ``((state, clip state), micro_batch) -> (..., (loss, aux))``.
 
   ``offloaded``: :func:`_release_fold.offloaded_state` of the whole state.
+  The clip state is ``clipped_by_global_norm``'s, ``None`` without it.
   """
-  def fold(state: ScaleByAdamAState,
-           micro_batch: _staged.Batch) -> tuple[ScaleByAdamAState, tuple[jax.Array, Any]]:
+  def fold(carry: tuple[ScaleByAdamAState, Any], micro_batch: _staged.Batch,
+           ) -> tuple[tuple[ScaleByAdamAState, Any], tuple[jax.Array, Any]]:
+    state, clip_state = carry
     if _estimators.takes_halves(state):
       # Halved before the devices take their rows: each device then holds
       # rows of both halves, and the halves are the micro-batch's own.
       micro_batch = _steps.halves(micro_batch)
     if mesh is None or shardings is None:
-      state, loss, aux = _release_fold.release_micro_batch(
-          staged, parts, has_aux, params, state, micro_batch, offloaded)
+      clip = (None if parts.clip is None
+              else (parts.clip.sketcher(clip_state, params), clip_state.sketch))
+      state, loss, aux, sketch = _release_fold.release_micro_batch(
+          staged, parts, has_aux, params, state, micro_batch, offloaded, clip=clip)
+      if parts.clip is not None and sketch is not None:
+        clip_state = parts.clip.advance(clip_state, sketch, state.num_micro_batches)
     else:
       state, loss, aux = _release_mesh.data_parallel_fold(
           staged, parts, has_aux, mesh, shard_states, data_axis,
@@ -288,7 +300,7 @@ def _scan_body(
           _release_mesh.partition_specs(shardings.params),
           _release_mesh.partition_specs(slices), offloaded, params, state,
           micro_batch)
-    return state, (loss, aux)
+    return (state, clip_state), (loss, aux)
   return fold
 
 

@@ -32,6 +32,7 @@ from optax_adama import _quantize
 from optax_adama import _staged
 from optax_adama import _steps
 from optax_adama._adama import ScaleByAdamAState
+from optax_adama._clipping import SliceSketcher
 
 is_quantized = lambda x: isinstance(x, _quantize.QuantizedArray)
 
@@ -154,8 +155,14 @@ def release_micro_batch(staged: _staged.StagedLoss, parts: FoldingParts, has_aux
                         params: optax.Params, state: ScaleByAdamAState,
                         micro_batch: _staged.Batch, offloaded: tuple[Any, Any, Any],
                         reductions: Reductions = ONE_DEVICE,
-                        ) -> tuple[ScaleByAdamAState, jax.Array, Any]:
+                        clip: Optional[tuple[SliceSketcher, list[jax.Array]]] = None,
+                        ) -> tuple[ScaleByAdamAState, jax.Array, Any, Optional[list]]:
   """One micro-batch: forward, then a backward that folds layer by layer.
+
+  ``clip``: ``clipped_by_global_norm``'s sketcher of this mini-batch and its
+  sketch totals (a list in the params' tree order): each gradient (slice) is
+  scaled before its fold and sketched; the new totals are returned last
+  (``None`` without a clip).
 
   ``offloaded``: which leaves of m, v and the floor live in host memory
   (:func:`offloaded_state`, taken from the whole leaves: under
@@ -198,26 +205,41 @@ def release_micro_batch(staged: _staged.StagedLoss, parts: FoldingParts, has_aux
     floor_outer, floor_stacked = staged.split(_estimators.decayed_floor(state._replace(
         nu_floor=_offload.to_device(state.nu_floor, floor_offloaded)), parts.config))
   layer_pullback = per_half(functools.partial(_pullback, staged.block), ((None, 0), 0, 0))
-  x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite = _release_stack(
+  # The clip's sketches, split as the params are: (leaf index, sketch) pairs.
+  clip_outer = clip_stacked = None
+  if clip is not None:
+    indexed = jax.tree.structure(params).unflatten(
+        [(i, sketch) for i, sketch in enumerate(clip[1])])
+    clip_outer, clip_stacked = (
+        (clip[0], jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, tuple)))
+        for part in staged.split(indexed))
+  x_grad, mu_stacked, nu_stacked, floor_stacked, stack_finite, clip_stacked = _release_stack(
       parts, state, micro_batch, loss, stacked, layer_inputs, x_grad,
       mu_stacked, nu_stacked, floor_stacked, (mu_off_stacked, nu_off_stacked),
-      reductions, layer_pullback, halves)
+      reductions, layer_pullback, halves, clip_stacked)
   embed_pullback = per_half(functools.partial(_pullback, staged.embed),
                             ((None,), 0, 0))
   (embed_grads,) = embed_pullback((outer,), micro_batch, x_grad)
   outer_grads = jax.tree.map(operator.add, outer_grads, embed_grads)
   stacked_def = jax.tree.structure(stacked)
-  mu_outer, nu_outer, floor_outer, outer_finite = _fold_outer(
+  mu_outer, nu_outer, floor_outer, outer_finite, clip_outer = _fold_outer(
       parts, state, loss, outer_grads, mu_outer, nu_outer, floor_outer,
       [jnp.shape(p) for p in jax.tree.leaves(outer)],
       stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked),
-      (mu_off_outer, nu_off_outer), reductions, halves)
+      (mu_off_outer, nu_off_outer), reductions, halves, clip_outer)
   all_finite = reductions.all_finite(outer_finite & stack_finite)
   mu = _staged.like(state.mu, staged.merge(mu_outer, mu_stacked))
   nu = _staged.like(state.nu, staged.merge(nu_outer, nu_stacked))
   floor = None if floor_outer is None else _offload.to_host(
       _staged.like(state.nu_floor, staged.merge(floor_outer, floor_stacked)), floor_offloaded)
-  return _adama.advance_counters(state, mu, nu, all_finite, floor), loss, aux
+  sketch = None
+  if clip_outer is not None and clip_stacked is not None:
+    sketch = [x for _, x in sorted(clip_outer[1] + clip_stacked[1], key=lambda pair: pair[0])]
+  return _adama.advance_counters(state, mu, nu, all_finite, floor), loss, aux, sketch
+
+
+# The clip inside the release: the sketcher, and (leaf index, sketch) per leaf.
+_Clip = Optional[tuple[SliceSketcher, list[tuple[int, jax.Array]]]]
 
 
 def _head_loss_and_grads(head: Callable[..., Any], has_aux: bool, outer: optax.Params, x: Any,
@@ -262,7 +284,8 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
                    # (m's, v's) flag trees, a name the body reuses for per-leaf pairs.
                    offloaded: Sequence[Any], reductions: Reductions,
                    layer_pullback: Callable[..., tuple[Any, Any]], halves: bool,
-                   ) -> tuple[Any, optax.Updates, optax.Updates, Any, jax.Array]:
+                   clip: _Clip = None,
+                   ) -> tuple[Any, optax.Updates, optax.Updates, Any, jax.Array, _Clip]:
   """The backward through the stack as a reverse scan over its layers.
 
   Each step takes one layer's vjp from its saved input, folds that layer's
@@ -297,9 +320,9 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
   offloaded_stored = offloaded
   offloaded = [(False, False) if w else flags for w, flags in zip(whole, offloaded)]
 
-  def release_layer(carry: tuple[Any, list, list, Optional[list]],
+  def release_layer(carry: tuple[Any, list, list, Optional[list], Optional[list]],
                     xs: tuple[jax.Array, Any, Any]) -> tuple[tuple, jax.Array]:
-    x_grad, mus, nus, floors = carry
+    x_grad, mus, nus, floors, sketches = carry
     layer, layer_params, layer_input = xs
     layer_params = reductions.layer_params(layer_params)
     # The whole leaves' shapes (under FSDP `stacked` holds this device's slices).
@@ -308,6 +331,11 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
     layer_grads, differences = _gradient_and_difference(
         stacked_def.flatten_up_to(_steps.poison_if_loss_nonfinite(loss, layer_grads)), halves,
         reductions.layer_grads)
+    if clip is not None and sketches is not None:
+      sketches = [clip[0].add(index, sketch, g, layer)
+                  for (index, _), sketch, g in zip(clip[1], sketches, layer_grads)]
+      layer_grads = [clip[0].scaled(g) for g in layer_grads]
+      differences = [clip[0].scaled(d) for d in differences]
     new_mus, new_nus, finite = [], [], []
     for i, (grad, d, mu, nu, (mu_off, nu_off), leaf_seeds) in enumerate(zip(
         layer_grads, differences, mus, nus, offloaded, seeds)):
@@ -329,11 +357,14 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
       floors = [_floor.add_layer_floor(f, inc, layer) for f, inc in zip(floors, increments)]
     # The flags leave as scan outputs, not carry: under shard_map they vary
     # over devices, a carry that starts as a constant does not.
-    return (x_grad, new_mus, new_nus, floors), functools.reduce(operator.and_, finite)
+    return (x_grad, new_mus, new_nus, floors, sketches), functools.reduce(operator.and_, finite)
 
-  (x_grad, mu_leaves, nu_leaves, floor_leaves), layer_finite = jax.lax.scan(
-      release_layer, (x_grad, mu_leaves, nu_leaves, floor_leaves),
+  sketches = None if clip is None else [sketch for _, sketch in clip[1]]
+  (x_grad, mu_leaves, nu_leaves, floor_leaves, sketches), layer_finite = jax.lax.scan(
+      release_layer, (x_grad, mu_leaves, nu_leaves, floor_leaves, sketches),
       (jnp.arange(num_layers, dtype=jnp.int32), stacked, layer_inputs), reverse=True)
+  if clip is not None and sketches is not None:
+    clip = (clip[0], [(index, sketch) for (index, _), sketch in zip(clip[1], sketches)])
   floor_stacked = None if floor_leaves is None else stacked_def.unflatten(floor_leaves)
   mu_leaves, nu_leaves = (
       _restored(folded, like, [flags[k] for flags in offloaded_stored], whole, order,
@@ -341,7 +372,7 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
       for k, (folded, like, order) in enumerate(zip(
           (mu_leaves, nu_leaves), stored, (1, 2))))
   return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
-          floor_stacked, jnp.all(layer_finite))
+          floor_stacked, jnp.all(layer_finite), clip)
 
 
 def _straddling_in_float32(moments: list, shapes: list, offloaded: list, whole: list,
@@ -378,7 +409,8 @@ def _fold_outer(parts: FoldingParts, state: ScaleByAdamAState, loss: jax.Array,
                 outer_grads: optax.Updates, mu_outer: optax.Updates, nu_outer: optax.Updates,
                 floor_outer: Any, leaf_shapes: list[tuple[int, ...]], stacked_mus: list,
                 stacked_nus: list, offloaded: tuple[Any, Any], reductions: Reductions,
-                halves: bool) -> tuple[optax.Updates, optax.Updates, Any, jax.Array]:
+                halves: bool, clip: _Clip = None,
+                ) -> tuple[optax.Updates, optax.Updates, Any, jax.Array, _Clip]:
   """Folds the unstacked leaves' gradients (embedding, head) whole.
 
   ``leaf_shapes``: the outer params' (whole) shapes, which decide how the
@@ -391,6 +423,11 @@ def _fold_outer(parts: FoldingParts, state: ScaleByAdamAState, loss: jax.Array,
   outer_grads = _steps.poison_if_loss_nonfinite(loss, outer_grads)
   grads, outer_def = jax.tree.flatten(outer_grads)
   grads, differences = _gradient_and_difference(grads, halves, reductions.outer_grads)
+  if clip is not None:
+    clip = (clip[0], [(index, clip[0].add(index, sketch, g))
+                      for (index, sketch), g in zip(clip[1], grads)])
+    grads = [clip[0].scaled(g) for g in grads]
+    differences = [clip[0].scaled(d) for d in differences]
   mus, nus = outer_def.flatten_up_to(mu_outer), outer_def.flatten_up_to(nu_outer)
   flags = list(zip(*map(outer_def.flatten_up_to, offloaded)))
   # Seeds past the stack's, so outer leaves never reuse a stacked leaf's.
@@ -411,7 +448,7 @@ def _fold_outer(parts: FoldingParts, state: ScaleByAdamAState, loss: jax.Array,
         _floor.add_floor(f, inc)
         for f, inc in zip(outer_def.flatten_up_to(floor_outer), increments)])
   return (outer_def.unflatten(new_mus), outer_def.unflatten(new_nus), floor_outer,
-          functools.reduce(operator.and_, finite, jnp.array(True)))
+          functools.reduce(operator.and_, finite, jnp.array(True)), clip)
 
 
 def offloaded_state(state: ScaleByAdamAState, parts: FoldingParts) -> tuple[Any, Any, Any]:

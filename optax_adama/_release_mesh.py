@@ -302,8 +302,9 @@ def data_parallel_fold(staged: _staged.StagedLoss, parts: _release_fold.FoldingP
       # Replicated params, gradients that differ per device: marked varying,
       # the backward leaves the reduction to `reductions`.
       params = jax.tree.map(lambda p: _sharding.to_varying(p, axis_names), params)
-    return _release_fold.release_micro_batch(staged, parts, has_aux, params, state, micro_batch,
-                                             offloaded, reductions)
+    state, loss, aux, _ = _release_fold.release_micro_batch(
+        staged, parts, has_aux, params, state, micro_batch, offloaded, reductions)
+    return state, loss, aux
 
   replicated = PartitionSpec()
   halves = _estimators.takes_halves(state)  # [2, rows, ...]: each half's rows split

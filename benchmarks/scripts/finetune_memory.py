@@ -81,8 +81,7 @@ def methods_of(case: Case) -> tuple[str, ...]:
   MaxText users run it; the baselines have no such step under FSDP."""
   narrow = case.quantize_moments and case.shard_states is None
   # Where the case picks 8-bit moments, AdamA with float32 ones shows why. On one
-  # device also AdamA with `--clip-norm`: the fused step, as release_step does
-  # not take the clip.
+  # device also AdamA with `--clip-norm` (release_step takes the clip there).
   return (("accumulation",) + ("accumulation_8bit",) * narrow
           + ("adama_float32_moments",) * case.quantize_moments + ("adama",)
           + ("adama_clipped",) * (case.shard_states is None))
@@ -136,14 +135,14 @@ def measure_case(name: str, case: Case, progress: Any = None) -> list[dict[str, 
     if method.startswith("adama"):
       run = (dataclasses.replace(config, quantize_moments=False)
              if method == "adama_float32_moments"
-             else dataclasses.replace(config, release=False, clip_norm=1.0)
+             else dataclasses.replace(config, clip_norm=1.0)
              if method == "adama_clipped" else config)
       tx = harness.make_optimizer(run)
       # The fused step takes the model's own loss (with its accuracy aux), as
       # models.train hands it; the release reads the stages off the model.
       step = harness.make_train_step(run, model, models.split_loss_fn(model, has_aux=True)[0],
                                      tx, mesh=mesh, shard_states=case.shard_states)
-      label = ("AdamA with `--clip-norm 1.0` (`make_train_step`, fused), "
+      label = ("AdamA with `--clip-norm 1.0` (`make_train_step`, release), "
                if run.clip_norm is not None else "AdamA (`make_train_step`, release), ") + (
           "8-bit moments" if run.quantize_moments else "float32 moments")
     else:
@@ -256,14 +255,6 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     if why:
       notes.append(f"- {name}: {why}.")
   lines += ["", "Why each case's settings:", "", *notes, "", LIVE_NOTE, ""]
-  clipped = [r for r in rows if r["method"] == "adama_clipped"]
-  if clipped:
-    lines += [
-        "With `--clip-norm` the trainer takes AdamA's fused step (`release_step` does not "
-        "take `optax_adama.clipped_by_global_norm` yet), whose scanned backward emits each "
-        "stack's gradient whole: " + "; ".join(
-            f"{r['preset']} on {r['target']} {_cell(r)}" for r in clipped)
-        + ". The release's margin needs the clip in the release.", ""]
   return "\n".join(lines)
 
 

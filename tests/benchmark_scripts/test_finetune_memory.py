@@ -56,10 +56,10 @@ def test_the_tiny_case_compiles_both_steps_against_their_references(tmp_path):
   text = page.read_text()
   assert "| llama_test (0.00B), cpu | 2 x 32, N = 2 | accumulation (`scan_accumulation`)" in text
   assert text.count(" P) |") == 5 + 4  # five steps, four against accumulation
-  # --clip-norm takes the fused step (the release refuses the clip): no gradient
-  # buffer either, so under accumulation too.
-  assert total_p["adama_clipped"] < total_p["accumulation"]
-  assert "AdamA with `--clip-norm 1.0` (`make_train_step`, fused), 8-bit moments" in text
+  # --clip-norm with the release: the sketch's 2^16 floats more (here, a tiny
+  # model, they are not small against P), still well under accumulation.
+  assert total_p["adama"] < total_p["adama_clipped"] < total_p["accumulation"] - 0.5
+  assert "AdamA with `--clip-norm 1.0` (`make_train_step`, release), 8-bit moments" in text
   assert ".venv/bin/python benchmarks/scripts/finetune_memory.py --cases llama_test_cpu" in text
   # --page-only compiles nothing: the same rows and page again, from the JSON.
   page.unlink()
@@ -89,4 +89,4 @@ def test_llama32_1b_fits_a_24_gib_gpu_with_adama_and_not_with_accumulation(tmp_p
   assert fits == {"accumulation": False, "adama": True, "adama_clipped": True}
   # The page's numbers (benchmarks/results/memory/finetune_llama.md) when written.
   total_gib = {r["method"]: round(r["report"]["total_bytes"] / 2**30, 2) for r in rows}
-  assert total_gib == {"accumulation": 30.48, "adama": 20.75, "adama_clipped": 23.11}
+  assert total_gib == {"accumulation": 30.48, "adama": 20.75, "adama_clipped": 20.75}

@@ -196,6 +196,17 @@ def test_release_trains_as_the_fused_scanned_step(fused_scanned_run, tmp_path):
       harness.TrainConfig(release=True, **bad)
 
 
+@pytest.mark.xdist_group("train_fused_scanned")
+def test_release_with_the_clip_trains_as_the_fused_step_with_it(tmp_path):
+  """`--release --clip-norm`: release_step folds the sketched clip as microbatch_step does."""
+  clip = ("--clip-norm", "0.05")  # under the first mini-batch's norm: the clip acts
+  runs = [_scanned_gpt_run(tmp_path, *clip), _scanned_gpt_run(tmp_path, "--release", *clip)]
+  assert [(r["config"]["release"], r["config"]["clip_norm"]) for r in runs] == [
+      (False, 0.05), (True, 0.05)]
+  np.testing.assert_allclose(runs[1]["train_loss"], runs[0]["train_loss"], rtol=1e-5)
+  np.testing.assert_allclose(runs[1]["eval_loss"], runs[0]["eval_loss"], rtol=1e-5)
+
+
 def test_split_floor_option_reaches_adama_and_is_refused_for_adam():
   config = harness.TrainConfig(optimizer="adama", nu_estimator="auto", split_floor=False)
   state = harness.make_optimizer(config).init({"w": jax.numpy.zeros((4, 4))})

@@ -195,7 +195,6 @@ def test_mesh_flags_are_checked_before_training(capsys):
        "--shard-states fsdp splits state over a mesh, and --mesh-devices 1 is none"),
       # Not given, --mesh-devices is every device with a stage: here one.
       (["--shard-states", "zero2"], "--mesh-devices 1 is none"),
-      (["--release", "--clip-norm", "1.0"], "--clip-norm"),
   ):
     with pytest.raises(SystemExit) as exit_info:
       train.main([*argv, "--preset", "llama_test", "--steps", "1", "--no-progress"])
@@ -266,3 +265,15 @@ def test_two_processes_of_four_devices_train_the_one_device_losses(tmp_path):
 if __name__ == "__main__":
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: fixtures_text
   print(json.dumps(_worker()))
+
+
+def test_the_release_takes_the_clip_on_one_device_and_refuses_it_on_a_mesh():
+  from models import harness
+
+  one = harness.TrainConfig(model="llama", preset="llama_test", optimizer="adama",
+                            scan_layers=True, release=True, clip_norm=1.0)
+  assert one.release and one.clip_norm == 1.0
+  with pytest.raises(ValueError, match="clip_norm with release on a mesh"):
+    harness.TrainConfig(model="llama", preset="llama_test", optimizer="adama",
+                        scan_layers=True, release=True, clip_norm=1.0, mesh_devices=2,
+                        batch_size=8, num_micro_batches=2)
