@@ -335,15 +335,17 @@ def _staged_llama():
   return staged, params, batches
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["on_device", "offloaded"])
-def test_release_step_clips_as_the_fused_step_does(offload):
+@pytest.mark.parametrize("offload, split", [(False, False), (True, False), (False, True)],
+                         ids=["on_device", "offloaded", "split_estimator"])
+def test_release_step_clips_as_the_fused_step_does(offload, split):
   # The release sketches each layer's slice with its place in the whole leaf
   # (its signs' indices, its buckets rotated), so the same sketch, factor and
   # folds as the fused step's whole-leaf clip, to float32 round-off.
   staged, params, batches = _staged_llama()
 
   def tx():
-    inner = optax_adama.adamaw(1e-2, num_micro_batches=4)
+    inner = (optax_adama.contrib.adamaw(1e-2, num_micro_batches=4, nu_estimator="split")
+             if split else optax_adama.adamaw(1e-2, num_micro_batches=4))
     if offload:
       inner = optax_adama.offload_moments(inner, min_size=256)
     return optax_adama.clipped_by_global_norm(inner, 0.05, sketch_size=2**8)
