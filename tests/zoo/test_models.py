@@ -1,10 +1,4 @@
-"""Tests for models/: GPT, BERT, ViT and Llama shapes, losses, gradients, remat and presets.
-
-Every model is exercised at its 1-layer, width-128 test config. Losses are
-checked against independent references (optax's cross-entropy, a direct
-convolution, truncated sequences), preset sizes against the published counts
-and a closed-form count.
-"""
+"""models/: GPT, BERT, ViT and Llama shapes, losses, gradients, remat; tiny models that learn."""
 
 from __future__ import annotations
 
@@ -17,19 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models_helpers import KINDS
+from _models_helpers import make_batch
+from _models_helpers import module_call
+from _models_helpers import smoke_config
 from flax import nnx
 
 import models
-import optax_adama
 from models import layers
-from models import stages
 
-KINDS = ("gpt", "bert", "vit", "llama")
-# The Llama's training step and layouts are also checked in tests/zoo/test_llama.py
-# (release against the unrolled fused step, a model that learns) and
-# tests/zoo/test_llama_checkpoint.py (scanned against unrolled logits): here with
-# the slow tests, to keep the default suite's time.
-KINDS_LLAMA_SLOW = ("gpt", "bert", "vit", pytest.param("llama", marks=pytest.mark.slow))
+# Every model is exercised at its 1-layer, width-128 test config. Losses are
+# checked against independent references (optax's cross-entropy, a direct
+# convolution, truncated sequences), preset sizes against the published counts
+# (test_models_presets.py) and a closed form.
+
 # Only the GPT in the default suite: each kind's loss against its module and
 # reference is checked there by test_forward_shapes_and_loss, and its split
 # loss's gradients by test_bfloat16_compute; the Adam step on BERT and ViT
@@ -37,48 +32,6 @@ KINDS_LLAMA_SLOW = ("gpt", "bert", "vit", pytest.param("llama", marks=pytest.mar
 KINDS_GPT_ONLY = (
     "gpt", pytest.param("bert", marks=pytest.mark.slow),
     pytest.param("vit", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow))
-CAUSAL_LMS = (models.GPTConfig, models.LlamaConfig)
-
-
-def make_batch(config: models.Config, *, batch_size: int = 4, seed: int = 0) -> dict:
-  """A random batch in the model's format (shapes from the config)."""
-  rng = np.random.default_rng(seed)
-  if isinstance(config, CAUSAL_LMS):
-    tokens = rng.integers(0, config.vocab_size, (batch_size, config.max_len + 1))
-    return {"tokens": jnp.asarray(tokens, jnp.int32)}
-  if isinstance(config, models.BERTConfig):
-    shape = (batch_size, config.max_len)
-    weights = np.zeros(shape, np.float32)
-    weights[:, ::5] = 1.0
-    return {
-        "tokens": jnp.asarray(rng.integers(0, config.vocab_size, shape), jnp.int32),
-        "targets": jnp.asarray(rng.integers(0, config.vocab_size, shape), jnp.int32),
-        "mask_weights": jnp.asarray(weights),
-    }
-  size, channels = config.image_size, config.num_channels
-  return {
-      "images": jnp.asarray(rng.random((batch_size, size, size, channels)), jnp.float32),
-      "labels": jnp.asarray(rng.integers(0, config.num_classes, (batch_size,)), jnp.int32),
-  }
-
-
-def smoke_config(kind: str, **overrides) -> models.Config:
-  """The 1-layer, width-128 config of a model kind."""
-  return models.get_config(f"{kind}_test", **overrides)
-
-
-
-
-@nnx.jit
-def module_loss(model: models.Model, batch: dict) -> tuple[jax.Array, dict]:
-  """`model.loss(batch)`, jitted: eager op-by-op dispatch is slower than compiling."""
-  return model.loss(batch)
-
-
-@nnx.jit
-def module_call(model: models.Model, inputs: jax.Array) -> jax.Array:
-  """`model(inputs)`, jitted."""
-  return model(inputs)
 
 
 def reference_loss(model: models.Model, batch: dict) -> jax.Array:
@@ -355,94 +308,6 @@ def test_bfloat16_compute(kind):
   np.testing.assert_allclose(loss, loss32, rtol=2e-2)
 
 
-# Published sizes: GPT-2 (Radford et al. 2019, as counted by HF transformers),
-# BERT (Devlin et al. 2019), ViT (Dosovitskiy et al. 2021, table 1).
-PUBLISHED = {
-    "gpt2_small": 124e6,
-    "gpt2_medium": 355e6,
-    "gpt2_large": 774e6,
-    "gpt2_xl": 1558e6,
-    "bert_base": 110e6,
-    "bert_large": 335e6,
-    "vit_base": 86e6,
-    "vit_large": 304e6,
-    # Llama (Touvron et al. 2023; Meta's model cards, as counted by HF transformers).
-    "llama2_7b": 6_738_415_616,
-    "llama3_8b": 8_030_261_248,
-    "llama32_1b": 1_235_814_400,
-}
-
-
-def closed_form_count(config: models.Config) -> int:
-  """Parameters counted by hand from the architecture, independent of the code."""
-  d, L, m = config.hidden, config.num_layers, config.mlp_width
-  if isinstance(config, models.LlamaConfig):
-    # No biases: q and o of heads x head_dim, k and v of kv_heads x head_dim,
-    # three SwiGLU matrices, two RMSNorm scales; a final norm; a head unless tied.
-    q, kv = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
-    block = 2 * d * q + 2 * d * kv + 3 * d * m + 2 * d
-    heads = 1 if config.tie_embeddings else 2
-    return heads * config.vocab_size * d + L * block + d
-  block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * m + m) + (m * d + d)
-  if isinstance(config, models.GPTConfig):
-    return config.vocab_size * d + config.max_len * d + L * block + 2 * d
-  if isinstance(config, models.BERTConfig):
-    embeddings = (config.vocab_size + config.max_len + config.type_vocab_size) * d + 2 * d
-    pooler = d * d + d
-    mlm_head = d * d + d + 2 * d + config.vocab_size
-    return embeddings + L * block + pooler + mlm_head
-  patch = config.patch_size**2 * config.num_channels
-  embeddings = patch * d + d + d + (config.num_patches + 1) * d
-  return embeddings + L * block + 2 * d + d * config.num_classes + config.num_classes
-
-
-# Building the abstract 36- and 48-layer GPT-2 large and XL takes 6-10 s on 2
-# cores: they run with the slow tests. Every preset's size, theirs included,
-# is checked against the published one by the closed form just below.
-SLOW_PRESETS = ("gpt2_large", "gpt2_xl", "llama2_7b", "llama3_8b")
-
-
-def test_every_preset_has_its_published_size_in_closed_form():
-  for name, published in PUBLISHED.items():
-    count = closed_form_count(models.PRESETS[name])
-    assert abs(count - published) / published < 0.01, (name, count)
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_PRESETS else name
-    for name in sorted(PUBLISHED)])
-def test_preset_param_counts(name):
-  model = models.create_abstract(name)
-  # eval_shape allocated nothing: the parameters are shape/dtype placeholders.
-  assert all(
-      isinstance(leaf, jax.ShapeDtypeStruct)
-      for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
-  )
-  count = models.param_count(model)
-  assert count == closed_form_count(models.PRESETS[name])
-  assert abs(count - PUBLISHED[name]) / PUBLISHED[name] < 0.01
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_small_presets(kind):
-  config = models.PRESETS[f"{kind}_tiny"]
-  assert 2 <= config.num_layers <= 4 and 64 <= config.hidden <= 128
-  assert models.param_count(f"{kind}_tiny") == closed_form_count(config)
-  test = models.PRESETS[f"{kind}_test"]
-  assert test.num_layers == 1 and test.hidden == 128
-  concrete = models.create(f"{kind}_test", rngs=nnx.Rngs(0))
-  assert models.param_count(concrete) == closed_form_count(test)
-
-
-def test_presets_are_frozen_and_hashable():
-  config = models.PRESETS["gpt2_small"]
-  with pytest.raises(AttributeError):
-    config.hidden = 1  # type: ignore[misc]
-  assert len({hash(c) for c in models.PRESETS.values()}) == len(models.PRESETS)
-  assert models.get_config("gpt2_small", remat="full").remat == "full"
-  assert models.PRESETS["gpt2_small"].remat == "none"
-
-
 def test_remat_policy_names():
   assert set(layers.REMAT_POLICIES) == {"none", "minimal", "full", "dots", "dots_no_batch",
                                        "offload"}
@@ -554,118 +419,3 @@ def test_vit_tiny_learns_digits():
   loss_fn, params, _ = train("vit_tiny", batches, steps=200, learning_rate=1e-3)
   _, metrics = loss_fn(params, {"images": digits.valid_images, "labels": digits.valid_labels})
   assert float(metrics["accuracy"]) > 0.8
-
-
-def unstacked_params(scanned: nnx.State, num_layers: int) -> nnx.State:
-  """The params of a `scan_layers` model laid out as the unrolled model's."""
-  blocks = scanned["blocks"]
-  layers_list = {i: jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(num_layers)}
-  return nnx.State({**scanned, "blocks": nnx.State(layers_list)})
-
-
-@pytest.mark.parametrize("kind", KINDS_LLAMA_SLOW)
-def test_scan_layers_equals_unrolled(kind):
-  config = smoke_config(kind, num_layers=3)
-  batch = make_batch(config)
-  scanned = models.create(config, scan_layers=True, rngs=nnx.Rngs(0))
-  # A different seed: the unrolled model gets the scanned model's weights below.
-  unrolled = models.create(config, rngs=nnx.Rngs(1))
-  assert models.param_count(scanned) == models.param_count(unrolled)
-  block_shapes = {x.shape for x in jax.tree.leaves(nnx.state(scanned.blocks, nnx.Param))}
-  assert all(shape[0] == 3 for shape in block_shapes)
-  nnx.update(unrolled, unstacked_params(nnx.state(scanned, nnx.Param), 3))
-  (loss, _), (ref_loss, _) = module_loss(scanned, batch), module_loss(unrolled, batch)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  inputs = batch["images"] if kind == "vit" else batch["tokens"]
-  inputs = inputs[:, :-1] if kind in ("gpt", "llama") else inputs
-  np.testing.assert_allclose(
-      module_call(scanned, inputs), module_call(unrolled, inputs), rtol=1e-5, atol=1e-6)
-  # The same seed gives the same weights in both layouts.
-  same_seed = models.create(config, rngs=nnx.Rngs(0))
-  jax.tree.map(np.testing.assert_array_equal,
-               nnx.state(same_seed, nnx.Param), nnx.state(unrolled, nnx.Param))
-
-
-def test_scan_layers_remat_applies_inside_the_scanned_block():
-  batch = make_batch(smoke_config("gpt", num_layers=2))
-
-  def run(remat: str):
-    model = models.create(
-        smoke_config("gpt", num_layers=2), scan_layers=True, remat=remat, rngs=nnx.Rngs(0))
-    loss_fn, params = models.split_loss_fn(model)
-    grad_fn = jax.value_and_grad(loss_fn)
-    return str(jax.make_jaxpr(grad_fn)(params, batch)), jax.jit(grad_fn)(params, batch)
-
-  (full_jaxpr, (loss, grads)), (none_jaxpr, (ref_loss, ref_grads)) = run("full"), run("none")
-  assert "checkpoint" in full_jaxpr or "remat" in full_jaxpr
-  assert "checkpoint" not in none_jaxpr and "remat" not in none_jaxpr
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
-               grads, ref_grads)
-
-
-def test_scan_layers_preset_param_counts():
-  for name in ("gpt2_small", "bert_base", "vit_base"):
-    assert models.param_count(models.get_config(name, scan_layers=True)) == closed_form_count(
-        models.PRESETS[name])
-
-
-# BERT's and ViT's stages (a mask side input, a class token) are checked
-# against the unrolled model by test_scan_layers_equals_unrolled; the
-# release on them takes 25 s each on 2 cores. The GPT's (48 s on 2 busy
-# cores) runs with them: the release on a scanned zoo model against the
-# unrolled fused step keeps its smoke in tests/zoo/test_llama.py
-# (test_release_equals_the_unrolled_fused_step), the GPT's stages theirs in
-# test_scan_layers_equals_unrolled.
-@pytest.mark.parametrize("kind", [
-    pytest.param("gpt", marks=pytest.mark.slow), pytest.param("bert", marks=pytest.mark.slow),
-    pytest.param("vit", marks=pytest.mark.slow)])
-def test_release_step_on_scanned_model_equals_unrolled_microbatch_step(kind):
-  config = smoke_config(kind, num_layers=2)
-  batches = [make_batch(config, seed=seed) for seed in range(2)]
-  learning_rate = 1e-3
-  tx = optax_adama.adamaw(learning_rate, weight_decay=0.1, num_micro_batches=2)
-  staged, params = models.staged_loss(models.create(config, scan_layers=True, rngs=nnx.Rngs(0)))
-  loss_fn, ref_params = models.split_loss_fn(models.create(config, rngs=nnx.Rngs(0)))
-  np.testing.assert_allclose(
-      jax.jit(staged)(params, batches[0]), jax.jit(loss_fn)(ref_params, batches[0]), rtol=1e-5)
-  step = optax_adama.release_step(staged, tx)
-  ref_step = optax_adama.microbatch_step(loss_fn, tx)
-  state, ref_state = tx.init(params), tx.init(ref_params)
-  for batch in batches:
-    params, state, metrics = step(params, state, batch)
-    ref_params, ref_state, ref_metrics = ref_step(ref_params, ref_state, batch)
-  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-  hidden = config.hidden
-  # Params move by lr * m_hat / sqrt(v_hat) per step; where a gradient is
-  # mostly rounding that direction differs between the layouts' summation
-  # orders by ~1e-4 of its bound 1 (seen: 1.1e-7 on one of the ViT's 49,152
-  # weights after 2 steps at 1e-3), so their floor is 1e-4 of lr * steps.
-  params_atol = 1e-4 * learning_rate * len(batches)
-  for tree, ref_tree, atol in ((params, ref_params, params_atol),
-                               (state.adama.mu, ref_state.adama.mu, 1e-7),
-                               (state.adama.nu, ref_state.adama.nu, 1e-7)):
-    # Key order is the same in both layouts: compare leaf by leaf.
-    for (path, leaf), ref_leaf in zip(
-        jax.tree_util.tree_leaves_with_path(unstacked_params(tree, 2)),
-        jax.tree.leaves(ref_tree), strict=True):
-      if "qkv" in jax.tree_util.keystr(path) and leaf.ndim == 1:
-        # The key bias: its gradient is zero in exact arithmetic (softmax is
-        # shift-invariant per query), so its moments are rounding noise that
-        # differs between the two layouts.
-        leaf, ref_leaf = (jnp.concatenate([x[:hidden], x[2 * hidden:]]) for x in (leaf, ref_leaf))
-      np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=atol)
-
-
-def test_every_model_takes_the_one_staged_loss_path():
-  """embed -> blocks -> head -> loss is written once (models.stages): each model gives
-  its stages, none writes the composition again; the two decoders share their head."""
-  for model_class in (models.GPT, models.BERT, models.ViT, models.Llama):
-    assert issubclass(model_class, stages.StagedModel)
-    assert model_class.loss is stages.StagedModel.loss
-    assert model_class.run_blocks is stages.StagedModel.run_blocks
-    assert "stage_embed" in vars(model_class) or issubclass(model_class, stages.CausalLM)
-  for decoder in (models.GPT, models.Llama):
-    assert issubclass(decoder, stages.CausalLM)
-    for name in ("__call__", "stage_embed", "stage_mask", "stage_head", "attention_mask"):
-      assert getattr(decoder, name) is getattr(stages.CausalLM, name), name
