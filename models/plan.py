@@ -5,6 +5,8 @@
     python -m models.plan --preset gpt2_small --survey --num-micro-batches 4
     python -m models.plan --preset llama2_7b --budget-gb 16 --devices 8 \
         --batch-size 32 --seq-len 2048     # per device, on a mesh of 8 (ZeRO stages)
+    python -m models.plan --preset llama2_7b --target tpu:v3-8 --devices 8 \
+        --batch-size 32 --seq-len 2048     # compiled by libtpu (make venv-tpu), 15.48 GiB
 
 The search and its step-time predictor are `models.planner` (its docstring
 says what is searched and how time is predicted); `models.train --plan` runs
@@ -40,6 +42,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import models
+import optax_adama
 from models import harness
 from models import planner
 from optax_adama.memory import Considered
@@ -172,6 +175,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--interconnect-gbs", type=float,
                       default=Machine.interconnect_bandwidth / 1e9,
                       help="GB/s a device sends in collectives (with --devices)")
+  parser.add_argument("--target", default=None, choices=optax_adama.memory.TARGET_NAMES,
+                      help="compile for this machine's devices with its own compiler, no "
+                           "device needed (libtpu: make venv-tpu; XLA's GPU compiler: make "
+                           "venv-gpu); the budget defaults to a device's usable memory")
   parser.add_argument("--survey", action="store_true",
                       help="instead: measure every activation setting at one N")
   parser.add_argument("--num-micro-batches", type=int, default=4,
@@ -195,6 +202,8 @@ _POSITIVE = ("budget_gb", "batch_size", "seq_len", "num_micro_batches", "rounds"
 def _parse_args(parser: argparse.ArgumentParser,
                 argv: Sequence[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
+  if args.target is not None:
+    _check_target(parser, args)
   if args.budget_gb is None and not (args.survey or args.frontier):
     parser.error("give --budget-gb (or --survey, or --frontier)")
   for name in _POSITIVE:
@@ -211,10 +220,31 @@ def _parse_args(parser: argparse.ArgumentParser,
     if args.batch_size % args.devices:
       parser.error(f"--batch-size {args.batch_size} is the whole mini-batch over "
                    f"{args.devices} devices: pass a multiple of {args.devices}")
-    problem = _make_devices(args.devices)
+    problem = None if args.target is not None else _make_devices(args.devices)
     if problem:
       parser.error(problem)
   return args
+
+
+def _check_target(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """`--target`: its devices, reachable here, and a budget it has; the budget
+  defaults to one device's usable memory. Replaces the name by its `Target`."""
+  if args.survey or args.frontier:
+    parser.error("--target plans; --survey and --frontier measure this machine")
+  target = optax_adama.memory.parse_target(args.target)
+  try:
+    found = len(optax_adama.memory.target_devices(target))
+  except optax_adama.memory.TargetUnavailableError as error:
+    parser.error(str(error))
+  if args.devices > found:
+    parser.error(f"--devices {args.devices}: {target.name} has {found} devices")
+  usable_gb = target.memory_bytes / 1e9
+  if args.budget_gb is None:
+    args.budget_gb = usable_gb
+  elif args.budget_gb > usable_gb:
+    parser.error(f"--budget-gb {args.budget_gb:g}: a {target.name} device can use "
+                 f"{usable_gb:.2f} GB; pass that or less")
+  args.target = target
 
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -244,7 +274,12 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered] | dict[st
   args = _parse_args(parser, argv)
   machine = Machine(args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9,
                             args.host_gbs * 1e9, args.interconnect_gbs * 1e9)
-  if args.devices > 1:
+  if args.target is not None:
+    header = (f"{args.preset}, batch {args.batch_size} ({args.batch_size // args.devices} a "
+              f"device), seq_len {args.seq_len or 'preset'}, on {args.devices} device(s), "
+              f"compiled by {optax_adama.memory.compiled_by(args.target)}, "
+              f"budget per device; predictor: {machine}")
+  elif args.devices > 1:
     mesh = planner.device_mesh(args.devices)
     header = (f"{args.preset}, batch {args.batch_size} ({args.batch_size // args.devices} a "
               f"device), seq_len {args.seq_len or 'preset'}, data parallel on "
@@ -272,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered] | dict[st
     try:
       result = planner.plan(args.preset, args.budget_gb * 1e9, batch_size=args.batch_size,
                             seq_len=args.seq_len, devices=args.devices, machine=machine,
-                            progress=True)
+                            progress=True, target=args.target)
     except ValueError as error:  # nothing fits, or a batch the mesh cannot split
       flag = "--batch-size" if "batch_size" in str(error) else "--budget-gb"
       parser.error(f"{flag} {getattr(args, flag[2:].replace('-', '_')):g}: {error}")
@@ -282,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> Plan | list[Considered] | dict[st
     table = (f"{planner.table(result)}\n\n{_chosen_lines(args, result, machine)}\n"
              f"searched in {seconds:.0f} s on {searched_on}")
     payload = {"header": header, "argv": sys.argv[1:] if argv is None else list(argv),
+               "compiled_by": optax_adama.memory.compiled_by(
+                   args.target, None if args.target else args.devices),
                "seconds": round(seconds, 1), "searched_on": searched_on,
                "plan": planner.plan_dict(result, preset=args.preset,
                                          batch_size=args.batch_size, seq_len=args.seq_len)}

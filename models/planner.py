@@ -372,6 +372,7 @@ def plan(
     loss_chunks: Sequence[int] | None = None,
     shard_stages: Sequence[str | None] | None = None,
     progress: bool = False,
+    target: optax_adama.memory.Target | None = None,
 ) -> Plan:
   """The fastest predicted AdamA step of `preset` that fits `budget_bytes`.
 
@@ -397,6 +398,9 @@ def plan(
     shard_stages: ZeRO stages to consider; None: (None,) on one device, all
       four on a mesh.
     progress: print each compile to stderr.
+    target: compile for this machine's devices with its own compiler (libtpu,
+      XLA's GPU compiler; `optax_adama.memory.parse_target`), on a mesh of
+      `devices` of them; None: this process's devices.
 
   Returns:
     The `optax_adama.memory.Plan`: its settings were compiled again and fit
@@ -419,11 +423,27 @@ def plan(
   levers = PresetLevers(preset, batch_size=batch_size, seq_len=seq_len, devices=devices,
                         activation_settings=activation_settings, loss_chunks=loss_chunks)
   # The zoo's moments stay on the device (models.train has no such flag).
+  if target is not None:
+    # The target's compile-only devices: the library compiles each candidate
+    # for their platform. One device is a mesh of one, with no ZeRO stage.
+    mesh: jax.sharding.Mesh | None = target_mesh(target, devices)
+    shard_stages = (None,) if devices == 1 else shard_stages
+  else:
+    mesh = None if devices == 1 else device_mesh(devices)
   return optax_adama.memory.plan(
       levers, levers.params, levers.batch, budget_bytes=budget_bytes,
-      mesh=None if devices == 1 else device_mesh(devices), machine=machine,
+      mesh=mesh, machine=machine,
       moment_storages=moment_storages, offload=False, shard_stages=shard_stages,
       progress=progress)
+
+
+def target_mesh(target: optax_adama.memory.Target, devices: int) -> jax.sharding.Mesh:
+  """A one-axis ("data") mesh of `devices` of `target`'s compile-only devices."""
+  found = optax_adama.memory.target_devices(target)
+  if devices > len(found):
+    raise ValueError(f"{target.name} has {len(found)} devices, not {devices}.")
+  return jax.make_mesh((devices,), ("data",), devices=found[:devices],
+                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def measure(preset: str, settings: PlanSettings, *, batch_size: int, seq_len: int | None,
