@@ -426,7 +426,7 @@ def plan(
   if target is not None:
     # The target's compile-only devices: the library compiles each candidate
     # for their platform. One device is a mesh of one, with no ZeRO stage.
-    mesh: jax.sharding.Mesh | None = target_mesh(target, devices)
+    mesh: jax.sharding.Mesh | None = optax_adama.memory.target_mesh(target, (devices,))
     shard_stages = (None,) if devices == 1 else shard_stages
   else:
     mesh = None if devices == 1 else device_mesh(devices)
@@ -435,15 +435,6 @@ def plan(
       mesh=mesh, machine=machine,
       moment_storages=moment_storages, offload=False, shard_stages=shard_stages,
       progress=progress)
-
-
-def target_mesh(target: optax_adama.memory.Target, devices: int) -> jax.sharding.Mesh:
-  """A one-axis ("data") mesh of `devices` of `target`'s compile-only devices."""
-  found = optax_adama.memory.target_devices(target)
-  if devices > len(found):
-    raise ValueError(f"{target.name} has {len(found)} devices, not {devices}.")
-  return jax.make_mesh((devices,), ("data",), devices=found[:devices],
-                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def measure(preset: str, settings: PlanSettings, *, batch_size: int, seq_len: int | None,

@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import importlib.resources
 import importlib.util
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -242,6 +243,8 @@ def target_mesh(target: Target | str, axis_shapes: Optional[Sequence[int]] = Non
 
   Raises:
     TargetUnavailableError: as :func:`target_devices`.
+    ValueError: if the shape needs more devices than ``target`` has (a smaller
+      shape takes its first devices).
 
   Examples:
     Needs libtpu (``make venv-tpu``; tests/library/test_targets.py runs it there):
@@ -253,7 +256,12 @@ def target_mesh(target: Target | str, axis_shapes: Optional[Sequence[int]] = Non
   devices = target_devices(target)
   shape = tuple(axis_shapes) if axis_shapes is not None else (len(devices),)
   names = tuple(axis_names) if axis_names is not None else ("data",)
-  return jax.make_mesh(shape, names, devices=devices,
+  size = math.prod(shape)
+  if size > len(devices):
+    name = target if isinstance(target, str) else target.name
+    raise ValueError(f"a mesh of shape {shape} needs {size} devices; {name} has "
+                     f"{len(devices)}.")
+  return jax.make_mesh(shape, names, devices=devices[:size],
                        axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
