@@ -153,6 +153,13 @@ def _sketch_leaf(leaf: jax.Array, buckets: int, start: int | jax.Array, salt: ja
   return jnp.where(jnp.all(jnp.isfinite(sketch)), sketch, 0.0)
 
 
+def _layout(sizes: list[int], sketch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Each leaf's first flat index over the leaves in tree order, and its
+  bucket count (:func:`bucket_counts`)."""
+  starts = tuple(int(x) for x in np.cumsum([0] + sizes)[:-1])
+  return starts, tuple(bucket_counts(sizes, sketch_size))
+
+
 def sketch_tree(tree: optax.Updates, sketch_size: int, salt: jax.Array) -> list[jax.Array]:
   """S(tree): a linear map to about ``sketch_size`` floats with E||S(x)||^2 = ||x||^2.
 
@@ -163,9 +170,8 @@ def sketch_tree(tree: optax.Updates, sketch_size: int, salt: jax.Array) -> list[
   :math:`\\sqrt{2/k}` for ``k`` buckets evenly filled (0.55% at 2^16).
   """
   leaves = jax.tree.leaves(tree)
-  counts = bucket_counts([leaf.size for leaf in leaves], sketch_size)
-  starts = np.cumsum([0] + [leaf.size for leaf in leaves])
-  return [_sketch_leaf(leaf, buckets, int(start), salt) if leaf.size
+  starts, counts = _layout([leaf.size for leaf in leaves], sketch_size)
+  return [_sketch_leaf(leaf, buckets, start, salt) if leaf.size
           else jnp.zeros((0,), jnp.float32)
           for leaf, buckets, start in zip(leaves, counts, starts)]
 
@@ -314,6 +320,8 @@ class SliceSketcher(NamedTuple):
     """``sketch`` plus leaf ``index``'s gradient's (with ``layer``: the gradient
     of that layer's slice of a stacked leaf)."""
     buckets, start = self.buckets[index], self.starts[index]
+    if not grad.size:  # an empty leaf has no buckets (as sketch_tree skips it)
+      return sketch
     if layer is None:
       return sketch + _sketch_leaf(grad, buckets, start, self.salt)
     size = grad.size  # one layer's slice
@@ -337,10 +345,8 @@ class SketchedClip:
 
   def sketcher(self, state: SketchedClipState, params: optax.Params) -> SliceSketcher:
     sizes = [int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(params)]
-    starts = np.cumsum([0] + sizes)[:-1]
     return SliceSketcher(state.scale, _salt(self.seed, state.mini_batch_count),
-                         tuple(int(x) for x in starts),
-                         tuple(bucket_counts(sizes, self.sketch_size)))
+                         *_layout(sizes, self.sketch_size))
 
   def advance(self, state: SketchedClipState, sketch: list[jax.Array],
               num_micro_batches: int) -> SketchedClipState:
