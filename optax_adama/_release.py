@@ -491,8 +491,11 @@ def _apply_by_layer(
       _steps.apply_updates(local_outer, staged.split(updates)[0]))))
 
   mus, nus = stacked_def.flatten_up_to(mu_stacked), stacked_def.flatten_up_to(nu_stacked)
-  flags = list(zip(stacked_def.flatten_up_to(mu_off_stacked),
-                   stacked_def.flatten_up_to(nu_off_stacked)))
+  # Read only here: what came to the device is dropped after the scan.
+  (mus, mu_flags, _), (nus, nu_flags, _) = (
+      _release_fold.on_device_whole(moments, stacked_def.flatten_up_to(flags))
+      for moments, flags in ((mus, mu_off_stacked), (nus, nu_off_stacked)))
+  flags = list(zip(mu_flags, nu_flags))
   num_layers = jax.tree.leaves(stacked)[0].shape[0]
 
   def update_layer(stacked: Any, layer: jax.Array) -> tuple[Any, None]:

@@ -77,6 +77,24 @@ def _layer_aligned(moment: _quantize.QuantizedArray, shape: tuple[int, ...]) -> 
           and codes_shape[1] * codes_shape[2] == math.prod(shape[1:]))
 
 
+def on_device_whole(moments: list, offloaded: list) -> tuple[list, list, list]:
+  """``(moments, flags, moved)``: each dense 2-D stack that lives in host memory
+  (its ``offloaded`` flag) brought to the device whole, its flag cleared, and
+  which were (``moved``, for :func:`_offload.to_host` after).
+
+  A scan that reads and writes one row of a host-memory ``[layers, width]``
+  stack aborts libtpu 0.0.42.1's compiler for a TPU v3 (a failed sublane check;
+  ``benchmarks/scripts/libtpu_offload_abort.py`` reduces it). Such stacks are a
+  scanned model's norm scales and biases, a width a layer, so the layer scans
+  fold and read them on the device.
+  """
+  # An 8-bit moment's flags are a tree like it: it is never moved here.
+  moved = [not is_quantized(m) and jnp.ndim(m) == 2 and off is True
+           for m, off in zip(moments, offloaded)]
+  return ([_offload.to_device(m, True) if r else m for m, r in zip(moments, moved)],
+          [False if r else off for off, r in zip(offloaded, moved)], moved)
+
+
 def layer_slice(moment: _fold.Moment, layer: jax.Array, num_layers: int,
                 keepdims: bool = False) -> _fold.Moment:
   """Layer ``layer``'s slice of a stacked moment (its blocks if 8-bit)."""
@@ -319,6 +337,10 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
       for k, (moments, order) in enumerate(zip(stored, (1, 2))))
   offloaded_stored = offloaded
   offloaded = [(False, False) if w else flags for w, flags in zip(whole, offloaded)]
+  (mu_leaves, mu_in_loop, mu_moved), (nu_leaves, nu_in_loop, nu_moved) = (
+      on_device_whole(moments, [flags[k] for flags in offloaded])
+      for k, moments in enumerate((mu_leaves, nu_leaves)))
+  offloaded = list(zip(mu_in_loop, nu_in_loop))
 
   def release_layer(carry: tuple[Any, list, list, Optional[list], Optional[list]],
                     xs: tuple[jax.Array, Any, Any]) -> tuple[tuple, jax.Array]:
@@ -371,6 +393,8 @@ def _release_stack(parts: FoldingParts, state: ScaleByAdamAState, micro_batch: _
                 [pair[k] for pair in seeds])
       for k, (folded, like, order) in enumerate(zip(
           (mu_leaves, nu_leaves), stored, (1, 2))))
+  mu_leaves, nu_leaves = ([_offload.to_host(x, True) if m else x for x, m in zip(leaves, moved)]
+                          for leaves, moved in ((mu_leaves, mu_moved), (nu_leaves, nu_moved)))
   return (x_grad, stacked_def.unflatten(mu_leaves), stacked_def.unflatten(nu_leaves),
           floor_stacked, jnp.all(layer_finite), clip)
 

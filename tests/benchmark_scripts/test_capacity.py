@@ -19,6 +19,7 @@ import optax_adama
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(_REPO, "benchmarks", "scripts"))
 import oom_reports  # noqa: E402  # pylint: disable=wrong-import-position
+import oom_steps  # noqa: E402  # pylint: disable=wrong-import-position
 
 
 def _row(method, budget, scale, host=None):
@@ -53,7 +54,7 @@ def test_a_run_of_one_method_keeps_the_other_methods_rows(tmp_path):
 
 
 def test_eight_bit_offload_method_stores_8_bit_moments_in_host_memory():
-  tx = oom_reports._adama("adama_release_8bit_offload", 4)
+  tx = oom_steps.adama_tx("adama_release_8bit_offload", 4)
   params = {"stack": jnp.zeros((4, 64, 128))}
   state = optax_adama.find_adama_state(jax.eval_shape(tx.init, params))
   codes = state.mu["stack"].codes

@@ -36,26 +36,26 @@ def _worker() -> dict:
   import models
   import optax_adama
   sys.path.insert(0, os.path.join(ROOT, "benchmarks", "scripts"))
-  import oom_reports
+  import oom_steps
 
   out = {}
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   config = models.get_config("llama_test", num_layers=4, scan_layers=True, remat="full")
-  loss_fn, staged, params = oom_reports._model(config)
+  loss_fn, staged, params = oom_steps.model_parts(config)
   P = optax_adama.memory.tree_bytes(params)
   n = 2
   batch = {"tokens": jax.ShapeDtypeStruct((NUM_DEVICES * n, 33), jnp.int32)}
-  for method in ("scan_accumulation", "adama", "adama_release"):
+  for method in ("scan_accumulation", "maxtext_accumulation", "adama", "adama_release"):
     # optax.adam's bias correction (float ** int32) needs implicit promotion.
-    with jax.numpy_dtype_promotion("standard" if method == "scan_accumulation" else "strict"):
-      compiled, _ = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh)
+    with jax.numpy_dtype_promotion("standard" if "accumulation" in method else "strict"):
+      compiled, _ = oom_steps.compile_method(method, n, loss_fn, staged, params, batch, mesh)
     out[method] = optax_adama.memory_report(compiled, param_bytes=P).total_bytes
   out["param_bytes"] = P
   # The capacity table's bf16 columns, compiled as it compiles them.
   for method in ("adama_release_offload", "adama_release_offload_bf16"):
-    wanted = jnp.bfloat16 if oom_reports.bf16_params(method) else jnp.float32
-    loss_fn, staged, params = oom_reports._model(models.get_config(config, param_dtype=wanted))
-    compiled, _ = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh)
+    wanted = jnp.bfloat16 if oom_steps.bf16_params(method) else jnp.float32
+    loss_fn, staged, params = oom_steps.model_parts(models.get_config(config, param_dtype=wanted))
+    compiled, _ = oom_steps.compile_method(method, n, loss_fn, staged, params, batch, mesh)
     out[method] = compiled.memory_analysis().argument_size_in_bytes
     out[f"{method}/dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(params)})
   # What the capacity table's _projected columns stand on: this backend
@@ -99,6 +99,20 @@ def _worker() -> dict:
   q_kernel = runs[True][0]["blocks"]["attention"]["q"]["kernel"]
   out["q_kernel_spec"] = str(q_kernel.sharding.spec)
 
+  # MaxText's way of accumulating and the hand-written loop: a step of SGD at
+  # rate 1 each, so the params moved by minus the accumulated gradient.
+  sgd = optax.sgd(1.0)
+  moved = {}
+  for name, accumulation in (("scan", oom_steps.hand_written_accumulation),
+                             ("maxtext", oom_steps.maxtext_accumulation)):
+    step, shardings = accumulation(loss_fn, sgd, init_params, mesh, n)
+    params = jax.device_put(jax.tree.map(jnp.copy, init_params), shardings)
+    params, _ = step(params, sgd.init(params), batches[0])
+    moved[name] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, init_params)
+  largest = lambda tree: max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tree))
+  out["maxtext_vs_scan"] = largest(jax.tree.map(np.subtract, moved["maxtext"], moved["scan"]))
+  out["scan_gradient"] = largest(moved["scan"])
+
   # Where init puts the state of FSDP-split params: eagerly and under jax.jit.
   shardings = optax_adama.sharding.step_shardings(init_params, None, mesh, shard_states="fsdp")
   placed = jax.device_put(init_params, shardings.params)
@@ -134,6 +148,20 @@ def test_adama_on_a_plain_loss_saves_the_accumulator_under_fsdp(eight_devices):
   saved = eight_devices["scan_accumulation"] - eight_devices["adama"]
   assert saved >= 0.8 * per_device_params, (saved / per_device_params, eight_devices)
   assert eight_devices["adama_release"] < eight_devices["adama"], eight_devices
+
+
+def test_maxtext_accumulation_is_the_hand_written_step_in_another_form(eight_devices):
+  # The same gradients summed over the same micro-batches: only the order of
+  # float32 sums (over devices, tokens, micro-batches) differs, a few ulps of
+  # the largest entry (float32's epsilon is 1.2e-7); a different micro-batch
+  # split or a missed one would differ by a whole gradient's size.
+  difference, gradient = eight_devices["maxtext_vs_scan"], eight_devices["scan_gradient"]
+  assert gradient > 0
+  assert difference < 1e-5 * gradient, (difference, gradient)
+  # Its bytes are in the same range as the hand-written loop's on this backend
+  # (what a TPU makes of the two is benchmarks/results/memory/oom_easylm_tpu_v3.md's).
+  ratio = eight_devices["maxtext_accumulation"] / eight_devices["scan_accumulation"]
+  assert 0.8 < ratio < 1.25, ratio
 
 
 def test_fsdp_on_a_plain_loss_splits_every_layer_and_equals_one_device(eight_devices):

@@ -43,14 +43,14 @@ def _per_core_gib(target, mesh, method, n, *, unrolled, seq_len=2048):
   import optax_adama
   from models import harness
   sys.path.insert(0, os.path.join(ROOT, "benchmarks", "scripts"))
-  import oom_reports
+  import oom_steps
 
   config = models.get_config("llama2_7b", scan_layers=not unrolled, remat="full")
-  loss_fn, staged, params = oom_reports._model(config)
+  loss_fn, staged, params = oom_steps.model_parts(config)
   batch = harness.abstract_batch(config, target.num_devices * n, seq_len)
   # optax.adam's bias correction (float ** int32) needs implicit promotion.
   with jax.numpy_dtype_promotion("standard"):
-    compiled, _ = oom_reports.compile_method(method, n, loss_fn, staged, params, batch, mesh,
+    compiled, _ = oom_steps.compile_method(method, n, loss_fn, staged, params, batch, mesh,
                                              target.compiler_options)
   return optax_adama.memory_report(compiled, param_bytes=1).total_bytes / GIB
 
