@@ -195,7 +195,9 @@ def microbatch_step(
   _sharding.check_shard_states(shard_states)
   if mesh is None and shard_states is not None:
     raise ValueError(f"shard_states={shard_states!r} needs a mesh.")
-  value_and_grad = jax.value_and_grad(
+  # A non-finite loss poisons its gradient in the backward (AdamA then drops
+  # the micro-batch; accumulation zeroes it).
+  value_and_grad = _steps.value_and_finite_grad(
       _steps.naming_the_nnx_optimizer(loss_fn), has_aux=has_aux)
   if mesh is None:
     placement = _placements.single_device_placement(value_and_grad, has_aux)
@@ -374,17 +376,17 @@ def _adama_gradient(
 ) -> tuple[jax.Array, Any, optax.Updates, dict[str, optax.Updates]]:
   """``(loss, aux, grads, extra_args)`` of a micro-batch, as AdamA takes them.
 
-  A non-finite loss poisons the gradient (AdamA then drops the micro-batch);
+  A non-finite loss has poisoned the gradient already (the placements take it
+  with :func:`_steps.value_and_finite_grad`), so AdamA drops the micro-batch;
   with ``split`` the gradient is the mean of the halves' and ``extra_args``
   holds their half difference.
   """
   if not split:
     loss, aux, grads = placement.loss_and_grads(params, micro_batch)
-    return loss, aux, _steps.poison_if_loss_nonfinite(loss, grads), {}
+    return loss, aux, grads, {}
   loss, aux, grads, difference = _steps.loss_and_half_grads(
       placement.loss_and_grads, params, micro_batch)
-  return (loss, aux, _steps.poison_if_loss_nonfinite(loss, grads),
-          {"half_difference": _steps.poison_if_loss_nonfinite(loss, difference)})
+  return loss, aux, grads, {"half_difference": difference}
 
 
 def _accumulated_gradient_update(

@@ -200,7 +200,7 @@ def staged_fsdp_placement(staged: StagedLoss, has_aux: bool, mesh: Mesh,
       return staged.head(outer, x, micro_batch)
 
     def local(params: optax.Params, micro_batch: Batch) -> LocalOutputs:
-      out, grads = jax.value_and_grad(local_loss, has_aux=has_aux)(params, micro_batch)
+      out, grads = _steps.value_and_finite_grad(local_loss, has_aux=has_aux)(params, micro_batch)
       loss, aux = out if has_aux else (out, None)
       # Each gather's transpose summed the devices' gradients of their own
       # mean losses: divided by D, the gradient of the micro-batch's mean.

@@ -219,6 +219,35 @@ def loss_and_half_grads(
   return (*combine_halves((loss, aux)), mean_of_halves(grads), half_difference(grads))
 
 
+def value_and_finite_grad(fun: Callable[..., Any], has_aux: bool = False,
+                          ) -> Callable[..., tuple[Any, optax.Updates]]:
+  """``jax.value_and_grad(fun, has_aux=has_aux)`` whose gradient is NaN where
+  the loss is not finite, so AdamA's elementwise guard drops the micro-batch.
+
+  The backward starts from a cotangent of 1 where the loss is finite and of NaN
+  where it is not (NaN times any weight is NaN; entries no token reached stay
+  0, which the fold treats as it treats a dropped entry: ``b m``). It is the
+  gate :func:`poison_if_loss_nonfinite` puts after the backward, put before
+  it: libtpu (0.0.42.1) kept an unrolled FSDP model's gradients alive, whole,
+  until that select (LLaMA-7B on a v3-8 at N = 2: 26.25 GiB of temporaries a
+  core, against 4.69 GiB temp with this seed;
+  benchmarks/results/memory/oom_easylm_tpu_v3.md).
+  """
+  def value_and_grad(params: optax.Params, *args: Any) -> tuple[Any, optax.Updates]:
+    if has_aux:
+      loss, pullback, aux = jax.vjp(lambda p: fun(p, *args), params, has_aux=True)
+    else:
+      (loss, pullback), aux = jax.vjp(lambda p: fun(p, *args), params), None
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise TypeError("the loss must be a real scalar (as jax.grad needs), got "
+                      f"{jax.typeof(loss)}.")
+    seed = jnp.where(jnp.isfinite(loss), jnp.ones_like(loss), jnp.full_like(loss, jnp.nan))
+    (grads,) = pullback(seed)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return value_and_grad
+
+
 def poison_if_loss_nonfinite(loss: jax.Array, grads: optax.Updates) -> optax.Updates:
   # A scalar-gated select per leaf: local, and fuses with AdamA's fold, whose
   # elementwise guard then drops the whole micro-batch and counts it.

@@ -92,3 +92,47 @@ def test_emitted_update_is_exactly_zero_when_every_micro_batch_drops(storage):
   for _ in range(2):
     updates, state = jax.jit(tx.update)(nan, state)
   chex.assert_trees_all_equal(updates, {"w": jnp.zeros((8, 16))})
+
+
+def _mlp_loss(params, batch):
+  hidden = jax.nn.relu(batch["x"] @ params["w1"])
+  return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def _mlp():
+  rng = np.random.default_rng(0)
+  params = {"w1": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+            "w2": jnp.asarray(rng.normal(size=(8, 2)), jnp.float32),
+            "unused": jnp.ones((3,), jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)}
+  return params, batch
+
+
+def test_value_and_finite_grad_is_value_and_grad_where_the_loss_is_finite():
+  from optax_adama import _steps
+
+  params, batch = _mlp()
+  expected = jax.jit(jax.value_and_grad(_mlp_loss))(params, batch)
+  got = jax.jit(_steps.value_and_finite_grad(_mlp_loss))(params, batch)
+  chex.assert_trees_all_equal(got, expected)  # bit for bit: the seed is exactly 1
+  with_aux = lambda p, b: (_mlp_loss(p, b), {"twice": 2 * _mlp_loss(p, b)})
+  (loss, aux), grads = _steps.value_and_finite_grad(with_aux, has_aux=True)(params, batch)
+  chex.assert_trees_all_close((loss, grads), expected, rtol=1e-6)
+  np.testing.assert_allclose(aux["twice"], 2 * loss, rtol=1e-6)
+
+
+def test_value_and_finite_grad_poisons_every_reached_entry_of_a_nonfinite_loss():
+  from optax_adama import _steps
+
+  params, batch = _mlp()
+  batch["y"] = batch["y"].at[0, 0].set(jnp.inf)
+  loss, grads = jax.jit(_steps.value_and_finite_grad(_mlp_loss))(params, batch)
+  assert not np.isfinite(loss)
+  # Every entry the loss reached is NaN (jax.value_and_grad leaves some finite:
+  # the squared error's own gradient is inf only on the bad row), an entry it
+  # never reached is 0, which AdamA's fold treats as a dropped entry (b m).
+  assert np.all(np.isnan(grads["w2"])) and np.all(np.isnan(grads["w1"]))
+  np.testing.assert_array_equal(grads["unused"], 0.0)
+  with pytest.raises(TypeError, match="real scalar"):
+    _steps.value_and_finite_grad(lambda p, b: b["x"] @ p["w1"])(params, batch)
