@@ -84,7 +84,7 @@ venv-gpu: $(STAMP_GPU)
 # in its own environment (tests/library/test_targets.py; the 7B ones stay `slow`).
 test-compilers: $(STAMP_TPU) $(STAMP_GPU)
 	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_TPU)/bin/python -m pytest tests/library/test_targets.py \
-	    tests/zoo/test_plan_target.py -m slow -k tpu -n 0
+	    tests/zoo/test_plan_target.py tests/benchmark_scripts/test_oom_reports_tpu.py -m slow -k tpu -n 0
 	$(VENV_GPU)/bin/python -m pytest tests/library/test_targets.py -m slow -k h100 -n 0
 
 validate: $(STAMP)

@@ -144,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="every method on the scanned model (blocks stacked under one "
                         "lax.scan, where remat holds on any backend); allows the release "
                         "methods")
+  cap.add_argument("--target", default=None, choices=optax_adama.memory.TARGET_NAMES,
+                   help="compile every candidate with this machine's own compiler, for one "
+                        "of its devices (or a mesh of --devices of them), e.g. gpu:h100 or "
+                        "tpu:v5e-8 (needs .venv-gpu or .venv-tpu); default: XLA's CPU backend")
   cap.add_argument("--devices", type=int, default=1,
                    help="data-parallel mesh size (on CPU, fakes this many devices); "
                         "the budget is then per device")
@@ -176,7 +180,8 @@ def _check_args(args: argparse.Namespace) -> None:
     harness.check_method(method, scanned=scanned, mesh=mesh)
     if args.command == "memory":
       check_memory_method(method)
-  if mesh and jax.default_backend() == "cpu" and jax.device_count() < args.devices:
+  if (mesh and getattr(args, "target", None) is None and jax.default_backend() == "cpu"
+      and jax.device_count() < args.devices):
     raise ValueError(
         f"devices={args.devices} on CPU: start with "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
@@ -203,8 +208,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with harness.command_errors(_parser(), optax_adama.memory.TargetUnavailableError):
       optax_adama.memory.target_devices(args.target)
   mesh = None
+  target = getattr(args, "target", None)  # a Target, parsed with the arguments
   if args.command == "capacity" and args.devices > 1:
-    mesh = jax.make_mesh((args.devices,), ("data",))
+    mesh = (jax.make_mesh((args.devices,), ("data",)) if target is None
+            else optax_adama.memory.target_mesh(target, (args.devices,)))
   result: dict[str, Any] = {"command": args.command, "machine": harness.machine_info(),
                             "argv": list(sys.argv[1:] if argv is None else argv)}
   if args.command == "memory":
@@ -250,11 +257,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         remat=args.remat, max_scale=args.max_scale, vocab_size=args.vocab_size, mesh=mesh,
         refine_width=args.refine_width, scan_layers=args.scan_layers,
         dtype=None if args.dtype is None else jnp.dtype(args.dtype), progress=progress,
+        target=target,
         # Written as it goes: each compile of a big model takes minutes on a CPU.
         on_result=lambda so_far: _write_outputs(
             args, {**result, "capacity": so_far}, capacity.capacity_table(so_far)))
     result["capacity"] = results
-    table = f"Compiled by {optax_adama.memory.compiled_by(num_devices=args.devices)}.\n\n" + (
+    on = "" if target is None else f", on {args.devices} of its devices"
+    table = f"Compiled by {optax_adama.memory.compiled_by(target, args.devices)}{on}.\n\n" + (
         capacity.capacity_table(results))
   print(table)
   _write_outputs(args, result, table)

@@ -53,12 +53,15 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
                    seq_len: int, remat: str, vocab_size: int = 50257,
                    mesh: jax.sharding.Mesh | None = None,
                    hidden: int | None = None, scan_layers: bool = False,
-                   dtype: Any = None) -> tuple[int, int]:
+                   dtype: Any = None,
+                   target: optax_adama.memory.Target | None = None) -> tuple[int, int]:
   """(compiled total bytes, param count) of a method's step on gpt_family(scale).
 
   With a mesh the bytes are one device's, and every device gets
   ``micro_batch_size`` rows of each micro-batch. ``scan_layers``: the blocks
-  stacked under one scan (what the release methods need).
+  stacked under one scan (what the release methods need). ``target``: compiled
+  by that machine's compiler, for its first compile-only device, or for
+  ``mesh`` (then built over its devices: ``optax_adama.memory.target_mesh``).
   """
   config = gpt_family(scale, remat=remat, vocab_size=vocab_size, hidden=hidden,
                       scan_layers=scan_layers, dtype=dtype)
@@ -73,8 +76,10 @@ def total_bytes_at(scale: int, method: str, *, num_micro_batches: int, micro_bat
     place = lambda tree, sh: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
     params, state = place(params, shardings.params), place(state, shardings.opt_state)
+  elif target is not None:
+    params, state, batch = _on_target((params, state, batch), target, mesh)
   offloaded = method.endswith("_offload")
-  total = device_bytes(step, params, state, batch, offloaded=offloaded)
+  total = device_bytes(step, params, state, batch, offloaded=offloaded, target=target)
   if offloaded and method in baselines.RELEASE_METHODS:
     total += release_in_flight_bytes(loss_fn, state)
   return total, models.param_count(config)
@@ -95,8 +100,25 @@ def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> i
   return outer + optax_adama.moments.host_state_bytes((stacked_mu, stacked_nu)) // num_layers
 
 
+def _on_target(args: tuple[Any, Any, Any], target: optax_adama.memory.Target,
+               mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:
+  """``(params, state, batch)`` placed for a target's compile-only devices: on
+  the first without a mesh; on ``mesh``, params and state whole on every device
+  and the batch's rows split over ``"data"`` (what a data-parallel step takes)."""
+  if mesh is None:
+    device = optax_adama.memory.target_devices(target)[0]
+    shardings = [jax.sharding.SingleDeviceSharding(device)] * 3
+  else:
+    spec = jax.sharding.PartitionSpec
+    shardings = [jax.sharding.NamedSharding(mesh, spec())] * 2 + [
+        jax.sharding.NamedSharding(mesh, spec("data"))]
+  return tuple(jax.tree.map(lambda x, s=s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree) for tree, s in zip(args, shardings))
+
+
 def device_bytes(step: baselines.Step, params: Any, opt_state: Any, batch: Any, *,
-                 offloaded: bool = False) -> int:
+                 offloaded: bool = False,
+                 target: optax_adama.memory.Target | None = None) -> int:
   """Compiled device bytes of a step (compile only).
 
   ``offloaded``: the state is placed in host memory (``offload_moments``) and
@@ -104,11 +126,18 @@ def device_bytes(step: baselines.Step, params: Any, opt_state: Any, batch: Any, 
   host-memory arguments with the device ones (its ``host_*`` fields are 0);
   there the host state's bytes are taken off the total. Caveat: on CPU the
   transfers are no-ops, so the one leaf's moments in flight on a GPU are not
-  in the count.
+  in the count. ``target``: compiled with that machine's compiler options
+  (the arguments already on its devices).
   """
   if offloaded:
-    opt_state = optax_adama.moments.offloaded_state_shapes(opt_state)
-  compiled = step.lower(params, opt_state, batch).compile()
+    # A target's params sit on one compile-only device: the state's host copy
+    # belongs to it (None: the default device, as on the CPU).
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    device = (next(iter(sharding.device_set))
+              if isinstance(sharding, jax.sharding.SingleDeviceSharding) else None)
+    opt_state = optax_adama.moments.offloaded_state_shapes(opt_state, device=device)
+  compiled = optax_adama.memory.compile_for(step.lower(params, opt_state, batch),
+                                            target=target)
   total = optax_adama.memory_report(compiled, param_bytes=1).total_bytes
   if offloaded and compiled.memory_analysis().host_argument_size_in_bytes == 0:
     total -= optax_adama.moments.host_state_bytes(opt_state)
@@ -193,6 +222,7 @@ def measure_capacity(
     refine_width: bool = False,
     scan_layers: bool = False,
     dtype: Any = None,
+    target: optax_adama.memory.Target | None = None,
 ) -> list[dict[str, Any]]:
   """For each budget and method, the largest gpt_family model whose step fits.
 
@@ -211,7 +241,7 @@ def measure_capacity(
           scale, method, num_micro_batches=num_micro_batches,
           micro_batch_size=micro_batch_size, seq_len=seq_len, remat=remat,
           vocab_size=vocab_size, mesh=mesh, hidden=hidden, scan_layers=scan_layers,
-          dtype=dtype)
+          dtype=dtype, target=target)
     return cache[method, scale, hidden]
 
   results = []

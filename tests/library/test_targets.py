@@ -318,6 +318,39 @@ def test_bench_memory_for_a_tpu_without_libtpu_ends_in_one_line(capsys):
   assert "error: tpu:v3-8 needs libtpu" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
+def test_bench_capacity_for_a_tpu_without_libtpu_ends_in_one_line(capsys):
+  from models import bench
+
+  with pytest.raises(SystemExit) as ended:
+    bench.main(["capacity", "--methods", "adama", "--target", "tpu:v5e-8", "--devices", "8",
+                "--no-progress"])
+  assert ended.value.code == 2
+  assert "error: tpu:v5e-8 needs libtpu" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="no libtpu in this Python: `make venv-tpu`, then run with .venv-tpu")
+@pytest.mark.parametrize("devices", [1, 8])
+def test_bench_capacity_searches_with_libtpu(devices, capsys):
+  """The capacity search on a v3's compiler, one device and a mesh of eight: the
+  largest gpt_family member under 0.3 GB (libtpu 0.0.42.1: scale 2, 7M parameters, for
+  Adam + scan accumulation alone and on 8 devices; AdamA's at least as large)."""
+  import jax
+
+  from models import bench
+
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam's float ** int32
+    result = bench.main(["capacity", "--methods", "scan_accumulation", "adama", "--target",
+                         "tpu:v3-8", "--devices", str(devices), "--budgets-gb", "0.3",
+                         "--max-scale", "4", "--seq-len", "64", "--no-progress"])
+  assert "Compiled by libtpu" in capsys.readouterr().out
+  found = {r["method"]: r for r in result["capacity"]}
+  assert 1 <= found["scan_accumulation"]["scale"] <= found["adama"]["scale"], found
+  assert all(0 < r["total_bytes"] <= 0.3e9 for r in found.values()), found
+
+
 _PLAN_ON_A_TARGET = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp
