@@ -200,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       if len(commands) != 1 or commands & {"memory", "capacity"} != commands:
         raise ValueError(f"json_in: table merges memory runs or capacity runs, got "
                          f"{sorted(map(str, commands))}; pass the --json files of one kind.")
+      compilers = {run.get("compiled_for") for run in runs}
+      if len(compilers) > 1:
+        raise ValueError(f"json_in: these runs come from different compilers: "
+                         f"{sorted(map(str, compilers))}; one table is one compiler's.")
     return merge_tables(args, runs)
   progress = not args.no_progress
   if getattr(args, "target", None):
@@ -263,8 +267,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args, {**result, "capacity": so_far}, capacity.capacity_table(so_far)))
     result["capacity"] = results
     on = "" if target is None else f", on {args.devices} of its devices"
-    table = f"Compiled by {optax_adama.memory.compiled_by(target, args.devices)}{on}.\n\n" + (
-        capacity.capacity_table(results))
+    result["compiled_for"] = optax_adama.memory.compiled_by(target, args.devices) + on
+    table = _capacity_page(result["compiled_for"], [result["argv"]], results)
   print(table)
   _write_outputs(args, result, table)
   return result
@@ -285,12 +289,22 @@ def merge_tables(args: argparse.Namespace, runs: Sequence[dict[str, Any]]) -> di
   else:
     merged["capacity"] = sorted((r for run in runs for r in run["capacity"]),
                                 key=lambda r: r["budget_gb"])
-    table = capacity.capacity_table(merged["capacity"])
+    # None: runs saved before the field, their compiler not on record.
+    (merged["compiled_for"],) = {run.get("compiled_for") for run in runs}
+    table = _capacity_page(merged["compiled_for"], merged["argv"], merged["capacity"])
     if args.plot:
       capacity.plot_capacity(merged["capacity"], args.plot)
   print(table)
   _write_outputs(args, merged, table)
   return merged
+
+
+def _capacity_page(compiled_for: str | None, argvs: Sequence[Sequence[str]],
+                   results: Sequence[dict[str, Any]]) -> str:
+  """A capacity table under the commands and the compiler that made it."""
+  made_by = "; ".join(f"`python -m models.bench {' '.join(argv)}`" for argv in argvs)
+  header = f"Made by {made_by}" + (f", compiled by {compiled_for}" if compiled_for else "")
+  return header + ".\n\n" + capacity.capacity_table(results)
 
 
 def _write_outputs(args: argparse.Namespace, result: dict[str, Any], table: str) -> None:

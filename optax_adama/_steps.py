@@ -230,8 +230,7 @@ def value_and_finite_grad(fun: Callable[..., Any], has_aux: bool = False,
   gate :func:`poison_if_loss_nonfinite` puts after the backward, put before
   it: libtpu (0.0.42.1) kept an unrolled FSDP model's gradients alive, whole,
   until that select (LLaMA-7B on a v3-8 at N = 2: 26.25 GiB of temporaries a
-  core, against 4.69 GiB temp with this seed;
-  benchmarks/results/memory/oom_easylm_tpu_v3.md).
+  core, against 4.69 GiB temp with this seed; docs/targets.md).
   """
   def value_and_grad(params: optax.Params, *args: Any) -> tuple[Any, optax.Updates]:
     if has_aux:

@@ -217,6 +217,22 @@ def test_table_merges_capacity_runs_of_one_method_each(tmp_path):
   table = (tmp_path / "t.md").read_text()
   assert "| 16 GB | 400M (20 layers x 1280) | 500M (20 layers x 1280) | adama: 1.25x |" in table
   assert json.loads((tmp_path / "merged.json").read_text()) == merged
+  assert table.startswith("Made by `python -m models.bench capacity --methods "
+                          "scan_accumulation`; `python -m models.bench capacity --methods adama`.")
+
+
+def test_table_refuses_capacity_runs_of_two_compilers(tmp_path, capsys):
+  paths = []
+  for compiler in ("XLA's CPU backend", "libtpu 0.0.42.1 for TPU v3-8"):
+    paths.append(tmp_path / f"{len(paths)}.json")
+    paths[-1].write_text(json.dumps({
+        "command": "capacity", "machine": {}, "argv": ["capacity"], "compiled_for": compiler,
+        "capacity": [{"budget_gb": 16.0, "method": "adama", "scale": 20, "hidden": 1280,
+                      "param_count": 1, "total_bytes": 1, "compiles": 1}]}))
+  with pytest.raises(SystemExit) as ended:
+    bench.main(["table", *map(str, paths)])
+  assert ended.value.code == 2
+  assert "different compilers" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
