@@ -320,7 +320,8 @@ def capacity_markdown(rows, command):
   budgets = sorted({r["budget_gb"] for r in rows})
   first = rows[0]
   lines = [
-      "# The largest Llama each method trains on 8 devices (FSDP), compile-only", "",
+      f"# The largest Llama each method trains on {first['devices']} devices (FSDP), "
+      "compile-only", "",
       f"Made by `{command}`, compiled by "
       + (first.get("compiled_for") or f"XLA's CPU backend ({first['devices']} fake devices)")
       + ". The family of "
