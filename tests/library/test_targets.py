@@ -343,7 +343,7 @@ def test_bench_capacity_searches_with_libtpu(devices, capsys):
     result = bench.main(["capacity", "--methods", "scan_accumulation", "adama", "--target",
                          "tpu:v3-8", "--devices", str(devices), "--budgets-gb", "0.3",
                          "--max-scale", "4", "--seq-len", "64", "--no-progress"])
-  assert "Compiled by libtpu" in capsys.readouterr().out
+  assert "compiled by libtpu" in capsys.readouterr().out
   found = {r["method"]: r for r in result["capacity"]}
   assert 1 <= found["scan_accumulation"]["scale"] <= found["adama"]["scale"], found
   assert all(0 < r["total_bytes"] <= 0.3e9 for r in found.values()), found
