@@ -26,6 +26,7 @@ import models
 import optax_adama
 from models.harness import baselines
 from models.harness import batches
+from models.harness import memory
 from models.harness import reporting
 
 
@@ -103,15 +104,14 @@ def release_in_flight_bytes(staged: optax_adama.StagedLoss, opt_state: Any) -> i
 def _on_target(args: tuple[Any, Any, Any], target: optax_adama.memory.Target,
                mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:
   """``(params, state, batch)`` placed for a target's compile-only devices: on
-  the first without a mesh; on ``mesh``, params and state whole on every device
-  and the batch's rows split over ``"data"`` (what a data-parallel step takes)."""
+  the first without a mesh (``memory.on_target``); on ``mesh``, params and state
+  whole on every device and the batch's rows split over ``"data"`` (what a
+  data-parallel step takes)."""
   if mesh is None:
-    device = optax_adama.memory.target_devices(target)[0]
-    shardings = [jax.sharding.SingleDeviceSharding(device)] * 3
-  else:
-    spec = jax.sharding.PartitionSpec
-    shardings = [jax.sharding.NamedSharding(mesh, spec())] * 2 + [
-        jax.sharding.NamedSharding(mesh, spec("data"))]
+    return memory.on_target(args, target)
+  spec = jax.sharding.PartitionSpec
+  shardings = [jax.sharding.NamedSharding(mesh, spec())] * 2 + [
+      jax.sharding.NamedSharding(mesh, spec("data"))]
   return tuple(jax.tree.map(lambda x, s=s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             tree) for tree, s in zip(args, shardings))
 
